@@ -1,0 +1,1 @@
+"""hwr.client: the contract package (identity, artifact format, leases, publication)."""

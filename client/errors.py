@@ -1,0 +1,254 @@
+"""Typed errors of the Host Weight Runtime.
+
+Every failure that crosses a module, process or wire boundary is an ``HwrError`` subclass with a
+stable ``code`` (the upstream vLLM-Omni failure codes where one fits, upper case) and a
+``retryable`` flag. Each class also subclasses the matching built-in (``LookupError``,
+``ValueError``, ``PermissionError``, ``OSError``, ``TimeoutError``, ``ConnectionError``) so code
+that does not know hwr still catches it sensibly.
+
+Contract:
+- ``code`` is stable across releases; callers branch on the type or the code, never on a message.
+- ``details`` is a flat JSON-able mapping (strings, numbers, booleans); it travels over the wire.
+- Errors pickle and unpickle to the same type, message, details (worker pools rely on it).
+- ``error_from_code`` is the single reverse mapping used by the client to rebuild the type
+  the daemon raised; an unknown code becomes a plain ``HwrError`` carrying that code.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+__all__ = [
+    "ActiveBuildTimeout",
+    "ActiveLease",
+    "ArtifactDenied",
+    "ArtifactNotFound",
+    "ArtifactTooLarge",
+    "ChecksumMismatch",
+    "ConfigError",
+    "DaemonUnavailable",
+    "DeadlineExceeded",
+    "HwrError",
+    "IdentityCollision",
+    "IdentityError",
+    "InsufficientCapacity",
+    "InvalidRequest",
+    "LeaseClosed",
+    "ManifestCorrupt",
+    "ManifestIncompatible",
+    "NoSpace",
+    "PermissionDeniedError",
+    "PublicationFailed",
+    "SessionInvalid",
+    "StoreIOError",
+    "StoreLimitExceeded",
+    "StoreLocked",
+    "Unsupported",
+    "UntrustedStore",
+    "error_from_code",
+]
+
+
+class HwrError(Exception):
+    """Root of every hwr error.
+
+    ``message`` is one human line (no traceback, no secrets); ``details`` a flat mapping.
+    """
+
+    code: ClassVar[str] = "HWR_ERROR"
+    retryable: ClassVar[bool] = False
+
+    def __init__(self, message: str = "", *, details: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.message = message or self.code
+        self.details: dict[str, Any] = dict(details or {})
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.message, self.details))
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(code={self.code!r}, message={self.message!r})"
+
+
+def _rebuild(cls: type[HwrError], message: str, details: dict[str, Any]) -> HwrError:
+    return cls(message, details=details)
+
+
+class ArtifactNotFound(HwrError, LookupError):
+    """No committed artifact exists for the identity or key (a miss)."""
+
+    code = "LOCAL_MISS"
+
+
+class ArtifactDenied(HwrError, PermissionError):
+    """The artifact carries a deny marker (corrupt, or denied by an operator)."""
+
+    code = "ARTIFACT_DENIED"
+
+
+class ManifestCorrupt(HwrError, ValueError):
+    """An artifact's manifest, marker or safetensors header is malformed or inconsistent."""
+
+    code = "MANIFEST_CORRUPT"
+
+
+class ManifestIncompatible(HwrError, ValueError):
+    """A structurally valid manifest of a schema or contents this reader does not accept."""
+
+    code = "MANIFEST_INCOMPATIBLE"
+
+
+class ChecksumMismatch(HwrError, ValueError):
+    """Bytes do not hash to what the manifest records."""
+
+    code = "CHECKSUM_MISMATCH"
+
+
+class IdentityCollision(HwrError, ValueError):
+    """An artifact with this identity exists with different content."""
+
+    code = "IDENTITY_COLLISION"
+
+
+class IdentityError(HwrError, ValueError):
+    """An identity is not exact canonical JSON of the expected shape."""
+
+    code = "INVALID_IDENTITY"
+
+
+class InvalidRequest(HwrError, ValueError):
+    """A request is malformed or out of range; nothing was changed."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class ConfigError(HwrError, ValueError):
+    """Configuration is invalid; the message names the field."""
+
+    code = "INVALID_CONFIG"
+
+
+class Unsupported(HwrError, NotImplementedError):
+    """The operation or combination is not supported."""
+
+    code = "UNSUPPORTED"
+
+
+class UntrustedStore(HwrError, PermissionError):
+    """The store root has unsafe permissions or lives on a filesystem type that is not allowed."""
+
+    code = "DOMAIN_POLICY_MISMATCH"
+
+
+class StoreLocked(HwrError, RuntimeError):
+    """Another daemon already owns this store root."""
+
+    code = "STORE_LOCKED"
+
+
+class StoreIOError(HwrError, OSError):
+    """An I/O error in the store that is not corruption (retry may succeed)."""
+
+    code = "DOMAIN_UNAVAILABLE"
+    retryable = True
+
+
+class NoSpace(HwrError, OSError):
+    """The filesystem ran out of space while writing."""
+
+    code = "ENOSPC"
+    retryable = True
+
+
+class ArtifactTooLarge(HwrError, OSError):
+    """The artifact exceeds the per-artifact byte limit."""
+
+    code = "ARTIFACT_TOO_LARGE"
+    retryable = True
+
+
+class StoreLimitExceeded(HwrError, OSError):
+    """The store's byte limit would be exceeded and nothing could be evicted."""
+
+    code = "STORE_LIMIT_EXCEEDED"
+    retryable = True
+
+
+class InsufficientCapacity(HwrError, OSError):
+    """The filesystem's free space would drop under the configured minimum."""
+
+    code = "INSUFFICIENT_CAPACITY"
+    retryable = True
+
+
+class ActiveLease(HwrError, RuntimeError):
+    """The artifact is leased or mapped and cannot be removed."""
+
+    code = "ACTIVE_LEASE"
+
+
+class ActiveBuildTimeout(HwrError, TimeoutError):
+    """Waiting for another publisher of the same identity timed out."""
+
+    code = "ACTIVE_BUILD_TIMEOUT"
+    retryable = True
+
+
+class PublicationFailed(HwrError, RuntimeError):
+    """A publication could not be committed (aborted, invalid data, or the daemon restarted)."""
+
+    code = "PUBLICATION_FAILED"
+
+
+class PermissionDeniedError(HwrError, PermissionError):
+    """The caller is not on the daemon's allow-list or does not own the object."""
+
+    code = "PERMISSION_DENIED"
+
+
+class SessionInvalid(HwrError, RuntimeError):
+    """The session token is unknown or the session has ended."""
+
+    code = "SESSION_INVALID"
+    retryable = True
+
+
+class LeaseClosed(HwrError, RuntimeError):
+    """The lease was already released."""
+
+    code = "LEASE_CLOSED"
+
+
+class DaemonUnavailable(HwrError, ConnectionError):
+    """hwrd cannot be reached on its socket."""
+
+    code = "DAEMON_UNAVAILABLE"
+    retryable = True
+
+
+class DeadlineExceeded(HwrError, TimeoutError):
+    """A call did not finish before its deadline."""
+
+    code = "DEADLINE_EXCEEDED"
+    retryable = True
+
+
+def _all_subclasses(cls: type[HwrError]) -> list[type[HwrError]]:
+    found: list[type[HwrError]] = []
+    for sub in cls.__subclasses__():
+        found.append(sub)
+        found.extend(_all_subclasses(sub))
+    return found
+
+
+def error_from_code(code: str, message: str, details: dict[str, Any] | None = None) -> HwrError:
+    """Rebuild the typed error for a stable ``code`` (the client's side of the wire mapping)."""
+    for cls in _all_subclasses(HwrError):
+        if cls.code == code:
+            return cls(message, details=details)
+    err = HwrError(message, details=details)
+    err.details.setdefault("code", code)
+    return err
