@@ -279,7 +279,13 @@ class AdaptationIdentity:
         return cls(_text("adaptation.kind", v["kind"]), fp, _meta("adaptation.metadata", v["metadata"]))
 
 
-_PRODUCER_FIELDS = ("producer_id", "version", "implementation_fingerprint", "manifest_schema", "restorer_schema")
+_PRODUCER_FIELDS = (
+    "producer_id",
+    "version",
+    "implementation_fingerprint",
+    "manifest_schema",
+    "restorer_schema",
+)
 
 
 @dataclass(frozen=True)
@@ -303,7 +309,15 @@ class ProducerIdentity:
         return cls(*(_text(f"producer.{name}", v[name]) for name in _PRODUCER_FIELDS))
 
 
-_IDENTITY_FIELDS = ("schema_version", "source", "component", "representation", "layout", "adaptation", "producer")
+_IDENTITY_FIELDS = (
+    "schema_version",
+    "source",
+    "component",
+    "representation",
+    "layout",
+    "adaptation",
+    "producer",
+)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,182 @@
+"""A lease on an artifact: read-only shared mappings of its payload files, as CPU tensors.
+
+Built by ``Client.acquire``: the daemon hands over read-only descriptors on the peer channel; the
+lease maps each one (``PROT_READ``, ``MAP_SHARED``; or ``MAP_PRIVATE`` copy-on-write when asked),
+closes the descriptor, re-parses every safetensors header from the mapping's file and checks it
+against the manifest the daemon sent, then exposes zero-copy tensor views.
+
+Contract:
+- ``tensors``: name -> CPU tensor aliasing shared page-cache pages (no copy). With the default
+  read-only mapping, writing into one faults (SIGSEGV) instead of corrupting other workers'
+  weights; ask for ``copy_on_write=True`` to get private, writable pages instead.
+- ``mapped_regions``: one page-aligned region per payload file, for ``cudaHostRegister``.
+- ``close()`` is idempotent and thread-safe: it tells the daemon (only from the process that
+  acquired the lease: a forked child never releases its parent's lease) and drops the lease's
+  references. The mapping itself is unmapped when the last tensor view is garbage collected, so a
+  stale view never points at unmapped memory. Limit: while such views live, the pages stay
+  mapped and the daemon's eviction treats the artifact as in use (by design).
+- Not picklable: a lease is bound to this process's mappings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import threading
+import warnings
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+
+import torch
+
+from hwr.client.artifact import tensor_views, validate_payload_header
+from hwr.client.carrier import MappedRegion
+from hwr.client.errors import HwrError, LeaseClosed, ManifestCorrupt
+from hwr.client.manifest import Manifest
+from hwr.client.safetensors_header import read_header
+
+__all__ = ["Lease"]
+
+log = logging.getLogger("hwr.client")
+PAGE = mmap.PAGESIZE
+
+
+class Lease:
+    def __init__(
+        self,
+        *,
+        lease_id: str,
+        key: str,
+        manifest: Manifest,
+        fds: list[int],
+        release: Callable[[str], None],
+        copy_on_write: bool = False,
+        populate: bool = False,
+    ) -> None:
+        self._lock = threading.Lock()
+        self._closed = False
+        self._maps: list[mmap.mmap] = []
+        self._bases: list[torch.Tensor] = []
+        self._lease_id = lease_id
+        self._key = key
+        self._release = release
+        self._owner_pid = os.getpid()
+        self.manifest = manifest
+        self._tensors: dict[str, torch.Tensor] = {}
+        regions: list[MappedRegion] = []
+        try:
+            if len(fds) != len(manifest.files):
+                raise ManifestCorrupt(
+                    f"daemon sent {len(fds)} descriptors for {len(manifest.files)} payload files")
+            for file_record, fd in zip(manifest.files, fds, strict=True):
+                size = os.fstat(fd).st_size
+                if size != file_record.size:
+                    raise ManifestCorrupt(f"payload {file_record.name!r} has the wrong size",
+                                          details={"file": file_record.name})
+                header = read_header(fd)
+                pairs = validate_payload_header(header, manifest, file_record)
+                mapped = _map(fd, size, copy_on_write=copy_on_write, populate=populate)
+                self._maps.append(mapped)
+                base = _base_view(mapped)
+                self._bases.append(base)
+                regions.append(MappedRegion(file_record.name, base.data_ptr(),
+                                            -(-size // PAGE) * PAGE, not copy_on_write))
+                self._tensors.update(tensor_views(mapped, header, [record for record, _ in pairs]))
+        except BaseException:
+            self._teardown_local()
+            self._tell_daemon()
+            raise
+        finally:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._regions = tuple(regions)
+        self._view = MappingProxyType(self._tensors)
+
+    @property
+    def key(self) -> str:
+        return self._key
+
+    @property
+    def lease_id(self) -> str:
+        return self._lease_id
+
+    @property
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        if self._closed:
+            raise_closed()
+        return self._view
+
+    @property
+    def mapped_regions(self) -> tuple[MappedRegion, ...]:
+        return self._regions
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.size for f in self.manifest.files)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._teardown_local()
+        if os.getpid() == self._owner_pid:
+            self._tell_daemon()
+
+    def _tell_daemon(self) -> None:
+        try:
+            self._release(self._lease_id)
+        except HwrError as exc:
+            # The daemon or the session is gone: the lease ended with the session already.
+            log.debug("release of lease %s not confirmed: %s", self._lease_id, exc)
+
+    def _teardown_local(self) -> None:
+        self._tensors = {}
+        self._view = MappingProxyType(self._tensors)
+        self._bases = []
+        maps, self._maps = self._maps, []
+        for mapped in maps:
+            # BufferError: tensor views still alias the mapping; it is unmapped once they die.
+            with contextlib.suppress(BufferError):
+                mapped.close()
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __reduce__(self) -> object:
+        raise TypeError("a Lease is bound to this process's mappings and cannot be pickled")
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._tensors)} tensors"
+        return f"Lease(key={self._key[:12]}…, {self.nbytes} bytes, {state})"
+
+
+def raise_closed() -> None:
+    raise LeaseClosed("the lease is closed")
+
+
+def _map(fd: int, size: int, *, copy_on_write: bool, populate: bool) -> mmap.mmap:
+    if copy_on_write:
+        flags, prot = mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE
+    else:
+        flags, prot = mmap.MAP_SHARED, mmap.PROT_READ
+    if populate:
+        # Pre-fault the page tables from the page cache so first touches are not minor faults.
+        flags |= getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(fd, size, flags=flags, prot=prot)
+
+
+def _base_view(mapped: mmap.mmap) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not writable.*", category=UserWarning)
+        return torch.frombuffer(mapped, dtype=torch.uint8)

@@ -1,0 +1,42 @@
+"""Prove that nobody but the daemon still has a staging file open before it is committed.
+
+A publisher writes through a descriptor the daemon passed to it. After commit the file must be
+immutable, so no other process may keep a writable descriptor or mapping of it. Linux only grants
+a write lease (``F_SETLEASE``/``F_WRLCK``) when no other open file description of the inode
+exists in any process (a mapping keeps its file description alive), so taking and dropping one
+is an exact, race-free check as long as nobody can open the file again afterwards (the store is
+private to the daemon's user and the daemon stops handing out staging descriptors before it
+checks). Limit: the daemon must own the file (or hold CAP_LEASE); filesystems without lease
+support report ``Unsupported``.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+from pathlib import Path
+
+from hwr.client.errors import PublicationFailed, Unsupported
+
+__all__ = ["ensure_sole_opener"]
+
+
+def ensure_sole_opener(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EBUSY):
+                raise PublicationFailed(
+                    "a writer still holds the staging file open or mapped; close every descriptor "
+                    "and mapping before committing",
+                    details={"file": path.name},
+                ) from None
+            raise Unsupported(
+                f"the store filesystem does not support file leases ({errno.errorcode.get(exc.errno)})"
+            ) from None
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+    finally:
+        os.close(fd)

@@ -1,0 +1,207 @@
+"""Publications in flight: one publisher per identity, waiters join, dead publishers are reclaimed.
+
+States of one publication (enforced here)::
+
+    STAGED --commit--> COMMITTING --ok--> COMMITTED
+       |                    `--error--> FAILED      (staging removed by the store)
+       `--abort | session end--> ABORTED            (staging removed)
+
+A second ``begin`` for a key that is STAGED/COMMITTING waits (up to its timeout) for the first
+to finish: COMMITTED -> it is answered JOINED; FAILED/ABORTED -> it takes over and stages its
+own; timeout -> ``ActiveBuildTimeout``. Staging descriptors are handed out only while STAGED,
+so once COMMITTING starts nobody can obtain a new writable descriptor.
+
+Contract: called on the daemon's event loop; blocking store work runs in worker threads.
+Limit: one daemon per store root (the store's lock), so "one publisher per identity" is node-wide.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import secrets
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hwr.client.errors import (
+    ActiveBuildTimeout,
+    ArtifactNotFound,
+    InvalidRequest,
+    PermissionDeniedError,
+    PublicationFailed,
+)
+from hwr.client.identity import ArtifactIdentity
+from hwr.daemon.exclusive import ensure_sole_opener
+from hwr.daemon.sessions import Session
+
+__all__ = ["BeginResult", "PubState", "Publication", "Publications"]
+
+
+class PubState(enum.Enum):
+    STAGED = "staged"
+    COMMITTING = "committing"
+    COMMITTED = "committed"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+
+@dataclass
+class Publication:
+    publication_id: str
+    token: str
+    key: str
+    session_id: str
+    staging: Any
+    state: PubState = PubState.STAGED
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass(frozen=True)
+class BeginResult:
+    outcome: str  # "staged" | "already_present" | "joined"
+    key: str
+    publication: Publication | None = None
+
+
+class Publications:
+    def __init__(self, store: Any, *, on_commit: Callable[[str], None] | None = None) -> None:
+        self._store = store
+        self._by_id: dict[str, Publication] = {}
+        self._by_key: dict[str, Publication] = {}
+        self._on_commit = on_commit
+        self.committed = 0
+        self.failed = 0
+
+    def active(self) -> list[Publication]:
+        return list(self._by_id.values())
+
+    def _exists(self, key: str) -> bool:
+        try:
+            self._store.lookup(key)
+        except ArtifactNotFound:
+            return False
+        return True
+
+    async def begin(
+        self,
+        session: Session,
+        identity: ArtifactIdentity,
+        specs: Sequence[Any],
+        *,
+        wait_timeout: float,
+    ) -> BeginResult:
+        key = identity.key
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.0, wait_timeout)
+        waited = False
+        while True:
+            if await asyncio.to_thread(self._exists, key):
+                return BeginResult("joined" if waited else "already_present", key)
+            current = self._by_key.get(key)
+            if current is None:
+                break
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise ActiveBuildTimeout(
+                    "another publisher of this identity is still building", details={"key": key}
+                )
+            waited = True
+            try:
+                await asyncio.wait_for(current.done.wait(), remaining)
+            except TimeoutError:
+                raise ActiveBuildTimeout(
+                    "another publisher of this identity is still building", details={"key": key}
+                ) from None
+        # Reserve the key before the (slow) staging so a concurrent begin waits on us.
+        pub = Publication(secrets.token_hex(8), secrets.token_hex(24), key, session.session_id, None)
+        self._by_key[key] = pub
+        self._by_id[pub.publication_id] = pub
+        try:
+            pub.staging = await asyncio.to_thread(self._store.begin, identity, specs)
+        except BaseException:
+            self._finish(pub, PubState.FAILED)
+            raise
+        session.publications.add(pub.publication_id)
+        return BeginResult("staged", key, pub)
+
+    def get(self, session: Session, publication_id: str, token: str | None = None) -> Publication:
+        pub = self._by_id.get(publication_id)
+        if pub is None or pub.session_id != session.session_id:
+            raise PermissionDeniedError("no such publication in this session")
+        if token is not None and not secrets.compare_digest(pub.token, token):
+            raise PermissionDeniedError("wrong publication token")
+        return pub
+
+    def staging_paths(self, session: Session, publication_id: str, token: str) -> list[Path]:
+        pub = self.get(session, publication_id, token)
+        if pub.state is not PubState.STAGED:
+            raise PublicationFailed("the publication is no longer accepting writes")
+        return [Path(path) for _name, path, _size in pub.staging.files]
+
+    async def commit(
+        self, session: Session, publication_id: str, expected: Mapping[str, str]
+    ) -> tuple[Any, bool]:
+        pub = self.get(session, publication_id)
+        if pub.state is not PubState.STAGED:
+            raise PublicationFailed(f"the publication is {pub.state.value}")
+        for name, digest in expected.items():
+            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+                raise InvalidRequest("expected_sha256 values must be 64 lowercase hex digits",
+                                     details={"tensor": name[:200]})
+        pub.state = PubState.COMMITTING
+        try:
+            paths = [Path(path) for _n, path, _s in pub.staging.files]
+            await asyncio.to_thread(lambda: [ensure_sole_opener(p) for p in paths])
+        except BaseException:
+            # The writer may still close its descriptor and retry the commit.
+            pub.state = PubState.STAGED
+            raise
+        existed = await asyncio.to_thread(self._exists, pub.key)
+        try:
+            record = await asyncio.to_thread(
+                self._store.commit, pub.staging, expected_tensor_sha256=dict(expected) or None
+            )
+        except BaseException:
+            self._finish(pub, PubState.FAILED)
+            raise
+        self._finish(pub, PubState.COMMITTED)
+        if self._on_commit is not None:
+            self._on_commit(pub.key)
+        return record, existed
+
+    async def abort(self, session: Session, publication_id: str) -> bool:
+        pub = self.get(session, publication_id)
+        return await self._abort(pub)
+
+    async def _abort(self, pub: Publication) -> bool:
+        if pub.state is not PubState.STAGED:
+            return False
+        pub.state = PubState.ABORTED
+        try:
+            await asyncio.to_thread(self._store.abort, pub.staging)
+        finally:
+            self._finish(pub, PubState.ABORTED)
+        return True
+
+    async def abort_session(self, session: Session) -> int:
+        """Abort every STAGED publication of an ended session (its writer is gone)."""
+        count = 0
+        for pub_id in list(session.publications):
+            pub = self._by_id.get(pub_id)
+            if pub is not None and await self._abort(pub):
+                count += 1
+        session.publications.clear()
+        return count
+
+    def _finish(self, pub: Publication, state: PubState) -> None:
+        pub.state = state
+        if state is PubState.COMMITTED:
+            self.committed += 1
+        elif state is PubState.FAILED:
+            self.failed += 1
+        self._by_id.pop(pub.publication_id, None)
+        if self._by_key.get(pub.key) is pub:
+            del self._by_key[pub.key]
+        pub.done.set()

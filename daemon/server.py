@@ -1,0 +1,210 @@
+"""hwrd assembled: the store, the session registry, publications, the peer channel and gRPC.
+
+Start order: open the store (takes the root's lock, recovers staging, validates artifacts) ->
+bind the peer channel -> bind gRPC (health SERVING last). Stop order (SIGTERM): health
+NOT_SERVING -> stop accepting peers -> gRPC ``stop(grace)`` lets in-flight RPCs finish -> close
+peer connections (ends sessions, aborts staged publications) -> close the store (drops the lock).
+A publication in COMMITTING during shutdown finishes inside the grace period or is left as
+staging, which the next start reclaims: the store is consistent at every step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from hwr import __version__
+from hwr.client.errors import ArtifactNotFound, HwrError, StoreLocked
+from hwr.client.paths import peer_path
+from hwr.daemon.config import DaemonConfig
+from hwr.daemon.peer import PeerServer
+from hwr.daemon.peercred import AllowList, daemon_allow_list
+from hwr.daemon.publications import Publications
+from hwr.daemon.servicer import Servicer, prefix_match
+from hwr.daemon.sessions import Registry, Session
+from hwr.protos.hwr.v1 import hwr_pb2 as pb
+from hwr.protos.hwr.v1 import hwr_pb2_grpc
+
+__all__ = ["Daemon"]
+
+log = logging.getLogger("hwrd")
+SERVICE_NAME = "hwr.v1.HostWeightRuntime"
+
+
+class Daemon:
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.socket_path = Path(config.socket)
+        self.registry = Registry(max_leases_per_session=config.max_leases_per_session)
+        self.store: Any = None
+        self.publications: Publications
+        self._allow: AllowList = daemon_allow_list(config.allow_uids, config.allow_gids)
+        self._manifest_cache: dict[str, tuple[Any, bytes]] = {}
+        self._grpc: grpc.aio.Server | None = None
+        self._peer: PeerServer | None = None
+        self._health = health.aio.HealthServicer()
+        self._started = time.monotonic()
+        self.acquire_count = 0
+        self.acquire_seconds = 0.0
+
+    # lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        from hwr.daemon.store import Store
+
+        self.store = await asyncio.to_thread(Store.open, Path(self.config.root))
+        self.publications = Publications(self.store)
+        _prepare_socket_dir(self.socket_path)
+        for path in (self.socket_path, peer_path(self.socket_path)):
+            _claim_socket_path(path)
+        self._peer = PeerServer(
+            peer_path(self.socket_path), registry=self.registry, allow=lambda: self._allow,
+            open_lease_fds=self._open_lease_fds, open_staging_fds=self._open_staging_fds,
+            on_session_end=self._on_session_end, mode=self.config.socket_mode,
+        )
+        await self._peer.start()
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+        hwr_pb2_grpc.add_HostWeightRuntimeServicer_to_server(Servicer(self), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        if server.add_insecure_port(f"unix:{self.socket_path}") == 0:
+            raise OSError(f"cannot bind {self.socket_path}")
+        await server.start()
+        os.chmod(self.socket_path, self.config.socket_mode)
+        self._grpc = server
+        await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        log.info("hwrd %s serving root=%s socket=%s", __version__, self.config.root, self.socket_path)
+
+    async def stop(self, grace: float | None = None) -> None:
+        grace = self.config.shutdown_grace_s if grace is None else grace
+        await self._health.enter_graceful_shutdown()
+        if self._peer is not None:
+            await self._peer.stop_accepting()
+        if self._grpc is not None:
+            await self._grpc.stop(grace)
+        if self._peer is not None:
+            await self._peer.close()
+        if self.store is not None:
+            await asyncio.to_thread(self.store.close)
+        for path in (self.socket_path, peer_path(self.socket_path)):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        log.info("hwrd stopped")
+
+    def set_allow_list(self, allow_uids: tuple[int, ...], allow_gids: tuple[int, ...]) -> None:
+        """Swap the allow-list atomically; existing sessions and leases are kept."""
+        self._allow = daemon_allow_list(allow_uids, allow_gids)
+
+    # domain helpers used by the servicer ---------------------------------------------------
+    async def lookup(self, key: str) -> Any:
+        return await asyncio.to_thread(self.store.lookup, key)
+
+    def manifest_bytes(self, record: Any) -> bytes:
+        cached = self._manifest_cache.get(record.key)
+        if cached is None or cached[0] is not record.manifest:
+            cached = (record.manifest, record.manifest.to_json())
+            self._manifest_cache[record.key] = cached
+        return cached[1]
+
+    def metrics_acquire(self, seconds: float) -> None:
+        self.acquire_count += 1
+        self.acquire_seconds += seconds
+
+    async def artifact_infos(self) -> list[pb.ArtifactInfo]:
+        records = await asyncio.to_thread(self.store.artifacts)
+        infos = []
+        for record in records:
+            manifest = record.manifest
+            identity = manifest.identity
+            denied = await asyncio.to_thread(self.store.is_denied, record.key)
+            infos.append(pb.ArtifactInfo(
+                key=record.key, size_bytes=record.size_bytes,
+                state=pb.ARTIFACT_STATE_DENIED if denied else pb.ARTIFACT_STATE_READY,
+                leases=self.registry.lease_count(record.key), model_id=identity.source.model_id,
+                component=identity.component.name, dtype=identity.representation.dtype,
+                tensor_count=len(manifest.tensors), created_at=record.created_at,
+                content_sha256=manifest.artifact_content_sha256,
+            ))
+        return infos
+
+    async def resolve_prefix(self, prefix: str) -> str:
+        records = await asyncio.to_thread(self.store.artifacts)
+        return prefix_match(prefix, [r.key for r in records])
+
+    async def record_any_state(self, key: str) -> Any:
+        for record in await asyncio.to_thread(self.store.artifacts):
+            if record.key == key:
+                return record
+        raise ArtifactNotFound("no artifact with that key", details={"key": key})
+
+    async def status(self) -> pb.GetStatusResponse:
+        records = await asyncio.to_thread(self.store.artifacts)
+        return pb.GetStatusResponse(
+            version=__version__, root=str(self.config.root), socket=str(self.socket_path),
+            artifacts=len(records), leases=self.registry.lease_count(),
+            sessions=len(self.registry.sessions()), publications=len(self.publications.active()),
+            store_bytes=sum(r.size_bytes for r in records), uptime_s=time.monotonic() - self._started,
+            pid=os.getpid(),
+        )
+
+    # peer-channel callbacks ----------------------------------------------------------------
+    def _open_lease_fds(self, session: Session, lease_id: str, token: str) -> list[int]:
+        lease = self.registry.lease_for_fds(session, lease_id, token)
+        record = self.store.lookup(lease.key)
+        return [fd for _name, fd in self.store.open_payloads(record)]
+
+    def _open_staging_fds(self, session: Session, publication_id: str, token: str) -> list[int]:
+        fds: list[int] = []
+        try:
+            for path in self.publications.staging_paths(session, publication_id, token):
+                fds.append(os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC))
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return fds
+
+    async def _on_session_end(self, session: Session) -> None:
+        released = self.registry.close_session(session)
+        try:
+            aborted = await self.publications.abort_session(session)
+        except HwrError as exc:
+            log.warning("aborting publications of session %s failed: %s", session.session_id, exc)
+            aborted = 0
+        log.debug("session %s (pid %d) ended: %d leases released, %d publications aborted",
+                  session.session_id, session.cred.pid, len(released), aborted)
+
+
+def _prepare_socket_dir(path: Path) -> None:
+    parent = path.parent
+    if not parent.exists():
+        parent.mkdir(parents=True, mode=0o755)
+
+
+def _claim_socket_path(path: Path) -> None:
+    """Remove a stale socket file; refuse when a live server still answers on it."""
+    if not path.exists() and not path.is_symlink():
+        return
+    if not path.is_socket():
+        raise StoreLocked(f"{path} exists and is not a socket; refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(0.5)
+        probe.connect(str(path))
+    except OSError:
+        path.unlink()
+        return
+    finally:
+        probe.close()
+    raise StoreLocked(f"another daemon is serving on {path}")

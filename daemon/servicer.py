@@ -1,0 +1,235 @@
+"""The gRPC servicer: a thin adapter from proto messages to the daemon's domain objects.
+
+Every handler validates its request, calls the domain (store, registry, publications) and maps
+a typed ``HwrError`` to a status code through ``hwr.client.wire.STATUS_BY_CODE`` (the one
+table), with the hwr error code and details in trailing metadata. Anything else is logged and
+answered INTERNAL; the daemon keeps serving. Nothing here returns sentinels.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import grpc
+
+from hwr import __version__
+from hwr.client.errors import ArtifactNotFound, HwrError, InvalidRequest
+from hwr.client.identity import ArtifactIdentity, is_key
+from hwr.client.wire import ERROR_CODE_KEY, ERROR_DETAILS_KEY, SESSION_KEY, status_for
+from hwr.protos.hwr.v1 import hwr_pb2 as pb
+from hwr.protos.hwr.v1 import hwr_pb2_grpc
+
+if TYPE_CHECKING:
+    from hwr.daemon.server import Daemon
+    from hwr.daemon.sessions import Session
+
+__all__ = ["Servicer"]
+
+log = logging.getLogger("hwrd.rpc")
+R = TypeVar("R")
+_HEX = frozenset("0123456789abcdef")
+_KIND_NAMES = {pb.TENSOR_KIND_PARAMETER: "parameter", pb.TENSOR_KIND_BUFFER: "buffer",
+               pb.TENSOR_KIND_UNSPECIFIED: "parameter"}
+MAX_TENSORS = 1 << 20
+
+
+def _rpc(handler: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
+    @functools.wraps(handler)
+    async def wrapper(self: Servicer, request: Any, context: grpc.aio.ServicerContext) -> R:
+        try:
+            return await handler(self, request, context)
+        except HwrError as exc:
+            await _abort(context, exc)
+        except Exception:
+            log.exception("internal error in %s", handler.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {handler.__name__}")
+        raise AssertionError("unreachable")
+
+    return wrapper
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: HwrError) -> None:
+    details = json.dumps(exc.details, default=str)[:4096]
+    context.set_trailing_metadata(((ERROR_CODE_KEY, exc.code), (ERROR_DETAILS_KEY, details)))
+    await context.abort(status_for(exc), exc.message)
+
+
+class Servicer(hwr_pb2_grpc.HostWeightRuntimeServicer):
+    def __init__(self, daemon: Daemon) -> None:
+        self.d = daemon
+
+    def _session(self, context: grpc.aio.ServicerContext) -> Session:
+        token = None
+        for key, value in context.invocation_metadata() or ():
+            if key == SESSION_KEY:
+                token = value
+        return self.d.registry.session_for_token(token)
+
+    @_rpc
+    async def OpenSession(self, request: pb.OpenSessionRequest, context: Any) -> pb.OpenSessionResponse:
+        session = self._session(context)
+        if len(request.client_name) > 128 or len(request.client_version) > 128:
+            raise InvalidRequest("client_name/client_version must be at most 128 characters")
+        session.client_name = request.client_name
+        session.client_version = request.client_version
+        return pb.OpenSessionResponse(session_id=session.session_id, pid=session.cred.pid,
+                                      uid=session.cred.uid, daemon_version=__version__)
+
+    @_rpc
+    async def KeepAlive(self, request: pb.KeepAliveRequest, context: Any) -> pb.KeepAliveResponse:
+        session = self._session(context)
+        return pb.KeepAliveResponse(session_id=session.session_id, lease_count=len(session.leases),
+                                    publication_count=len(session.publications))
+
+    @_rpc
+    async def Acquire(self, request: pb.AcquireRequest, context: Any) -> pb.AcquireResponse:
+        session = self._session(context)
+        key = _ref_key(request.artifact)
+        started = time.perf_counter()
+        record = await self.d.lookup(key)
+        lease = self.d.registry.add_lease(session, key)
+        self.d.metrics_acquire(time.perf_counter() - started)
+        return pb.AcquireResponse(
+            lease_id=lease.lease_id, lease_token=lease.token, key=key,
+            manifest_json=self.d.manifest_bytes(record),
+            files=[pb.PayloadFile(name=f.name, size=f.size) for f in record.manifest.files],
+        )
+
+    @_rpc
+    async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
+        session = self._session(context)
+        if not request.lease_id or len(request.lease_id) > 64:
+            raise InvalidRequest("lease_id is required")
+        return pb.ReleaseResponse(released=self.d.registry.release(session, request.lease_id))
+
+    @_rpc
+    async def BeginPublication(
+        self, request: pb.BeginPublicationRequest, context: Any
+    ) -> pb.BeginPublicationResponse:
+        session = self._session(context)
+        identity = ArtifactIdentity.from_canonical_bytes(bytes(request.identity_json))
+        specs = _specs(request.tensors)
+        result = await self.d.publications.begin(
+            session, identity, specs, wait_timeout=min(request.wait_timeout_ms, 3_600_000) / 1000.0)
+        if result.publication is None:
+            outcome = (pb.BEGIN_OUTCOME_JOINED if result.outcome == "joined"
+                       else pb.BEGIN_OUTCOME_ALREADY_PRESENT)
+            return pb.BeginPublicationResponse(outcome=outcome, key=result.key)
+        pub = result.publication
+        staging = pub.staging
+        index = {name: i for i, (name, _path, _size) in enumerate(staging.files)}
+        return pb.BeginPublicationResponse(
+            outcome=pb.BEGIN_OUTCOME_STAGED, key=result.key, publication_id=pub.publication_id,
+            publication_token=pub.token,
+            files=[pb.PayloadFile(name=name, size=size) for name, _path, size in staging.files],
+            placements=[pb.TensorPlacement(name=name, file_index=index[fname], offset=offset, nbytes=nbytes)
+                        for name, (fname, offset, nbytes) in sorted(staging.placements.items())],
+        )
+
+    @_rpc
+    async def CommitPublication(
+        self, request: pb.CommitPublicationRequest, context: Any
+    ) -> pb.CommitPublicationResponse:
+        session = self._session(context)
+        record, joined = await self.d.publications.commit(
+            session, request.publication_id, dict(request.expected_sha256))
+        return pb.CommitPublicationResponse(key=record.key, joined=joined, size_bytes=record.size_bytes,
+                                            content_sha256=record.manifest.artifact_content_sha256)
+
+    @_rpc
+    async def AbortPublication(
+        self, request: pb.AbortPublicationRequest, context: Any
+    ) -> pb.AbortPublicationResponse:
+        session = self._session(context)
+        return pb.AbortPublicationResponse(
+            aborted=await self.d.publications.abort(session, request.publication_id))
+
+    @_rpc
+    async def ListArtifacts(self, request: pb.ListArtifactsRequest, context: Any) -> pb.ListArtifactsResponse:
+        self._session(context)
+        return pb.ListArtifactsResponse(artifacts=await self.d.artifact_infos())
+
+    @_rpc
+    async def InspectArtifact(
+        self, request: pb.InspectArtifactRequest, context: Any
+    ) -> pb.InspectArtifactResponse:
+        self._session(context)
+        key = await self.d.resolve_prefix(request.key)
+        infos = [i for i in await self.d.artifact_infos() if i.key == key]
+        if not infos:
+            raise ArtifactNotFound("no artifact with that key", details={"key": key})
+        record = await self.d.record_any_state(key)
+        return pb.InspectArtifactResponse(
+            artifact=infos[0], identity_json=record.identity_bytes if record else b"",
+            manifest_json=self.d.manifest_bytes(record) if record else b"")
+
+    @_rpc
+    async def ListLeases(self, request: pb.ListLeasesRequest, context: Any) -> pb.ListLeasesResponse:
+        self._session(context)
+        return pb.ListLeasesResponse(leases=[
+            pb.LeaseInfo(lease_id=lease.lease_id, key=lease.key, session_id=lease.session_id,
+                         pid=lease.pid, uid=lease.uid, client_name=lease.client_name,
+                         acquired_at=lease.acquired_at)
+            for lease in self.d.registry.leases()
+        ])
+
+    @_rpc
+    async def GetStatus(self, request: pb.GetStatusRequest, context: Any) -> pb.GetStatusResponse:
+        self._session(context)
+        return await self.d.status()
+
+
+def _ref_key(ref: pb.ArtifactRef) -> str:
+    which = ref.WhichOneof("ref")
+    if which == "identity_json":
+        return ArtifactIdentity.from_canonical_bytes(bytes(ref.identity_json)).key
+    if which == "key":
+        if not is_key(ref.key):
+            raise InvalidRequest("key must be 64 lowercase hex digits", details={"field": "artifact.key"})
+        return ref.key
+    raise InvalidRequest("artifact reference is empty", details={"field": "artifact"})
+
+
+def _specs(tensors: Any) -> list[Any]:
+    from hwr.client.safetensors_header import DTYPES
+    from hwr.daemon.store import TensorSpec
+
+    if not tensors:
+        raise InvalidRequest("a publication needs at least one tensor", details={"field": "tensors"})
+    if len(tensors) > MAX_TENSORS:
+        raise InvalidRequest("too many tensors", details={"limit": MAX_TENSORS})
+    seen: set[str] = set()
+    specs = []
+    for t in tensors:
+        if not t.name or len(t.name) > 1024 or t.name in seen or t.name.startswith("__"):
+            raise InvalidRequest("tensor names must be unique, non-empty, at most 1024 characters",
+                                 details={"field": "tensors.name", "tensor": t.name[:200]})
+        if t.dtype not in DTYPES:
+            raise InvalidRequest(f"unsupported dtype {t.dtype[:16]!r}", details={"tensor": t.name[:200]})
+        if len(t.shape) > 16 or any(d > (1 << 40) for d in t.shape):
+            raise InvalidRequest("tensor shape out of range", details={"tensor": t.name[:200]})
+        if t.kind not in _KIND_NAMES:
+            raise InvalidRequest("unknown tensor kind", details={"tensor": t.name[:200]})
+        seen.add(t.name)
+        specs.append(TensorSpec(name=t.name, dtype=t.dtype, shape=tuple(int(d) for d in t.shape),
+                                kind=_KIND_NAMES[t.kind], role=t.role or "weight"))
+    return specs
+
+
+def prefix_match(prefix: str, keys: list[str]) -> str:
+    """Resolve a unique key prefix (pure)."""
+    if len(prefix) < 4 or len(prefix) > 64 or not set(prefix) <= _HEX:
+        raise InvalidRequest("a key prefix needs 4 to 64 lowercase hex digits", details={"key": prefix[:80]})
+    matches = [k for k in keys if k.startswith(prefix)]
+    if not matches:
+        raise ArtifactNotFound("no artifact matches that key", details={"key": prefix})
+    if len(matches) > 1:
+        raise InvalidRequest("ambiguous key prefix", details={"key": prefix, "matches": len(matches)})
+    return matches[0]
+
+
