@@ -32,7 +32,13 @@ import grpc
 import torch
 
 from hwr import __version__
-from hwr.client.errors import DaemonUnavailable, InvalidRequest, PermissionDeniedError, error_from_code
+from hwr.client.errors import (
+    DaemonUnavailable,
+    HwrError,
+    InvalidRequest,
+    PermissionDeniedError,
+    error_from_code,
+)
 from hwr.client.identity import ArtifactIdentity, is_key
 from hwr.client.lease import Lease
 from hwr.client.manifest import Manifest
@@ -78,6 +84,9 @@ class Client:
             self._stub = hwr_pb2_grpc.HostWeightRuntimeStub(self._channel)
             self._call("OpenSession", pb.OpenSessionRequest(
                 client_name=(client_name or f"pid-{os.getpid()}")[:128], client_version=__version__))
+        except HwrError:
+            self.close()
+            raise
         except ConnectionError as exc:
             self.close()
             raise DaemonUnavailable(f"hwrd at {socket_path} closed the connection: {exc}") from None
