@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from daemon_proc import DaemonProcess  # noqa: E402
+from daemon_proc import DaemonProcess
 
 
 @pytest.fixture
