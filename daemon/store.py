@@ -1,0 +1,569 @@
+"""The daemon's artifact store: one owner per root, atomic publication, immutable artifacts.
+
+Layout (the same names as vLLM-Omni 0.30, so one of its roots can be adopted)::
+
+    <root>/domain.json                 schema_version, domain_uuid, scope, domain_id, backend,
+                                       storage_class, filesystem_type
+    <root>/locks/daemon.lock           flock held for the Store's life (one daemon per root)
+    <root>/locks/<key>.artifact        flock serialising commits of one key
+    <root>/artifacts/<key>/            READY.json, manifest.json, *.safetensors (dir 0555, files 0444)
+    <root>/tmp/<key>.<pid>.<uuid>/     staging (and trash being deleted); wiped at every start
+    <root>/quarantine/<key>.<reason>.<uuid>/   corrupt artifacts moved aside for inspection
+    <root>/deny/<key>.json             deny marker: schema_version, stage, reason, message
+
+Publication order (``FAULT_HOOK`` step names in brackets): ``begin`` plans and preallocates
+payloads in ``tmp/`` [staged]; the writer fills them [payload_written]; ``commit`` re-reads the
+headers, hashes every file and tensor [hashed], fsyncs the payloads [payloads_fsynced], writes
+``manifest.json`` [manifest_written] and ``READY.json`` [marker_written], makes the files 0444,
+renames the directory into ``artifacts/`` [renamed], makes it 0555 and fsyncs ``artifacts/``
+[dir_fsynced]. A crash before the rename leaves only staging (wiped at the next start); after it
+a complete artifact (a directory still at its staging mode is finished at start).
+
+Validation: full hashing once at publication and on ``verify``; metadata level
+(``store_validation``) at start and on the first lookup, then a warm lookup compares recorded
+``lstat`` fingerprints (a few microseconds). Corruption writes a deny marker and raises
+``ManifestCorrupt``/``ChecksumMismatch``/``ManifestIncompatible``; a denied key raises
+``ArtifactDenied``; only 64-hex keys ever become paths.
+
+Limits: a writer that keeps its ``O_RDWR`` descriptor after commit can still write (the kernel
+cannot revoke it); such a write changes mtime/ctime and is caught at the next lookup, to the
+filesystem's timestamp granularity, and always by ``verify``. Thread-safe; not fork-safe (a child
+must not use its parent's Store).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import threading
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from hwr.client.errors import (
+    ArtifactDenied,
+    ArtifactNotFound,
+    ChecksumMismatch,
+    HwrError,
+    IdentityCollision,
+    InvalidRequest,
+    ManifestCorrupt,
+    ManifestIncompatible,
+    StoreIOError,
+    StoreLocked,
+)
+from hwr.client.identity import ArtifactIdentity, canonical_json, is_key
+from hwr.client.manifest import MANIFEST_FILE, READY_FILE, FileRecord, Manifest, ReadyMarker, TensorRecord
+from hwr.client.safetensors_header import contiguous_stride, read_header
+from hwr.daemon import fsguard, store_io
+from hwr.daemon.store_domain import ensure_domain, read_deny_code
+from hwr.daemon.store_staging import Staging, TensorSpec, plan_payloads, write_tensor
+from hwr.daemon.store_validation import ArtifactRecord, Fingerprint, inspect_artifact, same_fingerprints
+
+__all__ = [
+    "FAULT_HOOK",
+    "PUBLICATION_STEPS",
+    "ArtifactRecord",
+    "Fingerprint",
+    "Staging",
+    "Store",
+    "TensorSpec",
+]
+
+#: Test hook called with each publication step name (see the module docstring).
+FAULT_HOOK: Callable[[str], None] | None = None
+PUBLICATION_STEPS = (
+    "staged",
+    "payload_written",
+    "hashed",
+    "payloads_fsynced",
+    "manifest_written",
+    "marker_written",
+    "renamed",
+    "dir_fsynced",
+)
+#: Deny reasons that a new publication of the same key may replace (corruption, not an operator).
+CORRUPTION_CODES = frozenset({ManifestCorrupt.code, ChecksumMismatch.code, ManifestIncompatible.code})
+OPERATOR_DENIED = "OPERATOR_DENIED"
+_SUBDIRS = ("locks", "artifacts", "tmp", "quarantine", "deny")
+
+
+def _step(name: str) -> None:
+    hook = FAULT_HOOK
+    if hook is not None:
+        hook(name)
+
+
+def _check_key(key: object) -> str:
+    if not is_key(key):
+        raise InvalidRequest("an artifact key is 64 lowercase hex digits", details={"key": str(key)[:80]})
+    return key  # type: ignore[return-value]
+
+
+class Store:
+    """The artifact store of one root; use ``Store.open`` (also a context manager)."""
+
+    def __init__(self, root: Path, lock_fd: int, filesystem_type: str) -> None:
+        self.root = root
+        self.filesystem_type = filesystem_type
+        self.euid = os.geteuid()
+        self.start_report: list[tuple[str, HwrError]] = []
+        self._lock_fd: int | None = lock_fd
+        self._mutex = threading.RLock()
+        self._records: dict[str, ArtifactRecord] = {}
+        self._denied: dict[str, str] = {}  # key -> deny reason code
+        self._stagings: dict[str, Staging] = {}
+
+    # ----------------------------------------------------------------- lifecycle
+    @classmethod
+    def open(cls, root: Path, *, create: bool = True, allow_fs_types: Sequence[str] | None = None) -> Store:
+        """Take ownership of ``root``: checks, lock, domain.json, recovery, start validation.
+
+        Raises ``UntrustedStore`` (permissions, filesystem type), ``StoreLocked`` (another owner),
+        ``ArtifactNotFound`` (missing root and ``create=False``), ``StoreIOError``. Corrupt
+        artifacts are denied and listed in ``start_report``, never fatal.
+        """
+        root = Path(root).absolute()
+        if not root.exists():
+            if not create:
+                raise ArtifactNotFound(f"store root {root} does not exist", details={"root": str(root)})
+            root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fsguard.check_trusted_dir(root)
+        verdict = fsguard.check_filesystem(root, allow_fs_types)
+        for name in _SUBDIRS:
+            with contextlib.suppress(FileExistsError):
+                (root / name).mkdir(mode=0o700)
+            fsguard.check_trusted_dir(root / name)
+        lock_fd = os.open(root / "locks" / "daemon.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(lock_fd)
+            raise StoreLocked(f"another daemon owns {root}", details={"root": str(root)}) from None
+        store = cls(root, lock_fd, verdict.name)
+        try:
+            store._start()
+        except BaseException:
+            store.close()
+            raise
+        return store
+
+    def _start(self) -> None:
+        os.ftruncate(self._lock_fd, 0)  # type: ignore[arg-type]
+        os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)  # type: ignore[arg-type]
+        ensure_domain(self.root, self.filesystem_type)
+        for entry in os.listdir(self.root / "tmp"):
+            store_io.remove_tree(self.root / "tmp" / entry)
+        for entry in os.listdir(self.root / "deny"):
+            key = entry.removesuffix(".json")
+            if entry.endswith(".json") and is_key(key):
+                self._denied[key] = read_deny_code(self.root / "deny" / entry, OPERATOR_DENIED)
+            else:
+                store_io.remove_tree(self.root / "deny" / entry)  # interrupted marker writes
+        for entry in sorted(os.listdir(self.root / "artifacts")):
+            path = self.root / "artifacts" / entry
+            if not is_key(entry):
+                self._quarantine_path(path, "stray", entry[:64] or "unnamed")
+                continue
+            self._finish_interrupted_publication(path)
+            if entry in self._denied:
+                continue
+            try:
+                self._records[entry] = inspect_artifact(path, entry, self.euid)
+            except (ManifestCorrupt, ManifestIncompatible) as exc:
+                self._deny_for(entry, exc)
+                self.start_report.append((entry, exc))
+            except StoreIOError as exc:
+                self.start_report.append((entry, exc))
+
+    def _finish_interrupted_publication(self, path: Path) -> None:
+        # A crash between the rename and the chmod leaves a complete artifact at the staging
+        # directory mode; only this process could have made it, so finishing it is safe.
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            if (st.st_mode & 0o777) == 0o700 and os.path.isfile(path / READY_FILE):
+                os.chmod(path, 0o555)
+                store_io.fsync_dir(path.parent)
+
+    def close(self) -> None:
+        """Release the root (idempotent; safe on a half-opened Store). Open stagings are left for
+        the next start to reclaim."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "open" if self._lock_fd is not None else "closed"
+        return f"Store(root={str(self.root)!r}, artifacts={len(self._records)}, {state})"
+
+    def _require_open(self) -> None:
+        if self._lock_fd is None:
+            raise StoreIOError("the store is closed")
+
+    # ----------------------------------------------------------------- publication
+    def begin(
+        self, identity: ArtifactIdentity, specs: Sequence[TensorSpec], *, max_file_bytes: int | None = None
+    ) -> Staging:
+        """Create a staging directory with preallocated payload files and their headers written.
+
+        Raises ``InvalidRequest`` for bad specs, ``NoSpace`` (ENOSPC/EDQUOT; staging removed).
+        """
+        self._require_open()
+        if not isinstance(identity, ArtifactIdentity):
+            raise InvalidRequest("identity must be an ArtifactIdentity")
+        plans = plan_payloads(list(specs), max_file_bytes)
+        staging_id = f"{identity.key}.{os.getpid()}.{uuid.uuid4().hex}"
+        path = self.root / "tmp" / staging_id
+        staging = Staging.from_plans(staging_id, identity, path, specs, plans)
+        try:
+            path.mkdir(mode=0o700)
+            for plan in plans:
+                fd = os.open(path / plan.name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                try:
+                    store_io.fallocate(fd, plan.size)
+                    store_io.pwrite_all(fd, plan.head, 0)
+                finally:
+                    os.close(fd)
+        except OSError as exc:
+            store_io.remove_tree(path)
+            raise store_io.io_error(exc, "staging", publication=True) from None
+        with self._mutex:
+            self._stagings[staging_id] = staging
+        _step("staged")
+        return staging
+
+    def abort(self, staging: Staging) -> None:
+        """Discard a staging directory (idempotent)."""
+        with self._mutex:
+            self._stagings.pop(staging.id, None)
+        store_io.remove_tree(staging.path)
+
+    def publish(
+        self,
+        identity: ArtifactIdentity,
+        tensors: Mapping[str, object],
+        *,
+        kinds: Mapping[str, str] | None = None,
+        max_file_bytes: int | None = None,
+    ) -> ArtifactRecord:
+        """Convenience: ``begin`` + write CPU tensors + ``commit`` (aborts on any failure)."""
+        specs = [
+            TensorSpec(n, t.dtype, tuple(t.shape), kind=(kinds or {}).get(n, "parameter"))  # type: ignore[attr-defined]
+            for n, t in tensors.items()
+        ]
+        staging = self.begin(identity, specs, max_file_bytes=max_file_bytes)
+        try:
+            for name, tensor in tensors.items():
+                write_tensor(staging, name, tensor)  # type: ignore[arg-type]
+        except BaseException:
+            self.abort(staging)
+            raise
+        return self.commit(staging)
+
+    def commit(self, staging: Staging, *, expected_tensor_sha256: Mapping[str, str] | None = None) -> ArtifactRecord:
+        """Validate, hash and atomically publish ``staging``; returns the committed (or joined) record.
+
+        Raises ``ManifestCorrupt`` (a header was overwritten, a file resized), ``ChecksumMismatch``
+        (``expected_tensor_sha256`` differs), ``IdentityCollision`` (the key exists with other
+        content; it stays), ``ArtifactDenied`` (operator deny), ``NoSpace``/``PublicationFailed``.
+        The staging is gone afterwards in every case.
+        """
+        self._require_open()
+        with self._mutex:
+            if self._stagings.pop(staging.id, None) is None:
+                raise InvalidRequest("unknown or finished staging", details={"staging": staging.id})
+        try:
+            _step("payload_written")
+            manifest = self._seal(staging, expected_tensor_sha256)
+            return self._install(staging, manifest)
+        except HwrError:
+            raise  # several typed errors are also OSError subclasses; keep their type
+        except OSError as exc:
+            raise store_io.io_error(exc, "publication", publication=True) from None
+        finally:
+            store_io.remove_tree(staging.path)
+
+    def _seal(self, staging: Staging, expected: Mapping[str, str] | None) -> Manifest:
+        fds: list[int] = []
+        try:
+            jobs = []
+            for plan in staging.plans:
+                fd = os.open(staging.path / plan.name, store_io.OPEN_READ)
+                fds.append(fd)
+                st = os.fstat(fd)
+                if st.st_size != plan.size or os.pread(fd, len(plan.head), 0) != plan.head:
+                    raise ManifestCorrupt(
+                        f"{plan.name} was resized or its header overwritten",
+                        details={"file": plan.name, "key": staging.key},
+                    )
+                ranges = [(e.name, len(plan.head) + e.begin, len(plan.head) + e.end) for e in plan.entries]
+                jobs.append((fd, plan.size, ranges))
+            before = [os.fstat(fd).st_mtime_ns for fd in fds]
+            file_sha, tensor_sha = store_io.hash_ranges(jobs)
+            _step("hashed")
+            if [os.fstat(fd).st_mtime_ns for fd in fds] != before:
+                raise ManifestCorrupt("a payload changed while it was hashed", details={"key": staging.key})
+            if expected is not None:
+                bad = sorted(n for n in tensor_sha if expected.get(n) != tensor_sha[n])
+                if bad or set(expected) != set(tensor_sha):
+                    raise ChecksumMismatch(
+                        "tensor bytes differ from the writer's hashes",
+                        details={"key": staging.key, "tensors": ",".join(bad[:20])},
+                    )
+            for fd in fds:
+                store_io.fsync(fd)
+            _step("payloads_fsynced")
+        finally:
+            for fd in fds:
+                os.close(fd)
+        files = [FileRecord(name=p.name, size=p.size, sha256=h) for p, h in zip(staging.plans, file_sha, strict=True)]
+        where = {e.name: p.name for p in staging.plans for e in p.entries}
+        tensors = [
+            TensorRecord(
+                s.name,
+                s.kind,
+                s.role,
+                file=where[s.name],
+                storage_key=s.name,
+                shape=tuple(s.shape),
+                dtype=s.info.torch_name,
+                stride=contiguous_stride(s.shape),
+                nbytes=staging.placements[s.name][2],
+                sha256=tensor_sha[s.name],
+            )
+            for s in staging.specs
+        ]
+        manifest = Manifest.build(staging.identity, tensors, files)
+        manifest_bytes = manifest.to_json()
+        store_io.write_new_file(staging.path / MANIFEST_FILE, manifest_bytes)
+        _step("manifest_written")
+        marker = ReadyMarker.for_manifest(manifest_bytes, manifest, uuid.uuid4().hex)
+        store_io.write_new_file(staging.path / READY_FILE, marker.to_json())
+        _step("marker_written")
+        for plan in staging.plans:
+            os.chmod(staging.path / plan.name, 0o444, follow_symlinks=False)
+        store_io.fsync_dir(staging.path)
+        return manifest
+
+    def _install(self, staging: Staging, manifest: Manifest) -> ArtifactRecord:
+        key = staging.key
+        target = self.root / "artifacts" / key
+        with self._key_lock(key):
+            code = self._denied.get(key)
+            if code is not None and code not in CORRUPTION_CODES:
+                raise ArtifactDenied(f"artifact {key} is denied by an operator", details={"key": key})
+            if os.path.lexists(target):
+                existing = None if code is not None else self._try_lookup(key)
+                if existing is not None:
+                    if existing.manifest.artifact_content_sha256 == manifest.artifact_content_sha256:
+                        return existing  # joined: another publisher committed the same bytes first
+                    raise IdentityCollision(f"artifact {key} exists with different content", details={"key": key})
+                self._quarantine_path(target, "replaced", key)
+            store_io.rename(staging.path, target)
+            _step("renamed")
+            os.chmod(target, 0o555)
+            store_io.fsync_dir(target.parent)
+            _step("dir_fsynced")
+            if code is not None:
+                self._clear_deny(key)
+            record = inspect_artifact(target, key, self.euid)
+            with self._mutex:
+                self._records[key] = record
+            return record
+
+    def _try_lookup(self, key: str) -> ArtifactRecord | None:
+        try:
+            return self.lookup(key)
+        except (ManifestCorrupt, ManifestIncompatible, ChecksumMismatch, ArtifactDenied):
+            return None
+
+    @contextlib.contextmanager
+    def _key_lock(self, key: str):  # type: ignore[no-untyped-def]
+        # A fresh open file description per acquisition: flock then excludes other threads of
+        # this process as well as other processes.
+        fd = os.open(
+            self.root / "locks" / f"{key}.artifact",
+            os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o600,
+        )
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    # ----------------------------------------------------------------- lookup
+    def lookup(self, key: str) -> ArtifactRecord:
+        """The validated record of ``key`` (see the module docstring for the errors)."""
+        _check_key(key)
+        if key in self._denied:
+            raise ArtifactDenied(f"artifact {key} is denied", details={"key": key, "reason": self._denied[key]})
+        record = self._records.get(key)
+        if record is not None:
+            if same_fingerprints(record.fingerprints):
+                return record
+            exc: HwrError = ManifestCorrupt(
+                "artifact changed since it was validated", details={"key": key, "check": "fingerprint"}
+            )
+            self._deny_for(key, exc)
+            raise exc
+        path = self.root / "artifacts" / key
+        if not os.path.lexists(path):
+            raise ArtifactNotFound(f"no artifact {key}", details={"key": key})
+        try:
+            record = inspect_artifact(path, key, self.euid)
+        except (ManifestCorrupt, ManifestIncompatible) as err:
+            self._deny_for(key, err)
+            raise
+        with self._mutex:
+            self._records[key] = record
+        return record
+
+    def open_payloads(self, record: ArtifactRecord) -> list[tuple[str, int]]:
+        """Open each payload ``O_RDONLY|O_NOFOLLOW|O_CLOEXEC``, re-checked by ``fstat`` (caller closes)."""
+        opened: list[tuple[str, int]] = []
+        try:
+            for fp, file_record in zip(record.files, record.manifest.files, strict=True):
+                fd = os.open(fp.path, store_io.OPEN_READ)
+                opened.append((file_record.name, fd))
+                st = os.fstat(fd)
+                if (st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns, st.st_ctime_ns) != (
+                    fp.inode,
+                    fp.device,
+                    fp.size,
+                    fp.mtime_ns,
+                    fp.ctime_ns,
+                ):
+                    exc = ManifestCorrupt(
+                        "payload changed since it was validated",
+                        details={"key": record.key, "file": file_record.name},
+                    )
+                    self._deny_for(record.key, exc)
+                    raise exc
+        except BaseException as failure:
+            for _, fd in opened:
+                os.close(fd)
+            if isinstance(failure, OSError) and not isinstance(failure, HwrError):
+                raise StoreIOError(
+                    f"cannot open payloads of {record.key}: {failure.strerror}", details={"key": record.key}
+                ) from None
+            raise
+        return opened
+
+    def artifacts(self) -> list[ArtifactRecord]:
+        """Every validated, not denied artifact, by key."""
+        with self._mutex:
+            return [r for k, r in sorted(self._records.items()) if k not in self._denied]
+
+    def verify(self, key: str, progress: Callable[[int, int], None] | None = None) -> ArtifactRecord:
+        """Re-hash every byte; a mismatch quarantines and denies the key, raising ``ChecksumMismatch``."""
+        record = self.lookup(key)
+        fds = self.open_payloads(record)
+        try:
+            jobs = []
+            for (_, fd), file_record in zip(fds, record.manifest.files, strict=True):
+                header = read_header(fd)
+                ranges = [
+                    (
+                        t.name,
+                        header.data_offset + header.entry(t.storage_key).begin,
+                        header.data_offset + header.entry(t.storage_key).end,
+                    )
+                    for t in record.manifest.tensors_in(file_record.name)
+                ]
+                jobs.append((fd, file_record.size, ranges))
+            file_sha, tensor_sha = store_io.hash_ranges(jobs, progress)
+        finally:
+            for _, fd in fds:
+                os.close(fd)
+        bad = [f.name for f, h in zip(record.manifest.files, file_sha, strict=True) if f.sha256 != h]
+        bad += [t.name for t in record.manifest.tensors if tensor_sha[t.name] != t.sha256]
+        if bad:
+            exc = ChecksumMismatch(
+                f"artifact {key} has corrupt bytes", details={"key": key, "corrupt": ",".join(bad[:20])}
+            )
+            with self._key_lock(key):
+                self._deny_for(key, exc)
+                self._quarantine_path(record.path, "checksum", key)
+            raise exc
+        return record
+
+    # ----------------------------------------------------------------- deny, allow, remove
+    def is_denied(self, key: str) -> bool:
+        return _check_key(key) in self._denied
+
+    def deny(self, key: str, reason: str) -> None:
+        """Deny ``key`` by an operator (a later publication will not replace it)."""
+        self._write_deny(_check_key(key), "LIFECYCLE", OPERATOR_DENIED, reason)
+
+    def allow(self, key: str) -> None:
+        """Remove a deny marker; the next lookup re-validates from scratch (idempotent)."""
+        _check_key(key)
+        self._clear_deny(key)
+
+    def remove(self, key: str) -> None:
+        """Delete the artifact (moved into ``tmp/`` first, so a crash never leaves half of it)."""
+        _check_key(key)
+        with self._key_lock(key):
+            with self._mutex:
+                self._records.pop(key, None)
+            path = self.root / "artifacts" / key
+            if not os.path.lexists(path):
+                raise ArtifactNotFound(f"no artifact {key}", details={"key": key})
+            trash = self.root / "tmp" / f"{key}.removed.{uuid.uuid4().hex}"
+            try:
+                store_io.rename(path, trash)
+                store_io.fsync_dir(path.parent)
+            except OSError as exc:
+                raise store_io.io_error(exc, "remove") from None
+            store_io.remove_tree(trash)
+
+    def _deny_for(self, key: str, exc: HwrError) -> None:
+        with self._mutex:
+            self._records.pop(key, None)
+        self._write_deny(key, "VALIDATION", exc.code, exc.message)
+
+    def _write_deny(self, key: str, stage: str, code: str, message: str) -> None:
+        document = {"schema_version": 1, "stage": stage, "reason": code, "message": str(message)[:1000]}
+        path = self.root / "deny" / f"{key}.json"
+        tmp = self.root / "deny" / f".{key}.{uuid.uuid4().hex}.tmp"
+        with self._mutex:
+            try:
+                store_io.write_new_file(tmp, canonical_json(document))
+                store_io.rename(tmp, path)
+                store_io.fsync_dir(path.parent)
+            except OSError as exc:
+                store_io.remove_tree(tmp)
+                raise store_io.io_error(exc, "deny marker") from None
+            finally:
+                self._denied[key] = code  # deny in memory even if the marker could not be persisted
+                self._records.pop(key, None)
+
+    def _clear_deny(self, key: str) -> None:
+        with self._mutex:
+            path = self.root / "deny" / f"{key}.json"
+            try:
+                path.unlink(missing_ok=True)
+                store_io.fsync_dir(path.parent)
+            except OSError as exc:
+                raise store_io.io_error(exc, "allow") from None
+            self._denied.pop(key, None)
+            self._records.pop(key, None)
+
+    def _quarantine_path(self, path: Path, reason: str, key: str) -> Path:
+        target = self.root / "quarantine" / f"{key}.{reason}.{uuid.uuid4().hex}"
+        try:
+            store_io.rename(path, target)
+            store_io.fsync_dir(path.parent)
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                raise store_io.io_error(exc, "quarantine") from None
+        return target

@@ -1,0 +1,323 @@
+"""The daemon's store: publication, lookup, corruption handling, concurrency, trust checks."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from hwr.client.errors import (
+    ArtifactDenied,
+    ArtifactNotFound,
+    ChecksumMismatch,
+    IdentityCollision,
+    InvalidRequest,
+    ManifestCorrupt,
+    NoSpace,
+    PublicationFailed,
+    StoreLocked,
+    UntrustedStore,
+)
+from hwr.client.identity import ArtifactIdentity
+from hwr.client.safetensors_header import read_header
+from hwr.daemon import fsguard, store_io
+from hwr.daemon.store import Store, TensorSpec
+from hwr.daemon.store_staging import write_tensor
+
+IDENTITY = ArtifactIdentity.simple("org/model")
+
+
+def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "blocks.0.w": torch.randn(64, 32, generator=g).to(torch.bfloat16),
+        "blocks.0.b": torch.randn(32, generator=g),
+        "scale": torch.randn(16, generator=g).to(torch.float8_e4m3fn),
+        "steps": torch.arange(7, dtype=torch.int64),
+        "mask": torch.tensor([True, False, True]),
+    }
+
+
+def _read_back(store: Store, key: str) -> dict[str, bytes]:
+    record = store.lookup(key)
+    out = {}
+    for (name, fd), _ in zip(store.open_payloads(record), record.manifest.files, strict=True):
+        try:
+            header = read_header(fd)
+            for t in record.manifest.tensors_in(name):
+                e = header.entry(t.storage_key)
+                out[t.name] = os.pread(fd, e.nbytes, header.data_offset + e.begin)
+        finally:
+            os.close(fd)
+    return out
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    with Store.open(tmp_path / "store") as s:
+        yield s
+
+
+def test_publish_then_lookup_returns_identical_bytes(store: Store) -> None:
+    tensors = _tensors()
+    record = store.publish(IDENTITY, tensors, max_file_bytes=4096)
+    assert record.key == IDENTITY.key and len(record.manifest.files) >= 2
+    assert _read_back(store, IDENTITY.key) == {n: _raw(t) for n, t in tensors.items()}
+    assert store.verify(IDENTITY.key) == record
+    path = store.root / "artifacts" / IDENTITY.key
+    assert oct(path.stat().st_mode & 0o777) == "0o555"
+    assert all(p.stat().st_mode & 0o777 == 0o444 for p in path.iterdir())
+    assert not list((store.root / "tmp").iterdir())
+
+
+def test_content_digest_is_independent_of_file_split(tmp_path: Path) -> None:
+    with Store.open(tmp_path / "a") as a, Store.open(tmp_path / "b") as b:
+        one = a.publish(IDENTITY, _tensors())
+        many = b.publish(IDENTITY, _tensors(), max_file_bytes=1)
+    assert len(one.manifest.files) == 1 and len(many.manifest.files) == 5
+    assert one.manifest.artifact_content_sha256 == many.manifest.artifact_content_sha256
+
+
+def test_restart_keeps_artifacts_and_second_owner_is_refused(tmp_path: Path) -> None:
+    with Store.open(tmp_path / "s") as s:
+        s.publish(IDENTITY, _tensors())
+        with pytest.raises(StoreLocked):
+            Store.open(tmp_path / "s")
+    with Store.open(tmp_path / "s") as s:
+        assert [r.key for r in s.artifacts()] == [IDENTITY.key] and not s.start_report
+        assert (s.root / "domain.json").is_file()
+
+
+def test_lookup_errors(store: Store) -> None:
+    with pytest.raises(ArtifactNotFound):
+        store.lookup("0" * 64)
+    for bad in ("../etc", "A" * 64, "0" * 63, IDENTITY.canonical_bytes.decode()):
+        with pytest.raises(InvalidRequest):
+            store.lookup(bad)
+
+
+def test_expected_hash_mismatch_removes_staging(store: Store) -> None:
+    tensors = _tensors()
+    staging = store.begin(IDENTITY, [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
+    for n, t in tensors.items():
+        write_tensor(staging, n, t)
+    expected = {n: hashlib.sha256(_raw(t)).hexdigest() for n, t in tensors.items()}
+    expected["steps"] = "0" * 64
+    with pytest.raises(ChecksumMismatch):
+        store.commit(staging, expected_tensor_sha256=expected)
+    assert not staging.path.exists()
+    with pytest.raises(ArtifactNotFound):
+        store.lookup(IDENTITY.key)
+
+
+def test_overwritten_header_is_rejected_at_commit(store: Store) -> None:
+    staging = store.begin(IDENTITY, [TensorSpec("w", torch.float32, (4,))])
+    _name, path, _ = staging.files[0]
+    with open(path, "r+b") as f:
+        f.write(b"\xff" * 8)
+    with pytest.raises(ManifestCorrupt):
+        store.commit(staging)
+    store.abort(staging)  # idempotent after commit removed it
+
+
+def test_two_publishers_of_one_identity_make_one_artifact(store: Store) -> None:
+    results, errors = [], []
+
+    def publish() -> None:
+        try:
+            results.append(store.publish(IDENTITY, _tensors()))
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=publish) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len({r.marker.publication_id for r in results}) == 1
+    assert os.listdir(store.root / "artifacts") == [IDENTITY.key]
+
+
+def test_collision_keeps_the_first_artifact(store: Store) -> None:
+    first = store.publish(IDENTITY, _tensors(0))
+    with pytest.raises(IdentityCollision):
+        store.publish(IDENTITY, _tensors(1))
+    assert store.lookup(IDENTITY.key) == first
+    assert not list((store.root / "tmp").iterdir())
+
+
+def _writable(path: Path) -> None:
+    os.chmod(path.parent, 0o755)
+    os.chmod(path, 0o644)
+
+
+def _corrupt_payload_byte(store: Store) -> None:
+    path = next((store.root / "artifacts" / IDENTITY.key).glob("*.safetensors"))
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    _writable(path)
+    path.write_bytes(bytes(data))
+    os.chmod(path, 0o444)
+    os.chmod(path.parent, 0o555)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # a careful tamperer restores mtime
+
+
+def test_corrupt_bytes_found_by_verify_are_quarantined_and_denied(store: Store) -> None:
+    store.publish(IDENTITY, _tensors())
+    _corrupt_payload_byte(store)
+    with pytest.raises(ManifestCorrupt):  # the ctime moved: the warm check catches it
+        store.lookup(IDENTITY.key)
+    store.allow(IDENTITY.key)  # operator re-admits; metadata checks now pass, bytes do not
+    store.lookup(IDENTITY.key)
+    with pytest.raises(ChecksumMismatch):
+        store.verify(IDENTITY.key)
+    assert store.is_denied(IDENTITY.key) and (store.root / "deny" / f"{IDENTITY.key}.json").is_file()
+    assert any(p.name.startswith(IDENTITY.key + ".checksum.") for p in (store.root / "quarantine").iterdir())
+    with pytest.raises(ArtifactDenied):
+        store.lookup(IDENTITY.key)
+    store.publish(IDENTITY, _tensors())  # corruption-denied keys may be rebuilt once
+    assert not store.is_denied(IDENTITY.key) and store.verify(IDENTITY.key)
+
+
+def _truncate(path: Path) -> None:
+    _writable(path)
+    os.truncate(path, path.stat().st_size - 1)
+    os.chmod(path, 0o444)
+    os.chmod(path.parent, 0o555)
+
+
+def _chmod(path: Path) -> None:
+    os.chmod(path, 0o644)
+
+
+def _extra_file(path: Path) -> None:
+    os.chmod(path.parent, 0o755)
+    (path.parent / "extra.bin").write_bytes(b"x")
+    os.chmod(path.parent, 0o555)
+
+
+def _missing_file(path: Path) -> None:
+    os.chmod(path.parent, 0o755)
+    path.unlink()
+    os.chmod(path.parent, 0o555)
+
+
+def _symlink(path: Path) -> None:
+    os.chmod(path.parent, 0o755)
+    target = path.parent.parent.parent / "elsewhere.safetensors"
+    target.write_bytes(path.read_bytes())
+    os.chmod(target, 0o444)
+    path.unlink()
+    path.symlink_to(target)
+    os.chmod(path.parent, 0o555)
+
+
+def _hardlink(path: Path) -> None:
+    os.link(path, path.parent.parent.parent / "alias")
+
+
+def _hostile_header(path: Path) -> None:
+    _writable(path)
+    with open(path, "r+b") as f:
+        f.write((2**62).to_bytes(8, "little"))
+    os.chmod(path, 0o444)
+    os.chmod(path.parent, 0o555)
+
+
+@pytest.mark.parametrize("damage", [_truncate, _chmod, _extra_file, _missing_file, _symlink, _hardlink,
+                                    _hostile_header])  # fmt: skip
+@pytest.mark.parametrize("restart", [False, True])
+def test_metadata_damage_is_denied_not_leased(tmp_path: Path, damage, restart: bool) -> None:
+    root = tmp_path / "s"
+    with Store.open(root) as s:
+        s.publish(IDENTITY, _tensors(), max_file_bytes=4096)
+        payload = sorted((root / "artifacts" / IDENTITY.key).glob("*.safetensors"))[0]
+        damage(payload)
+        if not restart:
+            with pytest.raises(ManifestCorrupt):
+                s.lookup(IDENTITY.key)
+    with Store.open(root) as s:
+        if restart:
+            assert [k for k, _ in s.start_report] == [IDENTITY.key]
+        assert s.is_denied(IDENTITY.key) and s.artifacts() == []
+        with pytest.raises(ArtifactDenied):
+            s.lookup(IDENTITY.key)
+
+
+def test_tampered_manifest_is_denied(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    with Store.open(root) as s:
+        s.publish(IDENTITY, _tensors())
+    manifest = root / "artifacts" / IDENTITY.key / "manifest.json"
+    _writable(manifest)
+    manifest.write_bytes(manifest.read_bytes().replace(b'"weight"', b'"weigh7"'))
+    os.chmod(manifest, 0o444)
+    os.chmod(manifest.parent, 0o555)
+    with Store.open(root) as s:
+        assert s.is_denied(IDENTITY.key)
+
+
+def test_deny_allow_remove(store: Store) -> None:
+    store.publish(IDENTITY, _tensors())
+    store.deny(IDENTITY.key, "bad weights reported")
+    with pytest.raises(ArtifactDenied):
+        store.lookup(IDENTITY.key)
+    with pytest.raises(ArtifactDenied):  # an operator deny is not replaced by a publisher
+        store.publish(IDENTITY, _tensors())
+    store.allow(IDENTITY.key)
+    assert store.lookup(IDENTITY.key).key == IDENTITY.key
+    store.remove(IDENTITY.key)
+    with pytest.raises(ArtifactNotFound):
+        store.lookup(IDENTITY.key)
+
+
+@pytest.mark.parametrize("helper", ["fallocate", "fsync", "rename", "pwrite"])
+def test_injected_io_errors_are_typed_and_leave_no_staging(store: Store, monkeypatch, helper: str) -> None:
+    code = errno.ENOSPC if helper in ("fallocate", "pwrite") else errno.EIO
+
+    def fail(*args, **kwargs):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(store_io, helper, fail)
+    with pytest.raises(NoSpace if code == errno.ENOSPC else PublicationFailed):
+        store.publish(IDENTITY, _tensors())
+    monkeypatch.undo()
+    assert not list((store.root / "tmp").iterdir())
+    assert not list((store.root / "artifacts").iterdir())
+    store.publish(IDENTITY, _tensors())
+
+
+def test_world_writable_root_is_rejected(tmp_path: Path) -> None:
+    root = tmp_path / "open"
+    root.mkdir()
+    os.chmod(root, 0o777)
+    with pytest.raises(UntrustedStore):
+        Store.open(root)
+    os.chmod(root, 0o700)
+    Store.open(root).close()
+
+
+def test_remote_filesystem_is_rejected(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(fsguard, "statfs_magic", lambda path: 0x6969)  # NFS, injected at the syscall
+    with pytest.raises(UntrustedStore, match="nfs"):
+        Store.open(tmp_path / "nfs")
+    monkeypatch.undo()
+    with pytest.raises(UntrustedStore):
+        Store.open(tmp_path / "narrow", allow_fs_types=["xfs"])  # this disk is ext4/overlay
+
+
+def test_close_is_idempotent_and_releases_the_root(tmp_path: Path) -> None:
+    s = Store.open(tmp_path / "s")
+    s.close()
+    s.close()
+    Store.open(tmp_path / "s").close()
