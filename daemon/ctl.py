@@ -132,6 +132,27 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
+def register(name: str, help_text: str, arguments: Callable[[argparse.ArgumentParser], None] | None = None):
+    """Decorator for subcommands defined in other modules (``hwr.daemon.ctl_*``).
+
+    A handler takes ``(client, args)`` and returns ``(json_document, human_text)``.
+    """
+
+    def wrap(fn: Callable[[Client, argparse.Namespace], tuple[Any, str]]):
+        COMMANDS[name] = (fn, help_text)
+        if arguments is not None:
+            ARGUMENTS[name] = arguments
+        return fn
+
+    return wrap
+
+
+ARGUMENTS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
+    "show": lambda p: p.add_argument("key"),
+}
+EXTENSIONS: tuple[str, ...] = ()  # modules that register more subcommands, imported by main()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hwrctl", description="Inspect and manage hwrd, the Host Weight Runtime daemon.")
     parser.add_argument("--socket", help="hwrd socket (default: $HWR_SOCKET, then the system default)")
@@ -142,12 +163,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, (_fn, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, parents=[json_parent])
-        if name == "show":
-            p.add_argument("key")
+        if name in ARGUMENTS:
+            ARGUMENTS[name](p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    import importlib
+
+    for module in EXTENSIONS:
+        importlib.import_module(module)
     args = build_parser().parse_args(argv)
     handler = COMMANDS[args.command][0]
     try:

@@ -8,19 +8,16 @@ answered INTERNAL; the daemon keeps serving. Nothing here returns sentinels.
 
 from __future__ import annotations
 
-import functools
-import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
 from hwr import __version__
-from hwr.client.errors import ArtifactNotFound, HwrError, InvalidRequest
+from hwr.client.errors import ArtifactNotFound, InvalidRequest
 from hwr.client.identity import ArtifactIdentity, is_key
-from hwr.client.wire import ERROR_CODE_KEY, ERROR_DETAILS_KEY, SESSION_KEY, status_for
+from hwr.daemon.rpc_support import rpc, session_of
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
 from hwr.protos.hwr.v1 import hwr_pb2_grpc
 
@@ -38,39 +35,17 @@ _KIND_NAMES = {pb.TENSOR_KIND_PARAMETER: "parameter", pb.TENSOR_KIND_BUFFER: "bu
 MAX_TENSORS = 1 << 20
 
 
-def _rpc(handler: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
-    @functools.wraps(handler)
-    async def wrapper(self: Servicer, request: Any, context: grpc.aio.ServicerContext) -> R:
-        try:
-            return await handler(self, request, context)
-        except HwrError as exc:
-            await _abort(context, exc)
-        except Exception:
-            log.exception("internal error in %s", handler.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {handler.__name__}")
-        raise AssertionError("unreachable")
-
-    return wrapper
-
-
-async def _abort(context: grpc.aio.ServicerContext, exc: HwrError) -> None:
-    details = json.dumps(exc.details, default=str)[:4096]
-    context.set_trailing_metadata(((ERROR_CODE_KEY, exc.code), (ERROR_DETAILS_KEY, details)))
-    await context.abort(status_for(exc), exc.message)
-
-
 class Servicer(hwr_pb2_grpc.HostWeightRuntimeServicer):
+    """Sessions, leases, publication and inspection. Handlers of other concerns live in mixins
+    (``hwr.daemon.rpc_*``, built on ``hwr.daemon.rpc_support``) listed before this class's bases."""
+
     def __init__(self, daemon: Daemon) -> None:
         self.d = daemon
 
     def _session(self, context: grpc.aio.ServicerContext) -> Session:
-        token = None
-        for key, value in context.invocation_metadata() or ():
-            if key == SESSION_KEY:
-                token = value
-        return self.d.registry.session_for_token(token)
+        return session_of(self.d, context)
 
-    @_rpc
+    @rpc
     async def OpenSession(self, request: pb.OpenSessionRequest, context: Any) -> pb.OpenSessionResponse:
         session = self._session(context)
         if len(request.client_name) > 128 or len(request.client_version) > 128:
@@ -80,13 +55,13 @@ class Servicer(hwr_pb2_grpc.HostWeightRuntimeServicer):
         return pb.OpenSessionResponse(session_id=session.session_id, pid=session.cred.pid,
                                       uid=session.cred.uid, daemon_version=__version__)
 
-    @_rpc
+    @rpc
     async def KeepAlive(self, request: pb.KeepAliveRequest, context: Any) -> pb.KeepAliveResponse:
         session = self._session(context)
         return pb.KeepAliveResponse(session_id=session.session_id, lease_count=len(session.leases),
                                     publication_count=len(session.publications))
 
-    @_rpc
+    @rpc
     async def Acquire(self, request: pb.AcquireRequest, context: Any) -> pb.AcquireResponse:
         session = self._session(context)
         key = _ref_key(request.artifact)
@@ -100,14 +75,14 @@ class Servicer(hwr_pb2_grpc.HostWeightRuntimeServicer):
             files=[pb.PayloadFile(name=f.name, size=f.size) for f in record.manifest.files],
         )
 
-    @_rpc
+    @rpc
     async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
         session = self._session(context)
         if not request.lease_id or len(request.lease_id) > 64:
             raise InvalidRequest("lease_id is required")
         return pb.ReleaseResponse(released=self.d.registry.release(session, request.lease_id))
 
-    @_rpc
+    @rpc
     async def BeginPublication(
         self, request: pb.BeginPublicationRequest, context: Any
     ) -> pb.BeginPublicationResponse:
@@ -131,7 +106,7 @@ class Servicer(hwr_pb2_grpc.HostWeightRuntimeServicer):
                         for name, (fname, offset, nbytes) in sorted(staging.placements.items())],
         )
 
-    @_rpc
+    @rpc
     async def CommitPublication(
         self, request: pb.CommitPublicationRequest, context: Any
     ) -> pb.CommitPublicationResponse:
@@ -141,7 +116,7 @@ class Servicer(hwr_pb2_grpc.HostWeightRuntimeServicer):
         return pb.CommitPublicationResponse(key=record.key, joined=joined, size_bytes=record.size_bytes,
                                             content_sha256=record.manifest.artifact_content_sha256)
 
-    @_rpc
+    @rpc
     async def AbortPublication(
         self, request: pb.AbortPublicationRequest, context: Any
     ) -> pb.AbortPublicationResponse:
@@ -149,12 +124,12 @@ class Servicer(hwr_pb2_grpc.HostWeightRuntimeServicer):
         return pb.AbortPublicationResponse(
             aborted=await self.d.publications.abort(session, request.publication_id))
 
-    @_rpc
+    @rpc
     async def ListArtifacts(self, request: pb.ListArtifactsRequest, context: Any) -> pb.ListArtifactsResponse:
         self._session(context)
         return pb.ListArtifactsResponse(artifacts=await self.d.artifact_infos())
 
-    @_rpc
+    @rpc
     async def InspectArtifact(
         self, request: pb.InspectArtifactRequest, context: Any
     ) -> pb.InspectArtifactResponse:
@@ -168,7 +143,7 @@ class Servicer(hwr_pb2_grpc.HostWeightRuntimeServicer):
             artifact=infos[0], identity_json=record.identity_bytes if record else b"",
             manifest_json=self.d.manifest_bytes(record) if record else b"")
 
-    @_rpc
+    @rpc
     async def ListLeases(self, request: pb.ListLeasesRequest, context: Any) -> pb.ListLeasesResponse:
         self._session(context)
         return pb.ListLeasesResponse(leases=[
@@ -178,7 +153,7 @@ class Servicer(hwr_pb2_grpc.HostWeightRuntimeServicer):
             for lease in self.d.registry.leases()
         ])
 
-    @_rpc
+    @rpc
     async def GetStatus(self, request: pb.GetStatusRequest, context: Any) -> pb.GetStatusResponse:
         self._session(context)
         return await self.d.status()
