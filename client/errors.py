@@ -24,6 +24,9 @@ __all__ = [
     "ArtifactDenied",
     "ArtifactNotFound",
     "ArtifactTooLarge",
+    "BuildCancelled",
+    "CheckpointModified",
+    "CheckpointNotFound",
     "ChecksumMismatch",
     "ConfigError",
     "DaemonUnavailable",
@@ -38,6 +41,8 @@ __all__ = [
     "ManifestIncompatible",
     "NoSpace",
     "PermissionDeniedError",
+    "ProducerFailed",
+    "ProducerTimeout",
     "PublicationFailed",
     "SessionInvalid",
     "StoreIOError",
@@ -235,6 +240,63 @@ class DeadlineExceeded(HwrError, TimeoutError):
     code = "DEADLINE_EXCEEDED"
     retryable = True
 
+
+class CheckpointNotFound(HwrError, LookupError):
+    """No registered checkpoint matches the id, prefix or path."""
+
+    code = "CHECKPOINT_NOT_FOUND"
+
+
+class CheckpointModified(HwrError, RuntimeError):
+    """A checkpoint file changed after (or while) it was registered; leases and prewarm are refused."""
+
+    code = "CHECKPOINT_MODIFIED"
+
+
+class ProducerFailed(HwrError, RuntimeError):
+    """A producer process crashed, was killed or reported an error; nothing was published."""
+
+    code = "PRODUCER_FAILED"
+
+
+class ProducerTimeout(HwrError, TimeoutError):
+    """A producer process ran past its time limit and was killed; nothing was published."""
+
+    code = "PRODUCER_TIMEOUT"
+    retryable = True
+
+
+class BuildCancelled(HwrError, RuntimeError):
+    """A prewarm build was cancelled by its client; the producer was killed, nothing was published."""
+
+    code = "BUILD_CANCELLED"
+
+
+
+# --- restore and startup (loader transaction) ---
+class RestorePreflightFailed(HwrError, ValueError):
+    """A lease does not cover the model exactly (names, kinds, shapes, dtypes, strides); nothing changed."""
+
+    code = "RESTORE_PREFLIGHT_FAILED"
+
+
+class RestoreCommitFailed(HwrError, RuntimeError):
+    """Binding lease tensors into the model failed part-way; the model must be discarded."""
+
+    code = "RESTORE_COMMIT_FAILED"
+
+
+class StartupFailed(HwrError, RuntimeError):
+    """A worker could not start under its Host Weight Runtime mode; ``report`` says why."""
+
+    code = "STARTUP_FAILED"
+
+    def __init__(self, message: str = "", *, details: dict[str, Any] | None = None, report: Any = None) -> None:
+        super().__init__(message, details=details)
+        self.report = report
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.message, self.details))
 
 def _all_subclasses(cls: type[HwrError]) -> list[type[HwrError]]:
     found: list[type[HwrError]] = []
