@@ -1,1 +1,34 @@
-"""See the package README section."""
+"""In-process layerwise offload (DLO) for diffusion transformers.
+
+``apply_layerwise_offload(model, device=..., ...)`` streams a DiT's transformer blocks from host
+memory (the module's own tensors or an hwrd lease's read-only views) through exactly two device
+slots, prefetching block i+1 while block i computes, optionally sharding host weights across an
+AllGather group. It returns an ``OffloadHandle`` whose ``close()`` removes every hook, leaves the
+model usable and closes the lease. See ``backend`` for the transaction's state table.
+
+Modules, one concept each: ``discovery`` (block stacks), ``sources`` (host bytes), ``layout``
+(slot byte plan, shards, manifest digest), ``sharding`` (one rank's shard), ``ring`` (prefetch
+policy), ``hooks`` (hook registry), ``slots`` (device slots), ``lanes`` (streams and events),
+``transfer`` (direct, staged, AllGather copies), ``registration`` (``cudaHostRegister``),
+``group`` (AllGather group and manifest agreement), ``backend`` (transaction and runtime),
+``offload`` (public entry), ``errors``.
+"""
+
+from hwr.dlo_backend.backend import EnableStep, LayerwiseOffloadBackend, OffloadStats, State
+from hwr.dlo_backend.errors import CollectiveStateError, HostSourceMismatch, ManifestMismatch, OffloadError
+from hwr.dlo_backend.offload import OffloadHandle, apply_layerwise_offload
+from hwr.dlo_backend.slots import SlotState
+
+__all__ = [
+    "CollectiveStateError",
+    "EnableStep",
+    "HostSourceMismatch",
+    "LayerwiseOffloadBackend",
+    "ManifestMismatch",
+    "OffloadError",
+    "OffloadHandle",
+    "OffloadStats",
+    "SlotState",
+    "State",
+    "apply_layerwise_offload",
+]

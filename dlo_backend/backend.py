@@ -1,0 +1,508 @@
+"""The layerwise offload backend: a transaction that installs streaming, and its runtime.
+
+State table (enforced by ``enable``/``disable`` and the hooks)::
+
+    state      | enable()                     | forward of a block       | disable()
+    -----------+------------------------------+--------------------------+-----------------------
+    NEW        | -> ENABLING                  | (no hooks)               | -> CLOSED (closes lease)
+    ENABLING   | ok -> READY; error -> FAILED | (not reachable)          | (not reachable)
+    READY      | InvalidRequest               | streams the block        | -> CLOSED (restores)
+    POISONED   | InvalidRequest               | CollectiveStateError /   | -> CLOSED (no restore
+               |                              | OffloadError             |    of streamed blocks)
+    FAILED     | InvalidRequest               | (hooks removed)          | no-op
+    CLOSED     | InvalidRequest               | (hooks removed)          | no-op
+
+``enable`` runs the steps of ``EnableStep`` in order. The lease is taken first, before any
+asynchronous work. With AllGather, the ranks agree twice (``group.exchange_manifest``): at
+EXCHANGE_MANIFEST on the manifest digest, after the local steps DISCOVER..VALIDATE, and at
+AGREE_READY after the local steps SHARD..INSTALL_HOOKS. A rank that failed locally still joins
+the exchange (reporting failure), so every rank fails together before the first gather. A
+failure at PREFETCH or COMMIT (after the first gather was issued) cannot be agreed on: the
+failing rank raises ``CollectiveStateError`` and its peers fail at their next gather, within the
+group's timeout.
+
+Teardown order (``_teardown``, shared by failure rollback and ``disable``):
+
+1. drain the copy and communication lanes (every copy that may read mapped memory finishes);
+2. remove the hooks and unbind the running block;
+3. restore weights: before COMMIT the original tensors are reattached; after it, rank-local
+   blocks get their originals (module source) or CPU copies of the lease views, and AllGather
+   blocks are gathered one last time into CPU tensors (a collective: call ``disable`` on every
+   rank) unless the backend is poisoned;
+4. release staging, device slots, shards and lanes;
+5. undo ``cudaHostRegister`` (if that fails the lease stays open: unmapping registered memory
+   is undefined behaviour);
+6. close the lease (and the carrier, in case enable failed before taking it).
+
+A failed collective leaves the group in an unknown state: the backend becomes POISONED and
+every further use raises ``CollectiveStateError`` (recreate the backend, reload the pipeline).
+Inference only: streamed weights are swapped in and out under the model, so do not backprop.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hwr.client.carrier import HostLease, LeaseCarrier
+from hwr.client.errors import HwrError, InvalidRequest, LeaseClosed, Unsupported
+from hwr.dlo_backend import group as groups
+from hwr.dlo_backend.discovery import find_block_stacks
+from hwr.dlo_backend.errors import CollectiveStateError, OffloadError
+from hwr.dlo_backend.hooks import HookRegistry
+from hwr.dlo_backend.lanes import CudaLane, CurrentStreamLane, InlineLane, Lane, LaneError, ThreadLane
+from hwr.dlo_backend.layout import BlockLayout, manifest_digest, plan_block
+from hwr.dlo_backend.registration import HostRegistration, register_regions
+from hwr.dlo_backend.sharding import build_shard
+from hwr.dlo_backend.slots import SlotPair, SlotState
+from hwr.dlo_backend.sources import (
+    SUPPORTED_QUANTIZATION,
+    BlockSource,
+    bind_lease,
+    collect_blocks,
+    require_host_memory,
+    unsupported_reason,
+)
+from hwr.dlo_backend.stream import BlockStream
+from hwr.dlo_backend.transfer import AllGatherTransfer, DirectTransfer, StagedTransfer, Transfer
+
+__all__ = ["EnableStep", "LayerwiseOffloadBackend", "OffloadOptions", "OffloadStats", "State"]
+
+_log = logging.getLogger(__name__)
+
+
+class State(enum.Enum):
+    NEW = "new"
+    ENABLING = "enabling"
+    READY = "ready"
+    POISONED = "poisoned"
+    FAILED = "failed"
+    CLOSED = "closed"
+
+
+class EnableStep(enum.Enum):
+    TAKE_LEASE = "take_lease"
+    DISCOVER = "discover"
+    BIND_SOURCES = "bind_sources"
+    VALIDATE = "validate"
+    EXCHANGE_MANIFEST = "exchange_manifest"
+    SHARD = "shard"
+    REGISTER_HOST = "register_host"
+    ALLOCATE = "allocate"
+    INSTALL_HOOKS = "install_hooks"
+    AGREE_READY = "agree_ready"
+    PREFETCH = "prefetch"
+    COMMIT = "commit"
+
+
+@dataclass(frozen=True)
+class OffloadOptions:
+    """Validated-at-enable options (see ``apply_layerwise_offload`` for their meaning)."""
+
+    device: torch.device
+    blocks_attr: str | tuple[str, ...] | None = None
+    use_allgather: bool = False
+    group: Any = None
+    dp_group: Any = None
+    sp_group: Any = None
+    resident_layers: int = 0
+    host_registration_limit_gib: float = 0.0
+    quantization: str | None = None
+
+
+@dataclass(frozen=True)
+class OffloadStats:
+    """What the backend holds: bytes per slot, per streamed model, per rank shard."""
+
+    mode: str
+    world: int
+    streamed_blocks: int
+    resident_blocks: int
+    slot_bytes: int
+    block_bytes: int
+    host_shard_bytes: int
+    registered_bytes: int
+
+
+class LayerwiseOffloadBackend:
+    """Streams a model's blocks through two device slots; ``enable`` once, ``disable`` once."""
+
+    def __init__(
+        self, model: nn.Module, options: OffloadOptions, host_source: LeaseCarrier | HostLease | None = None
+    ) -> None:
+        self.model = model
+        self.options = options
+        self._host_source = host_source
+        self._state = State.NEW
+        self._step: EnableStep | None = None
+        self._lease: HostLease | None = None
+        self._group: Any = None
+        self._streamed: list[BlockSource] = []
+        self._resident: list[BlockSource] = []
+        self._layouts: list[BlockLayout] = []
+        self._shards: list[list[torch.Tensor]] = []
+        self._registration: HostRegistration | None = None
+        self._lanes: list[Lane] = []
+        self._compute: Lane = InlineLane()
+        self._slots: SlotPair | None = None
+        self._transfer: Transfer | None = None
+        self._hooks = HookRegistry()
+        self._installed: list[BlockSource] = []
+        self._committed = False
+        self._stream: BlockStream | None = None
+
+    # ----------------------------------------------------------------- observation
+    @property
+    def state(self) -> State:
+        if self._state is State.READY and self._stream is not None and self._stream.poisoned:
+            return State.POISONED
+        return self._state
+
+    @property
+    def _gathered(self) -> bool:
+        return self._stream is not None and self._stream.gathered
+
+    def slot_state(self) -> SlotState:
+        """Probe: which streamed block each slot holds and which one is bound for compute."""
+        return SlotState((None, None), None) if self._stream is None else self._stream.slot_state()
+
+    def materialized_blocks(self) -> list[int]:
+        """Probe: streamed blocks whose weights are currently materialized on the device."""
+        return [
+            i
+            for i, src in enumerate(self._streamed)
+            if any(ref.current().numel() > 0 for ref in src.refs if ref.original.numel() > 0)
+        ]
+
+    @property
+    def stats(self) -> OffloadStats:
+        world = groups.group_size(self._group)
+        return OffloadStats(
+            mode=self._transfer.mode if self._transfer is not None else "none",
+            world=world,
+            streamed_blocks=len(self._streamed),
+            resident_blocks=len(self._resident),
+            slot_bytes=self._slots.nbytes if self._slots is not None else 0,
+            block_bytes=sum(layout.nbytes for layout in self._layouts),
+            host_shard_bytes=sum(int(t.nbytes) for shard in self._shards for t in shard),
+            registered_bytes=self._registration.nbytes if self._registration is not None else 0,
+        )
+
+    # ------------------------------------------------------------------ transaction
+    def _enter(self, step: EnableStep) -> None:
+        """Mark the step being run (the rollback reports it; tests inject faults here)."""
+        self._step = step
+
+    def enable(self) -> None:
+        """Install streaming, all or nothing (see the state table)."""
+        if self._state is not State.NEW:
+            raise InvalidRequest(f"enable() runs once per backend (state {self._state.value}); create a new one")
+        self._state = State.ENABLING
+        try:
+            self._enable()
+        except BaseException as exc:
+            error = self._abort(exc)
+            if error is exc:
+                raise
+            raise error from exc
+        self._state = State.READY
+
+    def _enable(self) -> None:
+        opts = self.options
+        self._enter(EnableStep.TAKE_LEASE)
+        self._lease = self._take_lease()
+        self._group = groups.select_group(
+            use_allgather=opts.use_allgather, group=opts.group, dp_group=opts.dp_group, sp_group=opts.sp_group
+        )
+        self._agreed(EnableStep.EXCHANGE_MANIFEST, self._prepare)
+        self._agreed(EnableStep.AGREE_READY, self._build)
+        self._enter(EnableStep.PREFETCH)
+        assert self._stream is not None
+        self._stream.fill(0, 0)
+        self._enter(EnableStep.COMMIT)
+        self._commit()
+
+    def _agreed(self, step: EnableStep, local: Callable[[], None]) -> None:
+        """Run ``local``; with a group, every rank then learns whether all ranks succeeded.
+
+        A rank whose ``local`` failed still takes part in the exchange (with ``ok=False``), so
+        the collectives of all ranks stay matched and peers fail now instead of at a timeout.
+        The phase is folded into the digest, so exchanges of different phases never match.
+        """
+        error: BaseException | None = None
+        try:
+            local()
+        except Exception as exc:
+            error = exc
+        if self._group is not None:
+            self._enter(step)
+            ok = error is None
+            digest = hashlib.sha256(step.value.encode() + (manifest_digest(self._layouts) if ok else b"")).digest()
+            groups.exchange_manifest(self._group, digest, ok, self.options.device)
+        if error is not None:
+            raise error
+
+    def _prepare(self) -> None:
+        """Local: discover blocks, bind host sources, validate, plan layouts."""
+        opts = self.options
+        self._enter(EnableStep.DISCOVER)
+        stacks = find_block_stacks(self.model, opts.blocks_attr)
+        blocks = [block for stack in stacks for block in stack.blocks]
+        self._enter(EnableStep.BIND_SOURCES)
+        sources = collect_blocks(self.model, blocks)
+        if self._lease is not None:
+            bind_lease(sources, self._lease.tensors)
+        require_host_memory(sources)
+        self._enter(EnableStep.VALIDATE)
+        self._validate(sources)
+        self._resident = sources[: opts.resident_layers]
+        self._streamed = sources[opts.resident_layers :]
+        world = groups.group_size(self._group)
+        self._layouts = [plan_block(src.name, src.metas(), world) for src in self._streamed]
+
+    def _build(self) -> None:
+        """Local: shards, host registration, slots and lanes, hooks."""
+        opts = self.options
+        self._enter(EnableStep.SHARD)
+        cuda = opts.device.type == "cuda"
+        if self._group is not None:
+            rank = groups.group_rank(self._group)
+            self._shards = [
+                build_shard(layout, src.host, rank, pin=cuda)
+                for layout, src in zip(self._layouts, self._streamed, strict=True)
+            ]
+        self._enter(EnableStep.REGISTER_HOST)
+        if cuda and self._lease is not None and self._group is None:
+            self._registration = register_regions(self._lease.mapped_regions, opts.host_registration_limit_gib)
+        self._enter(EnableStep.ALLOCATE)
+        self._allocate()
+        self._enter(EnableStep.INSTALL_HOOKS)
+        self._install()
+
+    def _take_lease(self) -> HostLease | None:
+        source = self._host_source
+        if source is None:
+            return None
+        lease = source.take() if isinstance(source, LeaseCarrier) else source
+        if not isinstance(lease, HostLease):
+            raise InvalidRequest("host_source must be a LeaseCarrier, a HostLease or None")
+        if lease.closed:
+            raise LeaseClosed(f"lease {lease.key} is already closed")
+        return lease
+
+    def _validate(self, sources: Sequence[BlockSource]) -> None:
+        opts = self.options
+        allgather = self._group is not None
+        if opts.device.type not in ("cpu", "cuda"):
+            raise Unsupported(f"device type {opts.device.type!r} (cpu and cuda are supported)")
+        if opts.resident_layers < 0:
+            raise InvalidRequest("resident_layers must be >= 0", details={"field": "resident_layers"})
+        if opts.resident_layers and opts.use_allgather:
+            raise Unsupported("resident layers require rank-local streaming (use_allgather=False)")
+        if opts.use_allgather and opts.quantization not in SUPPORTED_QUANTIZATION:
+            raise Unsupported(f"quantization {opts.quantization!r} is not validated for AllGather sharding")
+        if len(sources) - opts.resident_layers < 2:
+            raise InvalidRequest(
+                f"{len(sources) - opts.resident_layers} streamable blocks; the ring needs at least two",
+                details={"blocks": len(sources), "resident_layers": opts.resident_layers},
+            )
+        for source in sources:
+            for ref, host in zip(source.refs, source.host, strict=True):
+                reason = unsupported_reason(ref.original, allgather=allgather) or unsupported_reason(
+                    host, allgather=allgather
+                )
+                if reason is not None:
+                    raise Unsupported(f"{ref.name}: {reason}", details={"tensor": ref.name})
+
+    def _allocate(self) -> None:
+        device = self.options.device
+        if device.type == "cuda":
+            self._lanes = [CudaLane(device), CudaLane(device)]
+            self._compute = CurrentStreamLane(device)
+        else:
+            self._lanes = [ThreadLane("copy"), ThreadLane("comm")]
+            self._compute = InlineLane()
+        copy_lane, comm_lane = self._lanes
+        self._slots = SlotPair(max(layout.nbytes for layout in self._layouts), device)
+        hosts = [src.host for src in self._streamed]
+        if self._group is not None:
+            self._transfer = AllGatherTransfer(
+                self._shards, self._layouts, self._slots, copy_lane, comm_lane, self._group, device
+            )
+        elif device.type == "cpu" or self._direct_readable():
+            self._transfer = DirectTransfer(hosts, self._layouts, self._slots, copy_lane)
+        else:
+            self._transfer = StagedTransfer(hosts, self._layouts, self._slots, copy_lane, pin=True)
+        self._stream = BlockStream(
+            self._streamed,
+            self._layouts,
+            self._slots,
+            self._transfer,
+            self._compute,
+            device,
+            collective=self._group is not None,
+            poison_error=self._poison_error,
+        )
+
+    def _direct_readable(self) -> bool:
+        """CUDA may copy asynchronously from the host sources (registered lease, pinned tensors)."""
+        if self._lease is not None:
+            return self._registration is not None and self._registration.complete
+        return all(t.is_pinned() for src in self._streamed for t in src.host)
+
+    def _set(self, ref: Any, value: torch.Tensor) -> None:
+        current = ref.current()
+        if current.is_meta:
+            # ``.data`` cannot move a meta tensor to a real device: register a new object instead.
+            # A fresh object per tensor (``detach`` aliases): placeholders are shared per dtype.
+            fresh = (
+                nn.Parameter(value.detach(), requires_grad=current.requires_grad) if ref.is_param else value.detach()
+            )
+            ref.replace_object(fresh)
+        else:
+            current.data = value
+
+    def _install(self) -> None:
+        device = self.options.device
+        for source in self._resident:
+            self._installed.append(source)
+            for ref, host in zip(source.refs, source.host, strict=True):
+                resident = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
+                resident.copy_(host)
+                self._set(ref, resident)
+        stream = self._stream
+        assert stream is not None
+        for index, source in enumerate(self._streamed):
+            self._installed.append(source)
+            for ref in source.refs:
+                self._set(ref, stream.placeholder(ref.original.dtype))
+            self._hooks.attach(source.module, lambda i=index: stream.before(i), lambda i=index: stream.after(i))
+
+    def _commit(self) -> None:
+        # From here on the original host tensors are no longer a rollback target; drop the ones
+        # the backend does not stream from, so AllGather ranks keep only their shards.
+        if self._group is not None:
+            for source in self._streamed:
+                source.host = []
+        self._committed = True
+
+    def _poison_error(self, message: str) -> HwrError:
+        if self._group is not None:
+            return CollectiveStateError(f"{message}; recreate the backend and reload the pipeline on every rank")
+        return OffloadError(f"{message}; recreate the backend and reload the pipeline")
+
+    # --------------------------------------------------------------------- teardown
+    def disable(self) -> None:
+        """Remove every hook, restore weights, release everything, close the lease; idempotent."""
+        if self._state in (State.CLOSED, State.FAILED):
+            return
+        if self._state is State.NEW:
+            self._close_lease()
+            self._state = State.CLOSED
+            return
+        errors = self._teardown()
+        self._state = State.CLOSED
+        if errors:
+            _log.error("offload teardown finished with errors: %s", "; ".join(errors))
+
+    def _abort(self, exc: BaseException) -> BaseException:
+        step = self._step.value if self._step is not None else "start"
+        errors = self._teardown()
+        self._state = State.FAILED
+        after_agreement = self._step in (EnableStep.PREFETCH, EnableStep.COMMIT)
+        if self._gathered or isinstance(exc, CollectiveStateError) or (self._group is not None and after_agreement):
+            return CollectiveStateError(
+                f"enable failed at step {step!r} after collectives were issued ({exc}); the group is in an "
+                "unknown state: recreate the backend and reload the pipeline on every rank",
+                details={"step": step, "teardown_errors": len(errors)},
+            )
+        if isinstance(exc, HwrError):
+            exc.details.setdefault("step", step)
+            return exc
+        return OffloadError(f"enable failed at step {step!r}: {exc}", details={"step": step})
+
+    def _teardown(self) -> list[str]:
+        errors: list[str] = []
+        for lane in self._lanes:  # 1. drain: nothing may still read mapped memory or a slot
+            try:
+                lane.drain()
+            except LaneError as exc:
+                errors.append(f"drain: {exc}")
+                if self._stream is not None:
+                    self._stream.poisoned = True
+        if self._stream is not None:  # 2. running block unbound, hooks off
+            self._stream.unbind()
+        self._hooks.remove()
+        try:  # 3. restore weights
+            self._restore()
+        except Exception as exc:
+            errors.append(f"restore: {exc}")
+            if self._stream is not None:
+                self._stream.poisoned = True
+        for source in self._resident + self._streamed:
+            source.host = []  # lease views must not outlive the lease
+        for lane in self._lanes:  # 4. release
+            lane.close()
+        if self._transfer is not None:
+            self._transfer.close()
+        if self._slots is not None:
+            self._slots.release()
+        self._transfer, self._shards, self._lanes, self._installed = None, [], [], []
+        lease_safe = True
+        if self._registration is not None:  # 5. unregister before unmapping
+            failures = self._registration.close()
+            if failures:
+                errors.extend(failures)
+                lease_safe = False
+                _log.error("host memory still registered; keeping lease open: %s", failures)
+            else:
+                self._registration = None
+        if lease_safe:  # 6. close the lease
+            self._close_lease()
+        return errors
+
+    def _close_lease(self) -> None:
+        if self._lease is not None:
+            self._lease.close()
+        if isinstance(self._host_source, LeaseCarrier):
+            self._host_source.close()  # closes the lease only if enable failed before taking it
+
+    def _restore(self) -> None:
+        if not self._committed:
+            for source in self._installed:
+                for ref in source.refs:
+                    if ref.original.is_meta:
+                        ref.replace_object(ref.original)
+                    else:
+                        ref.current().data = ref.backing
+            return
+        for source in self._resident + (self._streamed if self._group is None else []):
+            for ref, host in zip(source.refs, source.host, strict=True):
+                self._set(ref, host if host is ref.backing else _host_copy(host))
+        if self._group is not None and self._stream is not None and not self._stream.poisoned:
+            self._gather_back(self._stream)
+
+    def _gather_back(self, stream: BlockStream) -> None:
+        """Rebuild every AllGather block into CPU tensors (a collective on every rank)."""
+        assert self._slots is not None
+        for block, source in enumerate(self._streamed):
+            stream.fill(block, 0)
+            stream.wait_ready(0)
+            layout = self._layouts[block]
+            for index, ref in enumerate(source.refs):
+                ref.current().data = _host_copy(self._slots.tensor_view(0, layout, index))
+            stream.mark_free(0)  # the next gather overwrites slot 0 only after these copies
+
+
+def _host_copy(value: torch.Tensor) -> torch.Tensor:
+    """A private CPU tensor with ``value``'s shape, stride and bytes."""
+    copy = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cpu")
+    copy.copy_(value)
+    return copy

@@ -1,0 +1,108 @@
+"""The public entry point: ``apply_layerwise_offload`` and the handle it returns."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from hwr.client.carrier import HostLease, LeaseCarrier
+from hwr.dlo_backend.backend import LayerwiseOffloadBackend, OffloadOptions, OffloadStats, State
+from hwr.dlo_backend.slots import SlotState
+
+__all__ = ["OffloadHandle", "apply_layerwise_offload"]
+
+
+class OffloadHandle:
+    """Owns an enabled backend; ``close()`` is idempotent and leaves the model usable.
+
+    After ``close`` every hook is gone, the streamed weights are CPU tensors again (the
+    originals, or private copies of lease views / gathered shards) and the lease is closed.
+    With AllGather, ``close`` gathers the blocks one last time: call it on every rank.
+    """
+
+    def __init__(self, backend: LayerwiseOffloadBackend) -> None:
+        self.backend = backend
+
+    @property
+    def closed(self) -> bool:
+        return self.backend.state is State.CLOSED
+
+    @property
+    def stats(self) -> OffloadStats:
+        return self.backend.stats
+
+    def slot_state(self) -> SlotState:
+        return self.backend.slot_state()
+
+    def close(self) -> None:
+        self.backend.disable()
+
+    def __enter__(self) -> OffloadHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        s = self.backend.stats
+        return (
+            f"OffloadHandle(state={self.backend.state.value}, mode={s.mode}, blocks={s.streamed_blocks}, "
+            f"slot_bytes={s.slot_bytes})"
+        )
+
+
+def apply_layerwise_offload(
+    model: nn.Module,
+    *,
+    device: torch.device | str,
+    blocks_attr: str | Sequence[str] | None = None,
+    host_source: LeaseCarrier | HostLease | None = None,
+    use_allgather: bool = False,
+    group: Any = None,
+    dp_group: Any = None,
+    sp_group: Any = None,
+    resident_layers: int = 0,
+    host_registration_limit_gib: float = 0.0,
+    quantization: str | None = None,
+) -> OffloadHandle:
+    """Stream ``model``'s transformer blocks host -> ``device`` through two device slots.
+
+    - ``blocks_attr``: the block stack attribute(s) (dotted paths allowed); default: the class's
+      ``_layerwise_offload_blocks_attrs``, else a scan for lists of same-class blocks.
+    - ``host_source``: where block bytes live. ``None`` streams from the module's own CPU
+      tensors; a ``LeaseCarrier`` is taken exactly once (a ``HostLease`` is owned as given) and
+      its read-only views, named like the model's ``state_dict``, back the blocks with no host
+      copy. The backend closes the lease on failure or ``close``.
+    - ``use_allgather`` with ``group`` (a process group, or ``None``/``"auto"`` to pick
+      ``dp_group`` if its size > 1, else ``sp_group`` if > 1, else rank-local): each rank keeps
+      ``1 / world`` of every block and rebuilds it with an all-gather. NCCL on CUDA, gloo on CPU.
+      Every rank must run the same blocks in the same order (activations may differ per rank).
+    - ``resident_layers``: the first k blocks stay on the device (rank-local only).
+    - ``host_registration_limit_gib``: CUDA only; a lease's mapped regions are registered
+      (``cudaHostRegister``, read-only) if they fit (0 = unlimited), else copied through staging.
+    - ``quantization``: the online quantization scheme in the weights (``None`` or
+      ``"fp8_per_tensor"`` are accepted with AllGather).
+
+    Non-block modules are left untouched: put them on ``device`` yourself. Inference only.
+    Raises (after a complete rollback: model usable, lease closed) ``InvalidRequest``,
+    ``Unsupported``, ``HostSourceMismatch``, ``ManifestMismatch``, ``OffloadError`` or, when the
+    group's state became unknown, ``CollectiveStateError``.
+    """
+    attrs = blocks_attr if blocks_attr is None or isinstance(blocks_attr, str) else tuple(blocks_attr)
+    options = OffloadOptions(
+        device=torch.device(device),
+        blocks_attr=attrs,
+        use_allgather=use_allgather,
+        group=group,
+        dp_group=dp_group,
+        sp_group=sp_group,
+        resident_layers=resident_layers,
+        host_registration_limit_gib=host_registration_limit_gib,
+        quantization=quantization,
+    )
+    backend = LayerwiseOffloadBackend(model, options, host_source)
+    backend.enable()
+    return OffloadHandle(backend)

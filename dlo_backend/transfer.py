@@ -1,0 +1,175 @@
+"""Transfers: how a block's bytes get from the host into a device slot, on which lane.
+
+Three strategies share one call, ``fill(block, slot)``, which submits the work and sets
+``slots.ready[slot]``; it never blocks on the device except where staging reuse requires it.
+
+- ``DirectTransfer``: copy each tensor's storage span host -> slot on the copy lane. Used when
+  the device can read the host memory asynchronously (CPU device, pinned module tensors, or a
+  lease whose mappings are ``cudaHostRegister``-ed).
+- ``StagedTransfer``: pack the block into one of two bounded host staging buffers (pinned on
+  CUDA), then one H2D copy. A staging buffer is reused only after the copy that last read it
+  finished (host wait on its signal).
+- ``AllGatherTransfer``: copy this rank's pre-built shard to a device shard buffer on the copy
+  lane, then ``all_gather`` it into the slot on the communication lane (bytes, so any dtype
+  works on gloo and NCCL). Every rank must call ``fill`` in the same order.
+
+Every writer first waits on ``slots.free[slot]`` (compute may still read the slot's previous
+block) and, for AllGather, on the slot's previous ``ready`` (the last gather still reads the
+shard buffer of that slot).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from hwr.dlo_backend.group import all_gather_bytes
+from hwr.dlo_backend.lanes import Lane, Signal, completed_signal
+from hwr.dlo_backend.layout import GROUP_ALIGN_BYTES, BlockLayout
+from hwr.dlo_backend.sharding import flat_span
+from hwr.dlo_backend.slots import SlotPair
+
+__all__ = ["AllGatherTransfer", "DirectTransfer", "StagedTransfer", "Transfer"]
+
+
+class Transfer(Protocol):
+    mode: str
+
+    def fill(self, block: int, slot: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class DirectTransfer:
+    """Host tensors -> slot, one copy per tensor span, on the copy lane."""
+
+    mode = "direct"
+
+    def __init__(
+        self, hosts: Sequence[list[torch.Tensor]], layouts: Sequence[BlockLayout], slots: SlotPair, lane: Lane
+    ) -> None:
+        self._hosts, self._layouts, self._slots, self._lane = hosts, layouts, slots, lane
+
+    def _copy_block(self, block: int, slot: int) -> None:
+        layout = self._layouts[block]
+        for index, host in enumerate(self._hosts[block]):
+            # non_blocking: the source is pinned/registered or the device is the CPU itself.
+            self._slots.span_view(slot, layout, index).copy_(flat_span(host), non_blocking=True)
+
+    def fill(self, block: int, slot: int) -> None:
+        # Wait: the slot's previous block may still be read by compute.
+        self._lane.wait(self._slots.free[slot])
+        self._lane.submit(lambda: self._copy_block(block, slot))
+        self._slots.ready[slot] = self._lane.record()
+
+    def close(self) -> None:
+        return None
+
+
+class StagedTransfer:
+    """Host tensors -> bounded staging buffer (host memcpy) -> slot (one H2D copy)."""
+
+    mode = "staged"
+
+    def __init__(
+        self,
+        hosts: Sequence[list[torch.Tensor]],
+        layouts: Sequence[BlockLayout],
+        slots: SlotPair,
+        lane: Lane,
+        *,
+        pin: bool,
+    ) -> None:
+        self._hosts, self._layouts, self._slots, self._lane = hosts, layouts, slots, lane
+        self.staging = [torch.empty(slots.nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        self._done: list[Signal] = [completed_signal(), completed_signal()]
+        self._next = 0
+
+    def _pack(self, block: int, staging: torch.Tensor) -> None:
+        layout = self._layouts[block]
+        for index, host in enumerate(self._hosts[block]):
+            placed = layout.tensors[index]
+            group = layout.groups[placed.group]
+            region = staging[group.byte_offset : group.byte_offset + group.nbytes].view(group.dtype)
+            region[placed.offset : placed.offset + placed.meta.span].copy_(flat_span(host))
+
+    def fill(self, block: int, slot: int) -> None:
+        index = self._next
+        self._next = 1 - index
+        staging = self.staging[index]
+        # Host wait: the copy that last read this staging buffer must finish before we overwrite it.
+        self._done[index].wait_host()
+        self._pack(block, staging)
+        nbytes = self._layouts[block].nbytes
+        target = self._slots.buffers[slot]
+        # Wait: the slot's previous block may still be read by compute.
+        self._lane.wait(self._slots.free[slot])
+        self._lane.submit(lambda: target[:nbytes].copy_(staging[:nbytes], non_blocking=True))
+        self._done[index] = self._lane.record()
+        self._slots.ready[slot] = self._done[index]
+
+    def close(self) -> None:
+        self.staging = []
+
+
+def _shard_offsets(layout: BlockLayout) -> list[int]:
+    offsets, cursor = [], 0
+    for group in layout.groups:
+        offsets.append(cursor)
+        cursor += -(-group.shard_nbytes // GROUP_ALIGN_BYTES) * GROUP_ALIGN_BYTES
+    return offsets
+
+
+class AllGatherTransfer:
+    """Local shard -> device shard buffer (copy lane) -> all_gather into the slot (comm lane)."""
+
+    mode = "allgather"
+
+    def __init__(
+        self,
+        shards: Sequence[list[torch.Tensor]],
+        layouts: Sequence[BlockLayout],
+        slots: SlotPair,
+        copy_lane: Lane,
+        comm_lane: Lane,
+        group: Any,
+        device: torch.device,
+    ) -> None:
+        self._shards, self._layouts, self._slots = shards, layouts, slots
+        self._copy, self._comm, self._group = copy_lane, comm_lane, group
+        self._offsets = [_shard_offsets(layout) for layout in layouts]
+        size = max(
+            offsets[-1] + layout.groups[-1].shard_nbytes for offsets, layout in zip(self._offsets, layouts, strict=True)
+        )
+        self.shard_buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2)]
+
+    def _copy_shard(self, block: int, slot: int) -> None:
+        for group, (offset, shard) in enumerate(zip(self._offsets[block], self._shards[block], strict=True)):
+            nbytes = self._layouts[block].groups[group].shard_nbytes
+            target = self.shard_buffers[slot][offset : offset + nbytes]
+            target.copy_(shard.view(torch.uint8), non_blocking=True)  # shards are pinned on CUDA
+
+    def _gather(self, block: int, slot: int) -> None:
+        layout = self._layouts[block]
+        for group, offset in enumerate(self._offsets[block]):
+            nbytes = layout.groups[group].shard_nbytes
+            local = self.shard_buffers[slot][offset : offset + nbytes]
+            whole = self._slots.group_view(slot, layout, group).view(torch.uint8)
+            all_gather_bytes(whole, local, self._group)
+
+    def fill(self, block: int, slot: int) -> None:
+        # Wait: the previous gather into this slot still reads this slot's shard buffer.
+        self._copy.wait(self._slots.ready[slot])
+        self._copy.submit(lambda: self._copy_shard(block, slot))
+        copied = self._copy.record()
+        # Wait: the gather reads the shard the copy lane just wrote.
+        self._comm.wait(copied)
+        # Wait: the gather overwrites the slot, whose previous block compute may still read.
+        self._comm.wait(self._slots.free[slot])
+        self._comm.submit(lambda: self._gather(block, slot))
+        self._slots.ready[slot] = self._comm.record()
+
+    def close(self) -> None:
+        self.shard_buffers = []

@@ -1,0 +1,167 @@
+"""Rank programs for the AllGather tests, run in spawned processes over a real gloo group.
+
+Each program writes ``<outdir>/rank<r>.json`` with what it observed; the test asserts on it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _init(rank: int, world: int, rdzv: str, timeout_s: float) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+    )
+
+
+def _write(outdir: str, rank: int, result: dict[str, Any]) -> None:
+    Path(outdir, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def parity(rank: int, world: int, rdzv: str, outdir: str, lease_path: str | None) -> None:
+    """Same outputs as the unhooked model, for a shared input and for per-rank inputs."""
+    from dlo_fixtures import SafetensorsLease, TinyDiT
+
+    from hwr.dlo_backend import apply_layerwise_offload
+
+    _init(rank, world, rdzv, 10)
+    model = TinyDiT(3, 2, seed=0)
+    shared = torch.randn(3, 16, generator=torch.Generator().manual_seed(123))
+    mine = torch.randn(3, 16, generator=torch.Generator().manual_seed(1000 + rank))  # DP: own request
+    with torch.no_grad():
+        want_shared, want_mine = model(shared), model(mine)
+    lease = SafetensorsLease(Path(lease_path)) if lease_path else None
+    seen: list[int] = []
+    handle = apply_layerwise_offload(
+        model, device="cpu", host_source=lease, use_allgather=True, group="auto", dp_group=dist.group.WORLD
+    )
+    probes = [
+        block.norm.register_forward_pre_hook(lambda *_: seen.append(len(handle.backend.materialized_blocks())))
+        for block in model.blocks
+    ]
+    stats = handle.stats
+    layouts = handle.backend._layouts
+    expected_shard = sum(math.ceil(g.numel / world) * g.itemsize for layout in layouts for g in layout.groups)
+    equal = []
+    with torch.no_grad():
+        for _ in range(3):
+            equal.append(bool(torch.equal(model(shared), want_shared)))
+            equal.append(bool(torch.equal(model(mine), want_mine)))
+    dropped = all(source.host == [] for source in handle.backend._streamed)
+    for probe in probes:
+        probe.remove()
+    handle.close()
+    with torch.no_grad():
+        after = bool(torch.equal(model(shared), want_shared)) and bool(torch.equal(model(mine), want_mine))
+    _write(
+        outdir,
+        rank,
+        {
+            "equal": equal,
+            "after_close": after,
+            "mode": stats.mode,
+            "world": stats.world,
+            "shard_bytes": stats.host_shard_bytes,
+            "expected_shard_bytes": expected_shard,
+            "block_bytes": stats.block_bytes,
+            "payload_bytes": sum(layout.payload_nbytes for layout in layouts),
+            "max_materialized": max(seen),
+            "originals_dropped": dropped,
+            "lease_closed": None if lease is None else lease.close_calls,
+        },
+    )
+    dist.destroy_process_group()
+
+
+def mismatch(rank: int, world: int, rdzv: str, outdir: str) -> None:
+    """Rank 1 loads a model of another shape: every rank gets ManifestMismatch, models usable."""
+    from dlo_fixtures import TinyDiT
+
+    from hwr.dlo_backend import apply_layerwise_offload
+
+    _init(rank, world, rdzv, 10)
+    model = TinyDiT(3, 2, dim=16 if rank == 0 else 8)
+    start = time.monotonic()
+    try:
+        apply_layerwise_offload(model, device="cpu", use_allgather=True, group=dist.group.WORLD)
+        error = None
+    except Exception as exc:
+        error = type(exc).__name__
+    hooks = sum(len(m._forward_pre_hooks) for m in model.modules())
+    _write(outdir, rank, {"error": error, "seconds": time.monotonic() - start, "hooks": hooks})
+    dist.destroy_process_group()
+
+
+def enable_failures(rank: int, world: int, rdzv: str, outdir: str) -> None:
+    """Rank 1 fails at VALIDATE, then at SHARD; every rank fails promptly; then both succeed."""
+    from dlo_fixtures import TinyDiT
+
+    from hwr.dlo_backend import EnableStep, LayerwiseOffloadBackend, apply_layerwise_offload
+
+    _init(rank, world, rdzv, 10)
+    model = TinyDiT(3, 0)
+    x = torch.randn(2, 16, generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        want = model(x)
+    real = LayerwiseOffloadBackend._enter
+    attempts: list[dict[str, Any]] = []
+    for failing in (EnableStep.VALIDATE, EnableStep.SHARD, None):
+
+        def enter(self: LayerwiseOffloadBackend, step: EnableStep, failing: EnableStep | None = failing) -> None:
+            real(self, step)
+            if rank == 1 and step is failing:
+                raise MemoryError("injected")
+
+        LayerwiseOffloadBackend._enter = enter  # type: ignore[method-assign]
+        start = time.monotonic()
+        try:
+            handle = apply_layerwise_offload(model, device="cpu", use_allgather=True, group=dist.group.WORLD)
+            with torch.no_grad():
+                ok = bool(torch.equal(model(x), want))
+            handle.close()
+            error = None
+        except Exception as exc:
+            ok, error = False, type(exc).__name__
+        with torch.no_grad():
+            usable = bool(torch.equal(model(x), want))
+        attempts.append({"error": error, "ok": ok, "usable": usable, "seconds": time.monotonic() - start})
+    _write(outdir, rank, {"attempts": attempts})
+    dist.destroy_process_group()
+
+
+def early_stop(rank: int, world: int, rdzv: str, outdir: str, timeout_s: float) -> None:
+    """Rank 1 stops after one forward (alive, silent); the others fail within the group timeout."""
+    from dlo_fixtures import TinyDiT
+
+    from hwr.dlo_backend import apply_layerwise_offload
+
+    _init(rank, world, rdzv, timeout_s)
+    model = TinyDiT(3, 0)
+    x = torch.randn(2, 16)
+    handle = apply_layerwise_offload(model, device="cpu", use_allgather=True, group=dist.group.WORLD)
+    with torch.no_grad():
+        model(x)
+    if rank == 1:
+        _write(outdir, rank, {"stopped": True})
+        time.sleep(120)  # the parent kills this process
+        return
+    start = time.monotonic()
+    errors = []
+    for _ in range(2):
+        try:
+            with torch.no_grad():
+                model(x)
+            errors.append(None)
+        except Exception as exc:
+            errors.append([type(exc).__name__, str(exc)])
+    failed_after = time.monotonic() - start
+    handle.close()
+    _write(outdir, rank, {"errors": errors, "seconds": failed_after, "state": handle.backend.state.value})
