@@ -1,0 +1,445 @@
+"""The checkpoint registry: canonical safetensors checkpoints owned (and kept mmapped) by hwrd.
+
+A checkpoint is a directory of ``*.safetensors`` files (searched up to ``MAX_DEPTH`` levels), or a
+Hugging Face cache snapshot (``.../models--org--name/snapshots/<rev>/``). ``add`` validates every
+header strictly (``read_header``, alignment not required: foreign writers may not pad) and gives
+each file a *source identity*:
+
+- ``immutable-blob:<hash>`` when the file is a HF snapshot link whose topology validates
+  (``hf_blob_link``): ``models--<org>--<name>/snapshots/<40-hex rev>/<rel>`` is a symlink whose
+  target is exactly ``../`` x (depth) ``blobs/<40 or 64 hex>``, and the blob is a regular file in
+  that same repository's ``blobs/`` reached without any other symlink;
+- otherwise ``sha256:<hex>`` of the content, hashed through one descriptor whose
+  ``(size, dev, inode, mtime_ns, ctime_ns)`` must be the same before and after hashing and equal
+  to the path's ``lstat`` (a file changing under the hash raises ``CheckpointModified``). Digests
+  are cached under ``<root>/checkpoints/digests.json`` keyed by that fingerprint, so a restart
+  or a second registration does not re-hash.
+
+The checkpoint id is the SHA-256 of the canonical JSON list of ``[relative name, source
+identity]``: the same content registers once, wherever it lives. Registered paths are remembered
+in ``<root>/checkpoints/registry.json`` and re-registered at start.
+
+Modification after registration: ``check`` compares each file's ``lstat`` and the retained
+descriptor's ``fstat`` with the registered fingerprint; a difference marks the checkpoint
+``modified`` for good and raises ``CheckpointModified`` (leases and prewarm are refused).
+Limits: detection relies on the kernel updating mtime/ctime (an ``mmap`` write is only seen once
+written back); a file modified and restored within one timestamp tick is not detected; the daemon
+reads any path its own user can read (registration is an operator action on the daemon's host).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import mmap
+import os
+import re
+import stat
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hwr.client.errors import (
+    CheckpointModified,
+    CheckpointNotFound,
+    HwrError,
+    InvalidRequest,
+    ManifestCorrupt,
+    StoreIOError,
+)
+from hwr.client.identity import canonical_json
+from hwr.client.safetensors_header import Header, TensorEntry, read_header
+from hwr.daemon import store_io
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointFile",
+    "Checkpoints",
+    "FileFingerprint",
+    "checkpoint_id_for",
+    "hf_blob_link",
+    "resolve_checkpoint_prefix",
+]
+
+log = logging.getLogger("hwrd.checkpoints")
+MAX_DEPTH = 3
+MAX_FILES = 4096
+HASH_CHUNK = 16 << 20
+_HEX = frozenset("0123456789abcdef")
+_REV = re.compile(r"^[0-9a-f]{40}$")
+_BLOB = re.compile(r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$")
+_OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@dataclass(frozen=True)
+class FileFingerprint:
+    size: int
+    device: int
+    inode: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> FileFingerprint:
+        return cls(st.st_size, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+
+    def cache_key(self) -> str:
+        return f"{self.device}:{self.inode}:{self.size}:{self.mtime_ns}:{self.ctime_ns}"
+
+
+@dataclass(frozen=True)
+class HfBlobLink:
+    model_id: str
+    revision: str
+    blob_hash: str
+    blob_path: Path
+
+
+def hf_blob_link(file_path: Path, link_target: str | None) -> HfBlobLink | None:
+    """Pure: the HF blob a snapshot link points at, or None unless the topology is exact.
+
+    ``file_path`` is the absolute, unresolved path of the snapshot entry; ``link_target`` its
+    ``readlink`` (None when it is not a symlink).
+    """
+    if link_target is None:
+        return None
+    parts = file_path.parts
+    for i in range(len(parts) - 3, 0, -1):
+        if parts[i] == "snapshots" and parts[i - 1].startswith("models--"):
+            repo, rev, rel = parts[i - 1], parts[i + 1], parts[i + 2:]
+            break
+    else:
+        return None
+    pieces = repo.removeprefix("models--").split("--")
+    if not _REV.match(rev) or not rel or len(pieces) < 1 or not all(pieces):
+        return None
+    ups = len(rel) + 1
+    prefix = "../" * ups + "blobs/"
+    if not link_target.startswith(prefix) or not _BLOB.match(link_target[len(prefix):]):
+        return None
+    blob_hash = link_target[len(prefix):]
+    repo_dir = Path(*parts[:i])
+    return HfBlobLink("/".join(pieces), rev, blob_hash, repo_dir / "blobs" / blob_hash)
+
+
+def checkpoint_id_for(sources: Sequence[tuple[str, str]]) -> str:
+    """Pure: the checkpoint id of ``[(relative name, source identity)]`` (order independent)."""
+    return hashlib.sha256(canonical_json([list(p) for p in sorted(sources)])).hexdigest()
+
+
+def resolve_checkpoint_prefix(prefix: str, ids: Sequence[str]) -> str:
+    """Pure: the one id starting with ``prefix`` (4 to 64 lowercase hex digits)."""
+    if not 4 <= len(prefix) <= 64 or not set(prefix) <= _HEX:
+        raise InvalidRequest("a checkpoint id prefix needs 4 to 64 lowercase hex digits",
+                             details={"checkpoint": prefix[:80]})
+    matches = [i for i in ids if i.startswith(prefix)]
+    if not matches:
+        raise CheckpointNotFound("no registered checkpoint matches", details={"checkpoint": prefix})
+    if len(matches) > 1:
+        raise InvalidRequest("ambiguous checkpoint id prefix", details={"checkpoint": prefix})
+    return matches[0]
+
+
+@dataclass(frozen=True)
+class CheckpointFile:
+    name: str  # relative to the checkpoint directory, "/"-separated
+    path: Path  # the regular file actually opened (the blob for an HF link)
+    fingerprint: FileFingerprint
+    source: str  # "immutable-blob:<hash>" or "sha256:<hex>"
+    header: Header
+
+
+@dataclass
+class Checkpoint:
+    """A registered checkpoint; owns one read-only descriptor and mapping per file."""
+
+    checkpoint_id: str
+    path: Path
+    model_id: str
+    revision: str
+    files: tuple[CheckpointFile, ...]
+    registered_at: float
+    tensors: dict[str, tuple[int, TensorEntry]]
+    modified: bool = False
+    _fds: list[int] = field(default_factory=list, repr=False)
+    _maps: list[mmap.mmap] = field(default_factory=list, repr=False)
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(f.fingerprint.size for f in self.files)
+
+    @property
+    def source_kind(self) -> str:
+        return "immutable-blob" if all(f.source.startswith("immutable-blob:") for f in self.files) \
+            else "content-sha256"
+
+    def close(self) -> None:
+        """Drop the mappings and descriptors (idempotent)."""
+        maps, self._maps = self._maps, []
+        for m in maps:
+            with contextlib.suppress(BufferError):
+                m.close()
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+class Checkpoints:
+    """Registered checkpoints of one daemon (thread-safe)."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        self._lock = threading.RLock()
+        self._by_id: dict[str, Checkpoint] = {}
+        self._digests: dict[str, str] = {}
+
+    # --------------------------------------------------------------- lifecycle
+    def open(self) -> list[tuple[str, HwrError]]:
+        """Create the state dir, load the digest cache, re-register remembered paths."""
+        with contextlib.suppress(FileExistsError):
+            self.state_dir.mkdir(mode=0o700)
+        self._digests = _load_json(self.state_dir / "digests.json", dict)
+        report = []
+        for path in _load_json(self.state_dir / "registry.json", list):
+            try:
+                self.add(Path(path), remember=False)
+            except HwrError as exc:
+                log.warning("checkpoint %s not re-registered: %s", path, exc)
+                report.append((str(path), exc))
+        return report
+
+    def close(self) -> None:
+        with self._lock:
+            for ckpt in self._by_id.values():
+                ckpt.close()
+            self._by_id.clear()
+
+    # --------------------------------------------------------------- registry
+    def add(self, path: Path, *, remember: bool = True) -> tuple[Checkpoint, bool]:
+        """Validate and register ``path``; returns ``(checkpoint, added)``."""
+        path = Path(os.path.abspath(path))
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            raise InvalidRequest(f"cannot read {path}: {exc.strerror}", details={"path": str(path)}) from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise InvalidRequest(f"{path} is not a directory", details={"path": str(path)})
+        names = sorted(_safetensors_files(path))
+        if not names:
+            raise InvalidRequest(f"{path} holds no .safetensors files", details={"path": str(path)})
+        if len(names) > MAX_FILES:
+            raise InvalidRequest("too many safetensors files", details={"limit": MAX_FILES})
+        files: list[CheckpointFile] = []
+        fds: list[int] = []
+        model_id, revision = path.name, "local"
+        try:
+            for name in names:
+                cfile, fd, link = self._open_file(path, name)
+                fds.append(fd)
+                files.append(cfile)
+                if link is not None:
+                    model_id, revision = link.model_id, link.revision
+            tensors = _index(files)
+            ckpt_id = checkpoint_id_for([(f.name, f.source) for f in files])
+            with self._lock:
+                existing = self._by_id.get(ckpt_id)
+                if existing is not None and not existing.modified:
+                    for fd in fds:
+                        os.close(fd)
+                    return existing, False
+                maps = [mmap.mmap(fd, f.fingerprint.size, prot=mmap.PROT_READ)
+                        for fd, f in zip(fds, files, strict=True)]
+                ckpt = Checkpoint(ckpt_id, path, model_id, revision, tuple(files), time.time(), tensors,
+                                  _fds=fds, _maps=maps)
+                if existing is not None:
+                    existing.close()
+                self._by_id[ckpt_id] = ckpt
+                self._save_digests()
+                if remember:
+                    self._save_registry()
+            return ckpt, True
+        except BaseException:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            raise
+
+    def _open_file(self, root: Path, name: str) -> tuple[CheckpointFile, int, HfBlobLink | None]:
+        entry = root / name
+        try:
+            lst = os.lstat(entry)
+            target = os.readlink(entry) if stat.S_ISLNK(lst.st_mode) else None
+        except OSError as exc:
+            raise InvalidRequest(f"cannot read {entry}: {exc.strerror}", details={"file": name}) from None
+        link = hf_blob_link(entry, target)
+        if link is not None and not _plain_path(link.blob_path):
+            link = None
+        real = link.blob_path if link is not None else Path(os.path.realpath(entry))
+        try:
+            fd = os.open(real, _OPEN)
+        except OSError as exc:
+            raise InvalidRequest(f"cannot open {entry}: {exc.strerror}", details={"file": name}) from None
+        try:
+            before = FileFingerprint.of(os.fstat(fd))
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise InvalidRequest(f"{name} is not a regular file", details={"file": name})
+            try:
+                header = read_header(fd, require_alignment=False)
+            except ManifestCorrupt as exc:
+                raise ManifestCorrupt(f"{name}: {exc.message}", details={**exc.details, "file": name}) from None
+            if link is not None:
+                source = f"immutable-blob:{link.blob_hash}"
+            else:
+                source = "sha256:" + self._content_digest(fd, real, before, name)
+            _check_unchanged(fd, real, before, name)
+            return CheckpointFile(name, real, before, source, header), fd, link
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _content_digest(self, fd: int, path: Path, before: FileFingerprint, name: str) -> str:
+        cache_key = f"{path}|{before.cache_key()}"
+        cached = self._digests.get(cache_key)
+        if cached is not None:
+            return cached
+        digest = hashlib.sha256()
+        with mmap.mmap(fd, before.size, prot=mmap.PROT_READ) as mapped, memoryview(mapped) as view:
+            for start in range(0, before.size, HASH_CHUNK):
+                digest.update(view[start:start + HASH_CHUNK])
+        _check_unchanged(fd, path, before, name)
+        value = digest.hexdigest()
+        with self._lock:
+            self._digests[cache_key] = value
+        return value
+
+    def get(self, ref: str) -> Checkpoint:
+        """A checkpoint by id, unique id prefix, or registered path."""
+        with self._lock:
+            if ref.startswith("/"):
+                for ckpt in self._by_id.values():
+                    if str(ckpt.path) == os.path.abspath(ref):
+                        return ckpt
+                raise CheckpointNotFound("no checkpoint registered at that path", details={"path": ref[:300]})
+            return self._by_id[resolve_checkpoint_prefix(ref, list(self._by_id))]
+
+    def list(self) -> list[Checkpoint]:
+        with self._lock:
+            return sorted(self._by_id.values(), key=lambda c: c.registered_at)
+
+    def check(self, ckpt: Checkpoint) -> Checkpoint:
+        """Raise ``CheckpointModified`` (and mark it) if any file changed since registration."""
+        if not ckpt.modified:
+            try:
+                for cfile, fd in zip(ckpt.files, ckpt._fds, strict=True):
+                    _check_unchanged(fd, cfile.path, cfile.fingerprint, cfile.name)
+            except CheckpointModified:
+                ckpt.modified = True
+                raise
+        if ckpt.modified:
+            raise CheckpointModified("a file of this checkpoint changed after registration; re-register it",
+                                     details={"checkpoint": ckpt.checkpoint_id})
+        return ckpt
+
+    def open_fds(self, ckpt: Checkpoint) -> list[int]:
+        """Fresh read-only descriptors of every file, verified against the fingerprints (caller closes)."""
+        self.check(ckpt)
+        fds: list[int] = []
+        try:
+            for cfile in ckpt.files:
+                fd = os.open(cfile.path, _OPEN)
+                fds.append(fd)
+                if FileFingerprint.of(os.fstat(fd)) != cfile.fingerprint:
+                    ckpt.modified = True
+                    raise CheckpointModified(f"{cfile.name} changed after registration",
+                                             details={"checkpoint": ckpt.checkpoint_id, "file": cfile.name})
+        except BaseException as exc:
+            for fd in fds:
+                os.close(fd)
+            if isinstance(exc, OSError) and not isinstance(exc, HwrError):
+                ckpt.modified = True
+                raise CheckpointModified(f"cannot reopen a checkpoint file: {exc.strerror}",
+                                         details={"checkpoint": ckpt.checkpoint_id}) from None
+            raise
+        return fds
+
+    # --------------------------------------------------------------- persistence
+    def _save_digests(self) -> None:
+        _write_json(self.state_dir / "digests.json", self._digests)
+
+    def _save_registry(self) -> None:
+        paths = sorted({str(c.path) for c in self._by_id.values()})
+        _write_json(self.state_dir / "registry.json", paths)
+
+
+# ------------------------------------------------------------------- helpers
+def _safetensors_files(root: Path) -> Iterator[str]:
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        depth = len(Path(dirpath).relative_to(root).parts)
+        if depth >= MAX_DEPTH:
+            dirnames.clear()
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for fname in filenames:
+            if fname.endswith(".safetensors") and not fname.startswith("."):
+                yield str((Path(dirpath) / fname).relative_to(root))
+
+
+def _plain_path(path: Path) -> bool:
+    """True when every component of ``path`` below ``/`` is not a symlink and the leaf is a regular file."""
+    try:
+        for parent in reversed(path.parents[:-1]):
+            if stat.S_ISLNK(os.lstat(parent).st_mode):
+                return False
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _check_unchanged(fd: int, path: Path, expected: FileFingerprint, name: str) -> None:
+    try:
+        now_fd = FileFingerprint.of(os.fstat(fd))
+        now_path = FileFingerprint.of(os.lstat(path))
+    except OSError as exc:
+        raise CheckpointModified(f"{name} disappeared: {exc.strerror}", details={"file": name}) from None
+    if now_fd != expected or now_path != expected:
+        raise CheckpointModified(f"{name} changed (size, inode, mtime or ctime)", details={"file": name})
+
+
+def _index(files: Sequence[CheckpointFile]) -> dict[str, tuple[int, TensorEntry]]:
+    tensors: dict[str, tuple[int, TensorEntry]] = {}
+    for index, cfile in enumerate(files):
+        for entry in cfile.header.entries:
+            if entry.name in tensors:
+                raise InvalidRequest(f"tensor {entry.name!r} appears in two files",
+                                     details={"tensor": entry.name[:200], "file": cfile.name})
+            tensors[entry.name] = (index, entry)
+    if not tensors:
+        raise InvalidRequest("the checkpoint holds no tensors")
+    return tensors
+
+
+def _load_json(path: Path, kind: type) -> object:
+    try:
+        value = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return kind()
+    except (OSError, ValueError) as exc:
+        log.warning("ignoring unreadable %s: %s", path, exc)
+        return kind()
+    return value if isinstance(value, kind) else kind()
+
+
+def _write_json(path: Path, value: object) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        store_io.write_new_file(tmp, json.dumps(value, sort_keys=True).encode(), mode=0o600)
+        store_io.rename(tmp, path)
+        store_io.fsync_dir(path.parent)
+    except OSError as exc:
+        store_io.remove_tree(tmp)
+        raise StoreIOError(f"cannot persist {path.name}: {exc.strerror}") from None
