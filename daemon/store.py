@@ -496,6 +496,47 @@ class Store:
             raise exc
         return record
 
+    # ----------------------------------------------------------------- service queries
+    def usage_by_key(self) -> dict[str, int]:
+        """Payload bytes of every directory in ``artifacts/`` (denied ones included: they use disk)."""
+        with self._mutex:
+            known = {k: r.size_bytes for k, r in self._records.items()}
+        out: dict[str, int] = {}
+        for entry in os.listdir(self.root / "artifacts"):
+            if entry in known:
+                out[entry] = known[entry]
+            elif is_key(entry):
+                total = 0
+                with contextlib.suppress(OSError):
+                    for name in os.listdir(self.root / "artifacts" / entry):
+                        with contextlib.suppress(OSError):
+                            total += os.lstat(self.root / "artifacts" / entry / name).st_size
+                out[entry] = total
+        return out
+
+    def known_keys(self) -> set[str]:
+        """Keys present in ``artifacts/`` or carrying a deny marker."""
+        with self._mutex:
+            denied = set(self._denied)
+        return {e for e in os.listdir(self.root / "artifacts") if is_key(e)} | denied
+
+    def deny_reason(self, key: str) -> str | None:
+        return self._denied.get(key)
+
+    def reclaim_stale_staging(self) -> int:
+        """Remove ``tmp/`` entries that belong to no open staging (trash of interrupted removals)."""
+        with self._mutex:
+            live = set(self._stagings)
+        count = 0
+        for entry in os.listdir(self.root / "tmp"):
+            if entry not in live and ".removed." in entry:
+                store_io.remove_tree(self.root / "tmp" / entry)
+                count += 1
+        return count
+
+    def staging_entries(self) -> list[str]:
+        return sorted(os.listdir(self.root / "tmp"))
+
     # ----------------------------------------------------------------- deny, allow, remove
     def is_denied(self, key: str) -> bool:
         return _check_key(key) in self._denied

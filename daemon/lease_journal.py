@@ -1,0 +1,167 @@
+"""The persistent lease registry: who held which artifact, surviving a daemon restart.
+
+File ``<root>/leases.journal``, append-only JSON lines (one ``os.write`` of one line each, with
+``O_APPEND``, so a SIGKILL leaves whole lines; a torn or unknown line is ignored)::
+
+    {"op": "acquire", "lease": ID, "key": KEY, "pid": PID, "start": TICKS, "uid": UID}
+    {"op": "release", "lease": ID}
+    {"op": "forget", "key": KEY}            # the artifact is gone: drop its lessee uids
+
+``start`` is the process start time (field 22 of ``/proc/<pid>/stat``, clock ticks since boot):
+with the pid it names one process, so a recycled pid never inherits a hold.
+
+At open the journal is replayed: every acquire without a release whose process is still the same
+live process becomes a *hold* (``recovered``); the file is then rewritten (temp file, rename)
+with just those holds and the lessee uids, and is compacted the same way whenever it grows past
+a bound. The daemon treats a held artifact as in use until the process exits or reattaches
+(acquires the key again from a new session).
+
+No fsync, on purpose: the journal must survive the daemon's death, not the machine's; the page
+cache outlives a killed process, and after a machine crash there is no process left to protect.
+Limits: the lessee-uid sets only grow (one entry per uid that ever leased a key) until the key
+is forgotten; a process that exits and whose pid is reused within the same clock tick of start
+time would be mistaken for the original (practically impossible).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from hwr.client.identity import is_key
+
+__all__ = ["Hold", "LeaseJournal", "process_start", "same_process"]
+
+COMPACT_SLACK = 4096
+
+
+@dataclass(frozen=True)
+class Hold:
+    lease_id: str
+    key: str
+    pid: int
+    start: int
+    uid: int
+
+
+def process_start(pid: int) -> int | None:
+    """The start time of ``pid`` in clock ticks since boot, or None when it does not exist."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
+    fields = data[data.rfind(b")") + 2:].split()
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def same_process(pid: int, start: int) -> bool:
+    return process_start(pid) == start
+
+
+class LeaseJournal:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+        self._live: dict[str, Hold] = {}
+        self._uids: dict[str, set[int]] = {}
+        self._lines = 0
+        self.recovered: list[Hold] = []
+
+    @classmethod
+    def open(cls, path: Path) -> LeaseJournal:
+        journal = cls(path)
+        journal._replay()
+        journal.recovered = [h for h in journal._live.values() if same_process(h.pid, h.start)]
+        journal._live = {h.lease_id: h for h in journal.recovered}
+        journal._compact()
+        return journal
+
+    def _replay(self) -> None:
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return
+        for line in data.splitlines():
+            try:
+                entry = json.loads(line)
+                op = entry["op"]
+                if op == "acquire" and is_key(entry["key"]):
+                    hold = Hold(str(entry["lease"]), entry["key"], int(entry["pid"]), int(entry["start"]),
+                                int(entry["uid"]))
+                    self._live[hold.lease_id] = hold
+                    self._uids.setdefault(hold.key, set()).add(hold.uid)
+                elif op == "release":
+                    self._live.pop(str(entry["lease"]), None)
+                elif op == "forget":
+                    self._uids.pop(entry["key"], None)
+            except (ValueError, KeyError, TypeError):
+                continue  # a torn last line or a foreign one: ignore it
+
+    def _compact(self) -> None:
+        lines = [self._line({"op": "acquire", "lease": h.lease_id, "key": h.key, "pid": h.pid,
+                             "start": h.start, "uid": h.uid}) for h in self._live.values()]
+        # Lessee uids of keys without a live hold travel as acquire+release pairs.
+        for key, uids in self._uids.items():
+            for uid in sorted(uids):
+                marker = f"uid-{uuid.uuid4().hex[:12]}"
+                lines.append(self._line({"op": "acquire", "lease": marker, "key": key, "pid": 0, "start": 0,
+                                         "uid": uid}))
+                lines.append(self._line({"op": "release", "lease": marker}))
+        tmp = self.path.with_name(f".{self.path.name}.{uuid.uuid4().hex}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, b"".join(lines))
+        finally:
+            os.close(fd)
+        os.rename(tmp, self.path)
+        old, self._fd = self._fd, os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW)
+        if old is not None:
+            os.close(old)
+        self._lines = len(lines)
+
+    @staticmethod
+    def _line(entry: dict[str, object]) -> bytes:
+        return json.dumps(entry, separators=(",", ":")).encode() + b"\n"
+
+    def _append(self, entry: dict[str, object]) -> None:
+        if self._fd is None:
+            return
+        os.write(self._fd, self._line(entry))
+        self._lines += 1
+        if self._lines > 2 * (len(self._live) + len(self._uids)) + COMPACT_SLACK:
+            self._compact()
+
+    # ------------------------------------------------------------------ recording
+    def acquired(self, lease_id: str, key: str, pid: int, start: int, uid: int) -> None:
+        self._live[lease_id] = Hold(lease_id, key, pid, start, uid)
+        self._uids.setdefault(key, set()).add(uid)
+        self._append({"op": "acquire", "lease": lease_id, "key": key, "pid": pid, "start": start, "uid": uid})
+
+    def released(self, lease_id: str) -> None:
+        if self._live.pop(lease_id, None) is not None:
+            self._append({"op": "release", "lease": lease_id})
+
+    def forget(self, key: str) -> None:
+        if self._uids.pop(key, None) is not None:
+            self._append({"op": "forget", "key": key})
+
+    def lessee_uids(self, key: str) -> set[int]:
+        return set(self._uids.get(key, ()))
+
+    def live(self) -> list[Hold]:
+        return list(self._live.values())
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
