@@ -21,10 +21,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import socket
 import threading
+import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ import grpc
 import torch
 
 from hwr import __version__
+from hwr.client.checkpoint_lease import CheckpointLease
 from hwr.client.errors import (
     DaemonUnavailable,
     HwrError,
@@ -71,6 +74,14 @@ class Client:
         self._peer_lock = threading.Lock()
         self._peer: socket.socket | None = None
         self._channel: grpc.Channel | None = None
+        self._client_name = client_name
+        # Reconnect state (see ``reconnect``): open leases with the (dev, inode) of their files.
+        self.auto_reconnect = True
+        self.reconnects = 0
+        self._open_leases: weakref.WeakKeyDictionary[Lease, tuple[tuple[int, int], ...]] = (
+            weakref.WeakKeyDictionary())
+        self._reconnect_lock = threading.RLock()
+        self._watcher: threading.Thread | None = None
         try:
             self._peer = _open_peer(socket_path, timeout)
             hello, _ = recv_frame(self._peer)
@@ -104,6 +115,15 @@ class Client:
 
     def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
         self._check_usable()
+        peer = self._peer
+        try:
+            return getattr(self._stub, method)(request, metadata=self._metadata,
+                                               timeout=timeout or self.timeout)
+        except grpc.RpcError as exc:
+            error = error_from_rpc(exc)
+        if not self._may_reconnect(method, error):
+            raise error
+        self.reconnect(failed_peer=peer)  # raises DaemonUnavailable while hwrd is down
         try:
             return getattr(self._stub, method)(request, metadata=self._metadata,
                                                timeout=timeout or self.timeout)
@@ -136,11 +156,15 @@ class Client:
             manifest = Manifest.from_json(bytes(response.manifest_json))
             fds = self._peer_request({"op": "fds", "lease_id": response.lease_id,
                                       "lease_token": response.lease_token}, want_fds=True)
+            files = tuple((st.st_dev, st.st_ino) for st in map(os.fstat, fds))
         except BaseException:
             self._release(response.lease_id)
             raise
-        return Lease(lease_id=response.lease_id, key=response.key, manifest=manifest, fds=fds,
-                     release=self._release, copy_on_write=copy_on_write, populate=populate)
+        lease = Lease(lease_id=response.lease_id, key=response.key, manifest=manifest, fds=fds,
+                      release=self._release, copy_on_write=copy_on_write, populate=populate)
+        self._open_leases[lease] = files
+        self._start_watcher()
+        return lease
 
     def _release(self, lease_id: str) -> None:
         if self._closed or os.getpid() != self._pid:
@@ -156,7 +180,7 @@ class Client:
                                        "publication_token": token}, want_fds=True)
 
         return Publisher(identity=identity, specs=specs, call=self._call, staging_fds=staging_fds,
-                         wait_timeout=wait_timeout, verify=verify)
+                         wait_timeout=wait_timeout, verify=verify, call_timeout=self.timeout)
 
     def publish(self, identity: ArtifactIdentity, tensors: Mapping[str, torch.Tensor], *,
                 buffers: Sequence[str] = (), wait_timeout: float = 600.0, verify: bool = False) -> str:
@@ -200,12 +224,258 @@ class Client:
         return {"session_id": r.session_id, "lease_count": r.lease_count,
                 "publication_count": r.publication_count}
 
+    # --- checkpoints and prewarm ---
+    def add_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Register a checkpoint directory on the daemon's host; returns its description
+        (``added`` is False when the same content was already registered)."""
+        r = self._call("AddCheckpoint", pb.AddCheckpointRequest(path=os.path.abspath(path)))
+        return {**_checkpoint_dict(r.checkpoint), "added": r.added}
+
+    def list_checkpoints(self) -> list[dict[str, Any]]:
+        return [_checkpoint_dict(c) for c in
+                self._call("ListCheckpoints", pb.ListCheckpointsRequest()).checkpoints]
+
+    def acquire_checkpoint(self, checkpoint_id: str, *, populate: bool = False,
+                           timeout: float | None = None) -> CheckpointLease:
+        """Lease the canonical tensors of a registered checkpoint (id or unique prefix)."""
+        ref = pb.ArtifactRef(checkpoint=pb.CheckpointRef(checkpoint_id=checkpoint_id))
+        response = self._call("Acquire", pb.AcquireRequest(artifact=ref), timeout)
+        try:
+            fds = self._peer_request({"op": "fds", "lease_id": response.lease_id,
+                                      "lease_token": response.lease_token}, want_fds=True)
+        except BaseException:
+            self._release(response.lease_id)
+            raise
+        return CheckpointLease(lease_id=response.lease_id, checkpoint_id=response.key,
+                               files=[(f.name, f.size) for f in response.files], fds=fds,
+                               release=self._release, populate=populate)
+
+    def prewarm(self, checkpoint: str, producer: str, *, dtype: str = "", keep_fp32: Sequence[str] = (),
+                tp_size: int = 0, tp_plan: bytes = b"", tp_ranks: Sequence[int] = (),
+                timeout_s: float = 0.0, wait_timeout_s: float = 0.0,
+                on_progress: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+        """Build artifacts from a registered checkpoint in the daemon; returns one dict per rank
+        (``key``, ``tp_rank``, ``outcome``, ``size_bytes``, ``content_sha256``, ...).
+
+        Blocks until the build ends (no gRPC deadline: the daemon's producer timeout bounds it).
+        A ``KeyboardInterrupt`` while waiting cancels the call, which cancels the build in the
+        daemon (the producer is killed, nothing is published), and is re-raised.
+        """
+        self._check_usable()
+        request = pb.PrewarmRequest(
+            checkpoint=checkpoint, producer=producer, dtype=dtype, keep_fp32=list(keep_fp32),
+            tp_size=tp_size, tp_plan=tp_plan, tp_ranks=list(tp_ranks),
+            timeout_ms=int(timeout_s * 1000), wait_timeout_ms=int(wait_timeout_s * 1000))
+        call = self._stub.Prewarm(request, metadata=self._metadata)
+        result: list[dict[str, Any]] = []
+        try:
+            for message in call:
+                if message.WhichOneof("event") == "progress" and on_progress is not None:
+                    p = message.progress
+                    on_progress({"tp_rank": p.tp_rank, "done_bytes": p.done_bytes,
+                                 "total_bytes": p.total_bytes, "tensor": p.tensor})
+                elif message.WhichOneof("event") == "result":
+                    result = [{"key": a.key, "tp_rank": a.tp_rank,
+                               "outcome": pb.PrewarmOutcome.Name(a.outcome).removeprefix(
+                                   "PREWARM_OUTCOME_").lower(),
+                               "size_bytes": a.size_bytes, "content_sha256": a.content_sha256,
+                               "producer_peak_rss_bytes": a.producer_peak_rss_bytes,
+                               "build_seconds": round(a.build_seconds, 3)}
+                              for a in message.result.artifacts]
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from None
+        except BaseException:
+            call.cancel()
+            raise
+        return result
+
+    # --- store administration ---
+    def verify(self, key: str, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+        """Re-hash an artifact (key or unique prefix); ``progress(done, total)`` per update.
+
+        Returns the verdict: ``ok``, ``error_code``, ``message``, ``quarantined`` and the
+        ``affected_leases`` already granted on a corrupt artifact. A mismatch is a verdict (the
+        daemon quarantined and denied the artifact), not an exception.
+        """
+        stream = self._call("VerifyArtifact", pb.VerifyArtifactRequest(key=key), 7 * 24 * 3600.0)
+        try:
+            for message in stream:
+                if not message.finished:
+                    if progress is not None:
+                        progress(message.done_bytes, message.total_bytes)
+                    continue
+                return {"key": message.key, "ok": message.ok, "error_code": message.error_code,
+                        "message": message.message, "quarantined": message.quarantined,
+                        "size_bytes": message.total_bytes,
+                        "affected_leases": [_lease_dict(x) for x in message.affected_leases]}
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from None
+        raise DaemonUnavailable("the verification stream ended without a verdict")
+
+    def deny(self, key: str, reason: str) -> dict[str, Any]:
+        r = self._call("DenyArtifact", pb.DenyArtifactRequest(key=key, reason=reason))
+        return {"key": r.key, "affected_leases": [_lease_dict(x) for x in r.affected_leases]}
+
+    def allow(self, key: str) -> dict[str, Any]:
+        r = self._call("AllowArtifact", pb.AllowArtifactRequest(key=key))
+        return {"key": r.key, "was_denied": r.was_denied}
+
+    def pin(self, key: str) -> dict[str, Any]:
+        r = self._call("PinArtifact", pb.PinArtifactRequest(key=key))
+        return {"key": r.key, "already_pinned": r.already_pinned, "size_bytes": r.size_bytes,
+                "locked_bytes": r.locked_bytes, "residency": r.residency}
+
+    def unpin(self, key: str) -> dict[str, Any]:
+        r = self._call("UnpinArtifact", pb.UnpinArtifactRequest(key=key))
+        return {"key": r.key, "was_pinned": r.was_pinned}
+
+    def evict(self, key: str) -> dict[str, Any]:
+        """Evict one artifact; ``ActiveLease`` (``details['reason']``) when it is in use."""
+        r = self._call("EvictArtifact", pb.EvictArtifactRequest(key=key))
+        return {"key": r.key, "freed_bytes": r.freed_bytes}
+
+    def gc(self, target_bytes: int | None = None) -> dict[str, Any]:
+        request = pb.CollectGarbageRequest()
+        if target_bytes is not None:
+            request.target_bytes = target_bytes
+        r = self._call("CollectGarbage", request, 3600.0)
+        return {"evicted": list(r.evicted), "freed_bytes": r.freed_bytes, "store_bytes": r.store_bytes,
+                "target_bytes": r.target_bytes, "staging_reclaimed": r.staging_reclaimed,
+                "skipped": [{"key": x.key, "reason": x.reason} for x in r.skipped]}
+
+    def store_usage(self) -> dict[str, Any]:
+        r = self._call("GetStoreUsage", pb.GetStoreUsageRequest())
+        return {"store_bytes": r.store_bytes, "reserved_bytes": r.reserved_bytes,
+                "store_limit_bytes": r.store_limit_bytes, "artifact_limit_bytes": r.artifact_limit_bytes,
+                "min_free_bytes": r.min_free_bytes, "free_bytes": r.free_bytes, "pinned_bytes": r.pinned_bytes,
+                "locked_bytes": r.locked_bytes, "evictions": r.evictions,
+                "artifacts": [{"key": a.key, "size_bytes": a.size_bytes, "last_access": a.last_access,
+                               "pinned": a.pinned, "leases": a.leases, "held_by_pids": list(a.held_by_pids)}
+                              for a in r.artifacts]}
+
+    # --- reconnect after a daemon restart ---
+    # Contract: when hwrd restarts (clean or SIGKILL) the session ends; the client then opens a
+    # new session on the same socket and re-acquires the key of every open Lease. A Lease keeps
+    # its mappings (they are mappings of immutable files and stay valid whatever the daemon
+    # does) and is rebound to the new lease id when the daemon hands out the *same files*
+    # (same dev:inode); otherwise (evicted and republished meanwhile, or denied) it is detached:
+    # still readable, no longer counted by the daemon (which still sees its mappings in the
+    # mappings scan). Reconnection happens on the next call that fails with SESSION_INVALID or
+    # DAEMON_UNAVAILABLE, and in the background (a watcher thread that polls the peer socket for
+    # hang-up) while leases are open. Limits: publications in flight are lost (their commit
+    # fails: publish again); calls bound to the old session (Release, Commit/AbortPublication)
+    # are not retried; a closed Lease is not reattached.
+    _NO_RETRY = frozenset({"Release", "CommitPublication", "AbortPublication", "OpenSession", "VerifyArtifact"})
+
+    def _may_reconnect(self, method: str, error: HwrError) -> bool:
+        return (self.auto_reconnect and not self._closed and os.getpid() == self._pid
+                and method not in self._NO_RETRY and error.code in ("SESSION_INVALID", "DAEMON_UNAVAILABLE"))
+
+    def reconnect(self, *, failed_peer: socket.socket | None = None) -> dict[str, Any]:
+        """Open a new session and reattach open leases; returns ``{"reattached", "detached"}``.
+
+        ``failed_peer``: the connection the caller saw fail; when another thread has replaced it
+        meanwhile, nothing is done.
+        """
+        self._check_usable()
+        with self._reconnect_lock:
+            if failed_peer is not None and failed_peer is not self._peer:
+                return {"reattached": 0, "detached": []}
+            peer = _open_peer(self.socket_path, self.timeout)
+            try:
+                hello, _ = recv_frame(peer)
+            except (ConnectionError, OSError) as exc:
+                peer.close()
+                raise DaemonUnavailable(f"hwrd at {self.socket_path} closed the connection: {exc}") from None
+            if not hello.get("ok"):
+                peer.close()
+                raise error_from_code(str(hello.get("code")), str(hello.get("message")), hello.get("details") or {})
+            old_peer, old_channel = self._peer, self._channel
+            with self._peer_lock:
+                self._peer = peer
+                self._token = str(hello["token"])
+                self.session_id = str(hello["session_id"])
+                self._metadata = ((SESSION_KEY, self._token),)
+                self._channel = grpc.insecure_channel(f"unix:{self.socket_path}")
+                self._stub = hwr_pb2_grpc.HostWeightRuntimeStub(self._channel)
+            for closing in (old_peer, old_channel):
+                if closing is not None:
+                    with contextlib.suppress(Exception):
+                        closing.close()
+            self.reconnects += 1
+            self._stub.OpenSession(pb.OpenSessionRequest(
+                client_name=(self._client_name or f"pid-{os.getpid()}")[:128], client_version=__version__),
+                metadata=self._metadata, timeout=self.timeout)
+            return self._reattach()
+
+    def _reattach(self) -> dict[str, Any]:
+        reattached, detached = 0, []
+        for lease, files in list(self._open_leases.items()):
+            if lease.closed:
+                continue
+            try:
+                response = self._stub.Acquire(pb.AcquireRequest(artifact=pb.ArtifactRef(key=lease.key)),
+                                              metadata=self._metadata, timeout=self.timeout)
+                fds = self._peer_request({"op": "fds", "lease_id": response.lease_id,
+                                          "lease_token": response.lease_token}, want_fds=True)
+            except grpc.RpcError:
+                detached.append(lease.key)
+                self._open_leases.pop(lease, None)
+                continue
+            try:
+                same = tuple((st.st_dev, st.st_ino) for st in map(os.fstat, fds)) == files
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            if same:
+                lease._lease_id = response.lease_id  # the client owns its leases' binding
+                reattached += 1
+            else:
+                with contextlib.suppress(grpc.RpcError):
+                    self._stub.Release(pb.ReleaseRequest(lease_id=response.lease_id), metadata=self._metadata,
+                                       timeout=self.timeout)
+                detached.append(lease.key)
+                self._open_leases.pop(lease, None)
+        return {"reattached": reattached, "detached": detached}
+
+    def _start_watcher(self) -> None:
+        if not self.auto_reconnect or (self._watcher is not None and self._watcher.is_alive()):
+            return
+        self._watcher = threading.Thread(target=self._watch, name="hwr-reconnect", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        delay = 0.1
+        while not self._closed and os.getpid() == self._pid and any(
+                not lease.closed for lease in list(self._open_leases)):
+            peer = self._peer
+            if peer is None:
+                return
+            poller = select.poll()
+            try:
+                poller.register(peer, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+                hung_up = bool(poller.poll(500))
+            except (OSError, ValueError):
+                hung_up = True
+            if not hung_up or peer is not self._peer:
+                continue
+            try:
+                self.reconnect(failed_peer=peer)
+                delay = 0.1
+            except HwrError:
+                time.sleep(delay)
+                delay = min(2.0, delay * 2)
+
     # lifecycle ------------------------------------------------------------------------------
     def close(self) -> None:
         """End the session (the daemon releases its leases); idempotent."""
         self._closed = True
         peer, self._peer = self._peer, None
         if peer is not None:
+            # shutdown() sends EOF now: close() alone waits while another thread (the reconnect
+            # watcher) still polls the socket. Never done after fork (``_forget_after_fork``).
+            with contextlib.suppress(OSError):
+                peer.shutdown(socket.SHUT_RDWR)
             with contextlib.suppress(OSError):
                 peer.close()
         channel, self._channel = self._channel, None
@@ -280,3 +550,13 @@ def _json(data: bytes) -> Any:
         return {}
 
 
+def _checkpoint_dict(c: pb.CheckpointInfo) -> dict[str, Any]:
+    return {"checkpoint_id": c.checkpoint_id, "path": c.path, "model_id": c.model_id,
+            "revision": c.revision, "files": c.file_count, "tensors": c.tensor_count,
+            "size_bytes": c.size_bytes, "source_kind": c.source_kind, "state": c.state,
+            "leases": c.leases, "registered_at": c.registered_at}
+
+
+def _lease_dict(x: pb.LeaseInfo) -> dict[str, Any]:
+    return {"lease_id": x.lease_id, "key": x.key, "pid": x.pid, "uid": x.uid, "session_id": x.session_id,
+            "client_name": x.client_name, "acquired_at": x.acquired_at}

@@ -30,12 +30,14 @@ import torch
 from hwr.client.errors import InvalidRequest, PublicationFailed
 from hwr.client.identity import ArtifactIdentity
 from hwr.client.safetensors_header import DTYPES
+from hwr.client.wire import MAX_WAIT_TIMEOUT_MS
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
 
 __all__ = ["Publisher", "TensorSpec", "specs_for"]
 
 _CODE_BY_DTYPE = {info.torch_dtype: code for code, info in DTYPES.items()}
 _CHUNK = 64 << 20
+_COMMIT_BYTES_PER_S = 32 << 20  # a conservative hash + fsync rate for the commit deadline
 
 
 @dataclass(frozen=True)
@@ -71,16 +73,22 @@ class Publisher:
         staging_fds: Callable[[str, str], list[int]],
         wait_timeout: float,
         verify: bool,
+        call_timeout: float = 30.0,
     ) -> None:
         self._call = call
+        self._call_timeout = call_timeout
         self._fds: list[int] = []
         self._specs = {s.name: s for s in specs}
         if len(self._specs) != len(specs):
             raise InvalidRequest("tensor names must be unique")
+        wait_timeout = max(0.0, wait_timeout)
+        if wait_timeout > MAX_WAIT_TIMEOUT_MS / 1000:
+            raise InvalidRequest(f"wait_timeout must be at most {MAX_WAIT_TIMEOUT_MS // 1000} seconds")
         request = pb.BeginPublicationRequest(
             identity_json=identity.canonical_bytes, tensors=[s.to_proto() for s in specs],
-            wait_timeout_ms=int(max(0.0, wait_timeout) * 1000))
-        response = call("BeginPublication", request)
+            wait_timeout_ms=int(wait_timeout * 1000))
+        # The daemon may rightly hold this call for the whole wait (another publisher is building).
+        response = call("BeginPublication", request, call_timeout + wait_timeout)
         self.key: str = response.key
         self.outcome = {pb.BEGIN_OUTCOME_STAGED: "staged", pb.BEGIN_OUTCOME_JOINED: "joined",
                         pb.BEGIN_OUTCOME_ALREADY_PRESENT: "already_present"}.get(response.outcome, "unknown")
@@ -139,9 +147,12 @@ class Publisher:
         if missing:
             raise InvalidRequest(f"{len(missing)} tensors were not written", details={"first": missing[0]})
         self._close_fds()
+        # Commit hashes and fsyncs every byte: its deadline grows with the artifact's size.
+        nbytes = sum(p.nbytes for p in self._placements.values())
         try:
             response = self._call("CommitPublication", pb.CommitPublicationRequest(
-                publication_id=self._publication_id, expected_sha256=self._digests))
+                publication_id=self._publication_id, expected_sha256=self._digests),
+                self._call_timeout + nbytes / _COMMIT_BYTES_PER_S)
         except BaseException:
             self.abort()
             raise

@@ -34,6 +34,7 @@ __all__ = [
     "ERROR_DETAILS_KEY",
     "MAX_FDS",
     "MAX_FRAME",
+    "MAX_WAIT_TIMEOUT_MS",
     "SESSION_KEY",
     "STATUS_BY_CODE",
     "encode_frame",
@@ -47,6 +48,9 @@ SESSION_KEY = "hwr-session"
 ERROR_CODE_KEY = "hwr-error-code"
 ERROR_DETAILS_KEY = "hwr-error-details"
 MAX_FRAME = 1 << 20
+#: The longest ``BeginPublicationRequest.wait_timeout_ms`` hwrd accepts (one hour); longer is
+#: INVALID_ARGUMENT.
+MAX_WAIT_TIMEOUT_MS = 3_600_000
 MAX_FDS = 64
 _LEN = struct.Struct(">I")
 
@@ -75,6 +79,11 @@ STATUS_BY_CODE: dict[str, grpc.StatusCode] = {
     "DOMAIN_UNAVAILABLE": SC.UNAVAILABLE,
     "DOMAIN_POLICY_MISMATCH": SC.FAILED_PRECONDITION,
     "DEADLINE_EXCEEDED": SC.DEADLINE_EXCEEDED,
+    "CHECKPOINT_NOT_FOUND": SC.NOT_FOUND,
+    "CHECKPOINT_MODIFIED": SC.FAILED_PRECONDITION,
+    "PRODUCER_FAILED": SC.ABORTED,
+    "PRODUCER_TIMEOUT": SC.DEADLINE_EXCEEDED,
+    "BUILD_CANCELLED": SC.CANCELLED,
 }
 
 

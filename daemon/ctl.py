@@ -8,8 +8,10 @@ Output: a readable table by default; with ``--json`` a stable document for scrip
 ``leases``: array with at least ``key``, ``pid``; ``status``: object with at least ``version``,
 ``root``, ``artifacts``, ``leases``).
 
-Exit status: 0 ok, 1 the operation failed, 2 usage error, 3 the daemon is unreachable. Errors are
-one line on stderr (``hwrctl: CODE: message``), never a traceback.
+Exit status (documented in ``hwrctl --help`` too): 0 ok, 1 the operation failed, 2 usage error,
+3 the daemon is unreachable. Errors are one line on stderr (``hwrctl: CODE: message``), never a
+traceback. Long operations draw a progress bar on stderr (``hwr.daemon.progress``), never on
+stdout. ``hwrctl completion bash|zsh`` prints a shell completion script (no daemon needed).
 """
 
 from __future__ import annotations
@@ -150,11 +152,25 @@ def register(name: str, help_text: str, arguments: Callable[[argparse.ArgumentPa
 ARGUMENTS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "show": lambda p: p.add_argument("key"),
 }
-EXTENSIONS: tuple[str, ...] = ()  # modules that register more subcommands, imported by main()
+LOCAL_COMMANDS: set[str] = {"completion"}  # subcommands whose handler gets ``client=None``
+
+
+@register("completion", "print a bash or zsh completion script",
+          lambda p: p.add_argument("shell", choices=("bash", "zsh")))
+def cmd_completion(client: Client | None, args: argparse.Namespace) -> tuple[Any, str]:
+    from hwr.daemon.completion import completion_script
+
+    script = completion_script(args.shell, build_parser())
+    return {"shell": args.shell, "script": script}, script.rstrip("\n")
+
+
+# modules that register more subcommands, imported by main()
+EXTENSIONS: tuple[str, ...] = ("hwr.daemon.ctl_checkpoints", "hwr.daemon.ctl_store_admin")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="hwrctl", description="Inspect and manage hwrd, the Host Weight Runtime daemon.")
+    parser = _Parser(prog="hwrctl", description="Inspect and manage hwrd, the Host Weight Runtime daemon.",
+                     epilog="exit status: 0 ok, 1 the operation failed, 2 usage error, 3 hwrd unreachable")
     parser.add_argument("--socket", help="hwrd socket (default: $HWR_SOCKET, then the system default)")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds per call (default 30)")
     parser.add_argument("--version", action="version", version=f"hwrctl {__version__}")
@@ -175,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         importlib.import_module(module)
     args = build_parser().parse_args(argv)
     handler = COMMANDS[args.command][0]
+    if args.command in LOCAL_COMMANDS:  # answered without a daemon
+        document, text = handler(None, args)  # type: ignore[arg-type]
+        print(json.dumps(document, indent=2, sort_keys=True) if args.json else text)
+        return EXIT_OK
     try:
         with connect(args.socket, timeout=args.timeout, client_name="hwrctl") as client:
             document, text = handler(client, args)
@@ -189,4 +209,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the canonical module's main: extension modules register into ``hwr.daemon.ctl``,
+    # not into this ``__main__`` copy.
+    from hwr.daemon.ctl import main as _main
+
+    sys.exit(_main())

@@ -188,7 +188,7 @@ async def _recv_frame(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> d
     body = await _recv_exact(loop, conn, length, eof_ok=False)
     try:
         obj = json.loads(body or b"")
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than json allows
         raise ConnectionError("malformed peer frame") from exc
     if not isinstance(obj, dict):
         raise ConnectionError("malformed peer frame")

@@ -36,7 +36,10 @@ from hwr.client.identity import ArtifactIdentity
 from hwr.daemon.exclusive import ensure_sole_opener
 from hwr.daemon.sessions import Session
 
-__all__ = ["BeginResult", "PubState", "Publication", "Publications"]
+__all__ = ["DAEMON_OWNER", "BeginResult", "PubState", "Publication", "Publications"]
+
+#: ``session_id`` of publications that daemon-side builds (prewarm producers) own.
+DAEMON_OWNER = "hwrd"
 
 
 class PubState(enum.Enum):
@@ -56,6 +59,8 @@ class Publication:
     staging: Any
     state: PubState = PubState.STAGED
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    started_at: float = 0.0  # loop time when staged (the stalled-publisher deadline counts from it)
+    ticket: Any = None  # the gate's admission + capacity reservation (hwr.daemon.store_service)
 
 
 @dataclass(frozen=True)
@@ -66,8 +71,13 @@ class BeginResult:
 
 
 class Publications:
-    def __init__(self, store: Any, *, on_commit: Callable[[str], None] | None = None) -> None:
+    def __init__(self, store: Any, *, on_commit: Callable[[str], None] | None = None,
+                 gate: Any = None) -> None:
         self._store = store
+        # Optional admission/capacity gate: ``admit(key, specs, wait_timeout)`` -> ticket before
+        # staging, ``allocated(ticket)`` once preallocated, ``finished(ticket, committed)`` at end.
+        self._gate = gate
+        self._cancelled: dict[str, str] = {}
         self._by_id: dict[str, Publication] = {}
         self._by_key: dict[str, Publication] = {}
         self._on_commit = on_commit
@@ -86,7 +96,7 @@ class Publications:
 
     async def begin(
         self,
-        session: Session,
+        session: Session | None,
         identity: ArtifactIdentity,
         specs: Sequence[Any],
         *,
@@ -115,19 +125,30 @@ class Publications:
                     "another publisher of this identity is still building", details={"key": key}
                 ) from None
         # Reserve the key before the (slow) staging so a concurrent begin waits on us.
-        pub = Publication(secrets.token_hex(8), secrets.token_hex(24), key, session.session_id, None)
+        # session None: a daemon-side build (prewarm); it is owned by its build task, not a session.
+        owner = session.session_id if session is not None else DAEMON_OWNER
+        pub = Publication(secrets.token_hex(8), secrets.token_hex(24), key, owner, None)
         self._by_key[key] = pub
         self._by_id[pub.publication_id] = pub
         try:
+            if self._gate is not None:
+                pub.ticket = await self._gate.admit(key, specs, deadline - loop.time())
             pub.staging = await asyncio.to_thread(self._store.begin, identity, specs)
+            if self._gate is not None:
+                self._gate.allocated(pub.ticket)
         except BaseException:
             self._finish(pub, PubState.FAILED)
             raise
-        session.publications.add(pub.publication_id)
+        pub.started_at = loop.time()
+        if session is not None:
+            session.publications.add(pub.publication_id)
         return BeginResult("staged", key, pub)
 
     def get(self, session: Session, publication_id: str, token: str | None = None) -> Publication:
         pub = self._by_id.get(publication_id)
+        if pub is None and publication_id in self._cancelled:
+            raise PublicationFailed(f"the publication was cancelled: {self._cancelled[publication_id]}",
+                                    details={"publication_id": publication_id})
         if pub is None or pub.session_id != session.session_id:
             raise PermissionDeniedError("no such publication in this session")
         if token is not None and not secrets.compare_digest(pub.token, token):
@@ -143,7 +164,10 @@ class Publications:
     async def commit(
         self, session: Session, publication_id: str, expected: Mapping[str, str]
     ) -> tuple[Any, bool]:
-        pub = self.get(session, publication_id)
+        return await self.commit_publication(self.get(session, publication_id), expected)
+
+    async def commit_publication(self, pub: Publication, expected: Mapping[str, str]) -> tuple[Any, bool]:
+        """Commit ``pub`` (already authorised: its session's, or a daemon-side build's)."""
         if pub.state is not PubState.STAGED:
             raise PublicationFailed(f"the publication is {pub.state.value}")
         for name, digest in expected.items():
@@ -175,6 +199,10 @@ class Publications:
         pub = self.get(session, publication_id)
         return await self._abort(pub)
 
+    async def abort_publication(self, pub: Publication) -> bool:
+        """Abort ``pub`` (a daemon-side build's); False if it was no longer STAGED."""
+        return await self._abort(pub)
+
     async def _abort(self, pub: Publication) -> bool:
         if pub.state is not PubState.STAGED:
             return False
@@ -195,7 +223,21 @@ class Publications:
         session.publications.clear()
         return count
 
+    async def cancel(self, publication_id: str, reason: str) -> bool:
+        """Cancel a STAGED publication (stalled past its deadline); its writer's commit then fails."""
+        pub = self._by_id.get(publication_id)
+        if pub is None or pub.state is not PubState.STAGED:
+            return False
+        if len(self._cancelled) > 4096:
+            self._cancelled.clear()
+        self._cancelled[publication_id] = reason
+        return await self._abort(pub)
+
     def _finish(self, pub: Publication, state: PubState) -> None:
+        if pub.done.is_set():
+            return
+        if self._gate is not None and pub.ticket is not None:
+            self._gate.finished(pub.ticket, state is PubState.COMMITTED)
         pub.state = state
         if state is PubState.COMMITTED:
             self.committed += 1

@@ -6,6 +6,10 @@ NOT_SERVING -> stop accepting peers -> gRPC ``stop(grace)`` lets in-flight RPCs 
 peer connections (ends sessions, aborts staged publications) -> close the store (drops the lock).
 A publication in COMMITTING during shutdown finishes inside the grace period or is left as
 staging, which the next start reclaims: the store is consistent at every step.
+
+Socket activation (``hwr.daemon.activation``): sockets inherited from systemd replace the binds
+of the peer channel and/or gRPC (gRPC then listens on a private ``<socket>.grpc`` behind a relay);
+inherited paths are never unlinked. Metrics (``hwr.daemon.metrics``) start last, when configured.
 """
 
 from __future__ import annotations
@@ -24,9 +28,18 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from hwr import __version__
-from hwr.client.errors import ArtifactNotFound, HwrError, StoreLocked
+from hwr.client.errors import (
+    ArtifactNotFound,
+    ChecksumMismatch,
+    HwrError,
+    ManifestCorrupt,
+    ManifestIncompatible,
+    StoreLocked,
+)
 from hwr.client.paths import peer_path
+from hwr.daemon.activation import Assignment, GrpcRelay, private_grpc_path
 from hwr.daemon.config import DaemonConfig
+from hwr.daemon.metrics import Instruments, MetricsServer, exposition
 from hwr.daemon.peer import PeerServer
 from hwr.daemon.peercred import AllowList, daemon_allow_list
 from hwr.daemon.publications import Publications
@@ -39,15 +52,23 @@ __all__ = ["Daemon"]
 
 log = logging.getLogger("hwrd")
 SERVICE_NAME = "hwr.v1.HostWeightRuntime"
+#: Lease keys of checkpoint leases (hwr.daemon.rpc_checkpoints) are this prefix + checkpoint id.
+CHECKPOINT_LEASE_PREFIX = "checkpoint:"
 
 
 class Daemon:
-    def __init__(self, config: DaemonConfig) -> None:
+    def __init__(self, config: DaemonConfig, *, inherited: Assignment | None = None) -> None:
         self.config = config
+        self.inherited = inherited or Assignment()
+        self.metrics = Instruments()
+        self._metrics_server: MetricsServer | None = None
+        self._relay: GrpcRelay | None = None
         self.socket_path = Path(config.socket)
         self.registry = Registry(max_leases_per_session=config.max_leases_per_session)
         self.store: Any = None
+        self.store_service: Any = None  # hwr.daemon.store_service.StoreService
         self.publications: Publications
+        self.checkpoints: Any = None  # hwr.daemon.checkpoints.Checkpoints, opened in start()
         self._allow: AllowList = daemon_allow_list(config.allow_uids, config.allow_gids)
         self._manifest_cache: dict[str, tuple[Any, bytes]] = {}
         self._grpc: grpc.aio.Server | None = None
@@ -61,15 +82,31 @@ class Daemon:
     async def start(self) -> None:
         from hwr.daemon.store import Store
 
+        adoption = None
+        if self.config.adopt:  # a root written by vLLM-Omni 0.30's in-process store
+            from hwr.daemon import adoption as adopt
+
+            adoption = await asyncio.to_thread(adopt.prepare, Path(self.config.root))
         self.store = await asyncio.to_thread(Store.open, Path(self.config.root))
-        self.publications = Publications(self.store)
+        if adoption is not None:
+            await asyncio.to_thread(adopt.finish, self.store, adoption)
+        from hwr.daemon.store_service import StoreService
+
+        self.store_service = StoreService(self.config, self.store, self.registry)
+        self.publications = Publications(self.store, gate=self.store_service)
+        await self.store_service.start(self.publications)
+        from hwr.daemon.checkpoints import Checkpoints
+
+        self.checkpoints = Checkpoints(Path(self.config.root) / "checkpoints")
+        await asyncio.to_thread(self.checkpoints.open)
         _prepare_socket_dir(self.socket_path)
-        for path in (self.socket_path, peer_path(self.socket_path)):
+        for path in self._owned_socket_paths():
             _claim_socket_path(path)
         self._peer = PeerServer(
             peer_path(self.socket_path), registry=self.registry, allow=lambda: self._allow,
             open_lease_fds=self._open_lease_fds, open_staging_fds=self._open_staging_fds,
             on_session_end=self._on_session_end, mode=self.config.socket_mode,
+            listen_sock=self.inherited.peer,
         )
         await self._peer.start()
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
@@ -77,11 +114,19 @@ class Daemon:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        if server.add_insecure_port(f"unix:{self.socket_path}") == 0:
-            raise OSError(f"cannot bind {self.socket_path}")
+        grpc_path = self._grpc_bind_path()
+        if server.add_insecure_port(f"unix:{grpc_path}") == 0:
+            raise OSError(f"cannot bind {grpc_path}")
         await server.start()
-        os.chmod(self.socket_path, self.config.socket_mode)
+        # The private path behind the relay is for the daemon's user only; clients use the unit's.
+        os.chmod(grpc_path, 0o600 if self.inherited.grpc is not None else self.config.socket_mode)
         self._grpc = server
+        if self.inherited.grpc is not None:
+            self._relay = GrpcRelay(self.inherited.grpc, grpc_path)
+            await self._relay.start()
+        if self.config.metrics_listen:
+            self._metrics_server = MetricsServer(self.config.metrics_listen, lambda: exposition(self))
+            await self._metrics_server.start()
         await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         log.info("hwrd %s serving root=%s socket=%s", __version__, self.config.root, self.socket_path)
@@ -89,18 +134,47 @@ class Daemon:
     async def stop(self, grace: float | None = None) -> None:
         grace = self.config.shutdown_grace_s if grace is None else grace
         await self._health.enter_graceful_shutdown()
+        if self._relay is not None:
+            await self._relay.stop_accepting()
         if self._peer is not None:
             await self._peer.stop_accepting()
         if self._grpc is not None:
             await self._grpc.stop(grace)
+        if self._relay is not None:
+            await self._relay.close()
         if self._peer is not None:
             await self._peer.close()
+        if self._metrics_server is not None:
+            await self._metrics_server.close()
+        if self.store_service is not None:
+            await self.store_service.stop()
         if self.store is not None:
             await asyncio.to_thread(self.store.close)
-        for path in (self.socket_path, peer_path(self.socket_path)):
+        if self.checkpoints is not None:
+            self.checkpoints.close()
+        for path in self._owned_socket_paths():
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
         log.info("hwrd stopped")
+
+    def _grpc_bind_path(self) -> Path:
+        return private_grpc_path(self.socket_path) if self.inherited.grpc is not None else self.socket_path
+
+    def _owned_socket_paths(self) -> list[Path]:
+        """Socket paths this process binds (and unlinks): never the ones systemd passed in."""
+        paths = [self._grpc_bind_path()]
+        if self.inherited.peer is None:
+            paths.append(peer_path(self.socket_path))
+        return paths
+
+    @property
+    def metrics_address(self) -> str | None:
+        return self._metrics_server.address if self._metrics_server is not None else None
+
+    def status_line(self) -> str:
+        """One line for sd_notify STATUS= (systemctl status shows it)."""
+        return (f"serving: {len(self.store.artifacts())} artifacts, {self.registry.lease_count()} leases, "
+                f"{len(self.registry.sessions())} sessions")
 
     def set_allow_list(self, allow_uids: tuple[int, ...], allow_gids: tuple[int, ...]) -> None:
         """Swap the allow-list atomically; existing sessions and leases are kept."""
@@ -108,7 +182,11 @@ class Daemon:
 
     # domain helpers used by the servicer ---------------------------------------------------
     async def lookup(self, key: str) -> Any:
-        return await asyncio.to_thread(self.store.lookup, key)
+        try:
+            return await self.store_service.lookup(key)  # waits while the key is being evicted
+        except (ManifestCorrupt, ManifestIncompatible, ChecksumMismatch) as exc:
+            self.metrics.count_verification_failure(exc.code)
+            raise
 
     def manifest_bytes(self, record: Any) -> bytes:
         cached = self._manifest_cache.get(record.key)
@@ -120,6 +198,7 @@ class Daemon:
     def metrics_acquire(self, seconds: float) -> None:
         self.acquire_count += 1
         self.acquire_seconds += seconds
+        self.metrics.observe_acquire(seconds)
 
     async def artifact_infos(self) -> list[pb.ArtifactInfo]:
         records = await asyncio.to_thread(self.store.artifacts)
@@ -161,6 +240,8 @@ class Daemon:
     # peer-channel callbacks ----------------------------------------------------------------
     def _open_lease_fds(self, session: Session, lease_id: str, token: str) -> list[int]:
         lease = self.registry.lease_for_fds(session, lease_id, token)
+        if lease.key.startswith(CHECKPOINT_LEASE_PREFIX):
+            return self.checkpoints.open_fds(self.checkpoints.get(lease.key[len(CHECKPOINT_LEASE_PREFIX):]))
         record = self.store.lookup(lease.key)
         return [fd for _name, fd in self.store.open_payloads(record)]
 

@@ -9,14 +9,18 @@ answered INTERNAL; the daemon keeps serving. Nothing here returns sentinels.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
 from hwr import __version__
-from hwr.client.errors import ArtifactNotFound, InvalidRequest
+from hwr.client.errors import ArtifactNotFound, IdentityError, InvalidRequest
 from hwr.client.identity import ArtifactIdentity, is_key
+from hwr.client.wire import MAX_WAIT_TIMEOUT_MS
+from hwr.daemon.rpc_checkpoints import CheckpointsMixin
+from hwr.daemon.rpc_store_admin import StoreAdminRpc
 from hwr.daemon.rpc_support import rpc, session_of
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
 from hwr.protos.hwr.v1 import hwr_pb2_grpc
@@ -33,9 +37,10 @@ _HEX = frozenset("0123456789abcdef")
 _KIND_NAMES = {pb.TENSOR_KIND_PARAMETER: "parameter", pb.TENSOR_KIND_BUFFER: "buffer",
                pb.TENSOR_KIND_UNSPECIFIED: "parameter"}
 MAX_TENSORS = 1 << 20
+MAX_PUBLICATION_BYTES = 1 << 50  # 1 PiB: far above any model, far below int64 overflow
 
 
-class Servicer(hwr_pb2_grpc.HostWeightRuntimeServicer):
+class Servicer(StoreAdminRpc, CheckpointsMixin, hwr_pb2_grpc.HostWeightRuntimeServicer):
     """Sessions, leases, publication and inspection. Handlers of other concerns live in mixins
     (``hwr.daemon.rpc_*``, built on ``hwr.daemon.rpc_support``) listed before this class's bases."""
 
@@ -63,6 +68,8 @@ class Servicer(hwr_pb2_grpc.HostWeightRuntimeServicer):
 
     @rpc
     async def Acquire(self, request: pb.AcquireRequest, context: Any) -> pb.AcquireResponse:
+        if request.artifact.WhichOneof("ref") == "checkpoint":
+            return await self.acquire_checkpoint(request, context)  # hwr.daemon.rpc_checkpoints
         session = self._session(context)
         key = _ref_key(request.artifact)
         started = time.perf_counter()
@@ -87,10 +94,13 @@ class Servicer(hwr_pb2_grpc.HostWeightRuntimeServicer):
         self, request: pb.BeginPublicationRequest, context: Any
     ) -> pb.BeginPublicationResponse:
         session = self._session(context)
-        identity = ArtifactIdentity.from_canonical_bytes(bytes(request.identity_json))
+        identity = _identity(bytes(request.identity_json))
         specs = _specs(request.tensors)
+        if request.wait_timeout_ms > MAX_WAIT_TIMEOUT_MS:
+            raise InvalidRequest("wait_timeout_ms is out of range",
+                                 details={"field": "wait_timeout_ms", "limit": MAX_WAIT_TIMEOUT_MS})
         result = await self.d.publications.begin(
-            session, identity, specs, wait_timeout=min(request.wait_timeout_ms, 3_600_000) / 1000.0)
+            session, identity, specs, wait_timeout=request.wait_timeout_ms / 1000.0)
         if result.publication is None:
             outcome = (pb.BEGIN_OUTCOME_JOINED if result.outcome == "joined"
                        else pb.BEGIN_OUTCOME_ALREADY_PRESENT)
@@ -162,12 +172,20 @@ class Servicer(hwr_pb2_grpc.HostWeightRuntimeServicer):
 def _ref_key(ref: pb.ArtifactRef) -> str:
     which = ref.WhichOneof("ref")
     if which == "identity_json":
-        return ArtifactIdentity.from_canonical_bytes(bytes(ref.identity_json)).key
+        return _identity(bytes(ref.identity_json)).key
     if which == "key":
         if not is_key(ref.key):
             raise InvalidRequest("key must be 64 lowercase hex digits", details={"field": "artifact.key"})
         return ref.key
     raise InvalidRequest("artifact reference is empty", details={"field": "artifact"})
+
+
+def _identity(data: bytes) -> ArtifactIdentity:
+    try:
+        return ArtifactIdentity.from_canonical_bytes(data)
+    except RecursionError:
+        # json and the canonical walk recurse once per nesting level; a real identity has three.
+        raise IdentityError("identity JSON is nested too deeply") from None
 
 
 def _specs(tensors: Any) -> list[Any]:
@@ -180,6 +198,7 @@ def _specs(tensors: Any) -> list[Any]:
         raise InvalidRequest("too many tensors", details={"limit": MAX_TENSORS})
     seen: set[str] = set()
     specs = []
+    total_bytes = 0
     for t in tensors:
         if not t.name or len(t.name) > 1024 or t.name in seen or t.name.startswith("__"):
             raise InvalidRequest("tensor names must be unique, non-empty, at most 1024 characters",
@@ -188,6 +207,12 @@ def _specs(tensors: Any) -> list[Any]:
             raise InvalidRequest(f"unsupported dtype {t.dtype[:16]!r}", details={"tensor": t.name[:200]})
         if len(t.shape) > 16 or any(d > (1 << 40) for d in t.shape):
             raise InvalidRequest("tensor shape out of range", details={"tensor": t.name[:200]})
+        # Bounded before anything sizes, reserves or preallocates it (and before eviction makes
+        # room for it): byte counts past 2**63 overflow the syscalls downstream.
+        total_bytes += math.prod(t.shape) * DTYPES[t.dtype].itemsize
+        if total_bytes > MAX_PUBLICATION_BYTES:
+            raise InvalidRequest("the tensors' total size is out of range",
+                                 details={"tensor": t.name[:200], "limit": MAX_PUBLICATION_BYTES})
         if t.kind not in _KIND_NAMES:
             raise InvalidRequest("unknown tensor kind", details={"tensor": t.name[:200]})
         seen.add(t.name)

@@ -19,6 +19,7 @@ import hmac
 import secrets
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hwr.client.errors import InvalidRequest, PermissionDeniedError, SessionInvalid
@@ -63,6 +64,9 @@ class Registry:
         self.max_leases_per_session = max_leases_per_session
         self.leases_granted = 0
         self.leases_released = 0
+        # Called with ("acquire" | "release", lease) after each change (the persistent lease
+        # journal and LRU access times listen here); must not raise.
+        self.observers: list[Callable[[str, LeaseRecord], None]] = []
 
     # sessions -----------------------------------------------------------------------------
     def open_session(self, cred: PeerCred) -> Session:
@@ -116,6 +120,8 @@ class Registry:
         self._leases[lease.lease_id] = lease
         self._per_key[key] += 1
         self.leases_granted += 1
+        for observer in self.observers:
+            observer("acquire", lease)
         return lease
 
     def lease_for_fds(self, session: Session, lease_id: str, token: str) -> LeaseRecord:
@@ -141,6 +147,8 @@ class Registry:
         if self._per_key[lease.key] <= 0:
             del self._per_key[lease.key]
         self.leases_released += 1
+        for observer in self.observers:
+            observer("release", lease)
         return lease
 
     def leases(self) -> list[LeaseRecord]:

@@ -1,24 +1,28 @@
-"""The main job: hwrd on a local store, a generated DiT-shaped checkpoint, N workers sharing it.
+"""The main job: hwrd on a local store, a generated DiT-shaped checkpoint, workers sharing it.
 
-``python -m hwr.demo [--workers 4] [--size-mb 320] [--workdir ./demo-store]``
+``python -m hwr.demo [--workers 4] [--size-mb 512] [--workdir ./demo-store]``
 
-1. starts ``hwrd`` on ``<workdir>/store`` with its socket under /tmp (no systemd, no root);
-2. generates a DiT-shaped fp32 checkpoint (``<workdir>/checkpoint/model.safetensors``) unless it
-   exists, loads it canonically, casts it to the bf16 final layout and publishes that to hwrd
-   (the cold start);
-3. starts N worker processes that each lease the artifact and touch every page, holding it while
-   their PSS is read from ``/proc/PID/smaps_rollup`` (the warm start);
-4. repeats 3 with workers that do what a worker does without hwrd: load the canonical checkpoint
-   (``safetensors.torch.load_file``, mmap) and cast it to the final layout in private memory;
-5. prints a table (time to usable tensors, aggregate PSS) and a JSON line, then stops hwrd.
+1. generates a DiT-shaped fp32 checkpoint (``hwr.demo_model``) unless it exists;
+2. starts ``hwrd`` on ``<workdir>/store`` with its socket under /tmp (no systemd, no root);
+3. cold start: one worker in ``preferred`` mode misses, loads canonically (read + cast to the
+   bf16 final layout), serves its first forward with layerwise offload, and publishes the final
+   layout to hwrd in the background;
+4. warm start: a worker in ``preferred`` mode gets a lease, restores the model from it (zero
+   canonical loads) and runs the same forward with layerwise offload; the outputs must be
+   bit-identical to the cold start's;
+5. N warm workers vs N workers without hwrd (mode ``disabled``) run at the same time; their
+   aggregate PSS (``/proc/PID/smaps_rollup``) is read while all of them hold their weights;
+6. prints a table and a JSON line, then stops hwrd.
 
-Limits: the worker PSS includes each Python+torch interpreter (~220 MiB); the table shows the
-interpreter baseline separately so the weight memory is visible.
+Limits: each worker's PSS includes its Python+torch interpreter (~220 MiB), shown separately
+("interpreter") so the weight memory is visible.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
 import os
 import statistics
@@ -27,46 +31,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-__all__ = ["dit_state_dict", "main"]
+__all__ = ["main"]
 
 MiB = 1 << 20
-
-
-def dit_state_dict(hidden: int, depth: int, *, seed: int = 0) -> dict[str, object]:
-    """Tensors of a DiT-shaped transformer: patch embed, ``depth`` blocks, final layer (fp32)."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * 0.02
-
-    tensors: dict[str, object] = {"x_embed.weight": rand(hidden, 64), "x_embed.bias": rand(hidden)}
-    for i in range(depth):
-        p = f"blocks.{i}."
-        tensors.update({
-            p + "adaln.weight": rand(6 * hidden, hidden), p + "adaln.bias": rand(6 * hidden),
-            p + "attn.qkv.weight": rand(3 * hidden, hidden), p + "attn.qkv.bias": rand(3 * hidden),
-            p + "attn.proj.weight": rand(hidden, hidden), p + "attn.proj.bias": rand(hidden),
-            p + "mlp.fc1.weight": rand(4 * hidden, hidden), p + "mlp.fc1.bias": rand(4 * hidden),
-            p + "mlp.fc2.weight": rand(hidden, 4 * hidden), p + "mlp.fc2.bias": rand(hidden),
-        })
-    tensors.update({"final.weight": rand(64, hidden), "final.bias": rand(64)})
-    return tensors
-
-
-def to_final_layout(tensors: dict[str, object]) -> dict[str, object]:
-    """The demo's final-layout transform: cast every floating tensor to bf16 (private memory)."""
-    import torch
-
-    return {name: t.to(torch.bfloat16) if t.is_floating_point() else t  # type: ignore[union-attr]
-            for name, t in tensors.items()}
-
-
-def _depth_for(size_mb: int, hidden: int) -> int:
-    per_block = (18 * hidden * hidden + 15 * hidden) * 4
-    return max(2, round(size_mb * MiB / per_block))
 
 
 def _pss_kib(pid: int) -> int:
@@ -78,145 +47,158 @@ def _pss_kib(pid: int) -> int:
 
 
 # worker -------------------------------------------------------------------------------------------
-def _touch(tensors: dict[str, object]) -> None:
+def _worker(args: argparse.Namespace) -> int:
     import torch
 
-    for t in tensors.values():
-        assert isinstance(t, torch.Tensor)
-        flat = t.reshape(-1).view(torch.uint8) if t.is_contiguous() else t.contiguous().view(torch.uint8)
-        flat[::4096].sum()  # one byte per page: the page becomes resident in this process
+    from hwr.demo_model import DemoConfig, build_skeleton, load_canonical
+    from hwr.dlo_backend.loader import start_worker
 
-
-def _worker(args: argparse.Namespace) -> int:
-    import torch  # noqa: F401 - imported before the timer, as a real worker would have
-
-    from hwr.client import connect
-
+    cfg = DemoConfig(hidden=args.hidden, depth=args.depth, heads=args.heads)
+    identity = _identity(cfg)
+    checkpoint = Path(args.checkpoint)
+    x = torch.randn(1, 64, cfg.in_channels, generator=torch.Generator().manual_seed(0))
+    t = torch.tensor([500.0])
     baseline = _pss_kib(os.getpid())
     started = time.perf_counter()
-    lease = client = None
-    if args.mode == "lease":
-        client = connect(args.socket, client_name="demo-worker")
-        lease = client.acquire(args.key)
-        tensors = dict(lease.tensors)
-    else:
-        from safetensors.torch import load_file
-
-        tensors = to_final_layout(load_file(args.checkpoint))
-    usable = time.perf_counter() - started
-    _touch(tensors)
-    touched = time.perf_counter() - started
-    print("READY " + json.dumps({"usable_s": usable, "touched_s": touched, "baseline_kib": baseline,
-                                 "tensors": len(tensors)}), flush=True)
+    worker = start_worker(identity=identity, build_skeleton=lambda: build_skeleton(cfg),
+                          load_canonical=lambda: load_canonical(cfg, checkpoint), mode=args.mode,
+                          socket=args.socket)
+    ready = time.perf_counter() - started
+    with torch.inference_mode():
+        out = worker.model(x, t)
+    first_forward = time.perf_counter() - started
+    publication = None
+    if worker.publication is not None:
+        report = worker.publication.result(600)
+        publication = {"outcome": report.outcome.value, "elapsed_s": report.elapsed_s}
+    print("READY " + json.dumps({
+        "outcome": worker.outcome.value, "startup_s": ready, "first_forward_s": first_forward,
+        "baseline_kib": baseline, "output_sha256": hashlib.sha256(out.float().numpy().tobytes()).hexdigest(),
+        "publication": publication}), flush=True)
     sys.stdin.readline()  # hold the weights until the parent has read our PSS
-    if lease is not None:
-        lease.close()
-    if client is not None:
-        client.close()
+    worker.close()
     return 0
 
 
-def _run_workers(mode: str, n: int, *, socket: Path, key: str, checkpoint: Path) -> dict[str, float]:
+def _identity(cfg: Any) -> Any:
+    from hwr.client import ArtifactIdentity
+
+    tag = f"h{cfg.hidden}-d{cfg.depth}-n{cfg.heads}"
+    return ArtifactIdentity.simple("hwr-demo/dit", revision=tag, fingerprint=f"demo-seed0-{tag}", dtype="bfloat16")
+
+
+def _run_workers(mode: str, n: int, args: argparse.Namespace, socket: Path, checkpoint: Path,
+                 cfg: Any) -> list[dict[str, Any]]:
     cmd = [sys.executable, "-m", "hwr.demo", "worker", "--mode", mode, "--socket", str(socket),
-           "--key", key, "--checkpoint", str(checkpoint)]
+           "--checkpoint", str(checkpoint), "--hidden", str(cfg.hidden), "--depth", str(cfg.depth),
+           "--heads", str(cfg.heads)]
     procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(n)]
-    reports = []
+    reports: list[dict[str, Any]] = []
     try:
         for proc in procs:
             assert proc.stdout is not None
             line = proc.stdout.readline()
             if not line.startswith("READY "):
-                raise RuntimeError(f"worker failed: {line!r}")
+                raise RuntimeError(f"a {mode} worker failed before it was ready")
             reports.append(json.loads(line[6:]))
-        pss = [_pss_kib(p.pid) for p in procs]
+        for proc, report in zip(procs, reports, strict=True):
+            report["pss_kib"] = _pss_kib(proc.pid)
     finally:
         for proc in procs:
             if proc.stdin is not None:
-                proc.stdin.write("\n")
-                proc.stdin.close()
+                with contextlib.suppress(BrokenPipeError):  # a worker that died early
+                    proc.stdin.write("\n")
+                    proc.stdin.close()
         for proc in procs:
-            proc.wait(60)
-    baseline = sum(r["baseline_kib"] for r in reports)
-    return {
-        "workers": n,
-        "usable_ms_median": statistics.median(r["usable_s"] for r in reports) * 1e3,
-        "touched_ms_median": statistics.median(r["touched_s"] for r in reports) * 1e3,
-        "aggregate_pss_mib": sum(pss) / 1024,
-        "interpreter_pss_mib": baseline / 1024,
-        "weights_pss_mib": (sum(pss) - baseline) / 1024,
-    }
+            proc.wait(120)
+    return reports
+
+
+def _summary(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    pss = sum(r["pss_kib"] for r in reports) / 1024
+    interp = sum(r["baseline_kib"] for r in reports) / 1024
+    return {"workers": len(reports), "outcomes": sorted({r["outcome"] for r in reports}),
+            "startup_ms_median": statistics.median(r["startup_s"] for r in reports) * 1e3,
+            "first_forward_ms_median": statistics.median(r["first_forward_s"] for r in reports) * 1e3,
+            "aggregate_pss_mib": pss, "interpreter_pss_mib": interp, "weights_pss_mib": pss - interp}
 
 
 # main ---------------------------------------------------------------------------------------------
 def _demo(args: argparse.Namespace) -> int:
-    from safetensors.torch import load_file, save_file
-
-    from hwr.client import ArtifactIdentity, connect
     from hwr.daemon.launcher import DaemonProcess
+    from hwr.demo_model import DemoConfig, canonical_checkpoint
 
+    cfg = DemoConfig.for_size(args.size_mb, hidden=args.hidden, heads=16)
     workdir = Path(args.workdir).resolve()
-    checkpoint = workdir / "checkpoint" / "model.safetensors"
-    depth = _depth_for(args.size_mb, args.hidden)
+    checkpoint = workdir / "checkpoint" / f"dit-h{cfg.hidden}-d{cfg.depth}.safetensors"
     if not checkpoint.exists():
-        print(f"[1/5] generating a DiT-shaped checkpoint: hidden={args.hidden}, depth={depth} ...", flush=True)
-        checkpoint.parent.mkdir(parents=True, exist_ok=True)
-        save_file(dit_state_dict(args.hidden, depth), str(checkpoint))  # type: ignore[arg-type]
+        print(f"[1/6] generating a DiT-shaped fp32 checkpoint (hidden {cfg.hidden}, {cfg.depth} blocks) ...",
+              flush=True)
+        canonical_checkpoint(cfg, checkpoint)
     size = checkpoint.stat().st_size
-    print(f"[1/5] checkpoint: {checkpoint} ({size / MiB:.0f} MiB fp32; final layout bf16)", flush=True)
+    model_mib = size / 2 / MiB  # the bf16 final layout is half the fp32 checkpoint
+    print(f"[1/6] checkpoint {checkpoint} ({size / MiB:.0f} MiB fp32; final layout {model_mib:.0f} MiB bf16)",
+          flush=True)
     sockdir = Path(tempfile.mkdtemp(prefix="hwrd-demo-"))
     daemon = DaemonProcess(workdir / "store", sockdir / "hwrd.sock")
     daemon.start()
-    print(f"[2/5] hwrd running: pid {daemon.pid}, socket {daemon.socket}, store {workdir / 'store'}", flush=True)
+    print(f"[2/6] hwrd running: pid {daemon.pid}, socket {daemon.socket}, store {workdir / 'store'}", flush=True)
     try:
-        identity = ArtifactIdentity.simple("hwr-demo/dit", revision=f"h{args.hidden}-d{depth}",
-                                           fingerprint=f"demo-seed0-h{args.hidden}-d{depth}")
-        t0 = time.perf_counter()
-        tensors = to_final_layout(load_file(str(checkpoint)))
-        loaded = time.perf_counter() - t0
-        with connect(daemon.socket, client_name="demo-publisher") as client:
-            t1 = time.perf_counter()
-            key = client.publish(identity, tensors)
-            published = time.perf_counter() - t1
-        del tensors
-        print(f"[3/5] cold start: canonical load + cast {loaded * 1e3:.0f} ms, publish {published * 1e3:.0f} ms "
-              f"-> artifact {key[:16]}", flush=True)
-        print(f"[4/5] {args.workers} workers lease the artifact ...", flush=True)
-        lease = _run_workers("lease", args.workers, socket=daemon.socket, key=key, checkpoint=checkpoint)
-        print(f"[5/5] {args.workers} workers load the checkpoint privately ...", flush=True)
-        private = _run_workers("load", args.workers, socket=daemon.socket, key=key, checkpoint=checkpoint)
+        from hwr.client import connect
+
+        with connect(daemon.socket) as client:  # a fresh demo: drop an artifact left by an earlier run
+            known = {a["key"] for a in client.list_artifacts()}
+        if _identity(cfg).key in known:
+            print("      (the artifact exists from an earlier run: the cold start below will be warm;"
+                  " delete the workdir's store/ for a cold one)", flush=True)
+        cold = _run_workers("preferred", 1, args, daemon.socket, checkpoint, cfg)[0]
+        print(f"[3/6] cold start: {cold['outcome']}, first forward after {cold['first_forward_s'] * 1e3:.0f} ms, "
+              f"publication {cold['publication']}", flush=True)
+        warm = _run_workers("preferred", 1, args, daemon.socket, checkpoint, cfg)[0]
+        same = warm["output_sha256"] == cold["output_sha256"]
+        print(f"[4/6] warm start: {warm['outcome']}, first forward after {warm['first_forward_s'] * 1e3:.0f} ms, "
+              f"output bit-identical to the cold start: {same}", flush=True)
+        print(f"[5/6] {args.workers} warm workers and {args.workers} workers without hwrd hold their weights ...",
+              flush=True)
+        leased = _summary(_run_workers("preferred", args.workers, args, daemon.socket, checkpoint, cfg))
+        private = _summary(_run_workers("disabled", args.workers, args, daemon.socket, checkpoint, cfg))
     finally:
         daemon.stop()
-    model_mib = size / 2 / MiB  # the bf16 final layout is half the fp32 checkpoint
-    rows = [("hwrd lease of the final layout", lease), ("load_file + cast (no hwrd)", private)]
-    print()
-    print(f"| {args.workers} workers, {model_mib:.0f} MiB bf16 model | time to usable (median) | + touch every page "
-          f"| aggregate PSS | of which weights | weights / one copy |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for name, r in rows:
-        print(f"| {name} | {r['usable_ms_median']:.1f} ms | {r['touched_ms_median']:.1f} ms "
-              f"| {r['aggregate_pss_mib']:.0f} MiB | {r['weights_pss_mib']:.0f} MiB "
-              f"| {r['weights_pss_mib'] / model_mib:.2f}x |")
-    speedup = private["usable_ms_median"] / max(lease["usable_ms_median"], 1e-9)
-    saving = private["weights_pss_mib"] / max(lease["weights_pss_mib"], 1e-9)
-    print(f"\nwarm start: a lease is usable {speedup:.0f}x sooner than loading the checkpoint; "
-          f"{args.workers} leasing workers hold {saving:.1f}x less weight memory than private copies.")
-    print(json.dumps({"demo": "hwr", "model_mib": model_mib, "workers": args.workers, "lease": lease,
-                      "load_file": private, "speedup_usable": speedup, "memory_saving": saving}))
-    return 0
+    print("[6/6] hwrd stopped\n")
+    print(f"| {model_mib:.0f} MiB bf16 DiT, {cfg.depth} blocks | outcome | startup | first forward "
+          f"| aggregate PSS | weights PSS | weights / one copy |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, r in (("cold start (canonical + publish)", cold), ("warm start (lease + restore + DLO)", warm)):
+        print(f"| {name} | {r['outcome']} | {r['startup_s'] * 1e3:.0f} ms | {r['first_forward_s'] * 1e3:.0f} ms "
+              f"| | | |")
+    for name, r in ((f"{args.workers} workers with hwrd", leased), (f"{args.workers} workers without hwrd", private)):
+        print(f"| {name} | {','.join(r['outcomes'])} | {r['startup_ms_median']:.0f} ms | "
+              f"{r['first_forward_ms_median']:.0f} ms | {r['aggregate_pss_mib']:.0f} MiB "
+              f"| {r['weights_pss_mib']:.0f} MiB | {r['weights_pss_mib'] / model_mib:.2f}x |")
+    speedup = cold["first_forward_s"] / max(warm["first_forward_s"], 1e-9)
+    saving = private["weights_pss_mib"] / max(leased["weights_pss_mib"], 1e-9)
+    print(f"\nwarm start reaches its first forward {speedup:.1f}x sooner than the cold start "
+          f"(bit-identical: {same}); {args.workers} workers with hwrd hold {saving:.1f}x less weight memory.")
+    print(json.dumps({"demo": "hwr", "model_mib": model_mib, "depth": cfg.depth, "cold": cold, "warm": warm,
+                      "bit_identical": same, "with_hwrd": leased, "without_hwrd": private,
+                      "warm_speedup": speedup, "memory_saving": saving}))
+    return 0 if same and warm["outcome"] == "local_hit" else 1
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hwr.demo", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="cmd")
+    parser = argparse.ArgumentParser(prog="python -m hwr.demo", description="hwr end-to-end demo")
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--size-mb", type=int, default=512, help="canonical fp32 checkpoint size")
+    parser.add_argument("--size-mb", type=int, default=512, help="fp32 checkpoint size (final layout is half)")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--workdir", default="demo-store")
+    sub = parser.add_subparsers(dest="cmd")
     w = sub.add_parser("worker")
-    w.add_argument("--mode", choices=("lease", "load"), required=True)
+    w.add_argument("--mode", choices=("disabled", "preferred", "required"), required=True)
     w.add_argument("--socket", required=True)
-    w.add_argument("--key", required=True)
     w.add_argument("--checkpoint", required=True)
+    w.add_argument("--hidden", type=int, required=True)
+    w.add_argument("--depth", type=int, required=True)
+    w.add_argument("--heads", type=int, required=True)
     args = parser.parse_args(argv)
     return _worker(args) if args.cmd == "worker" else _demo(args)
 

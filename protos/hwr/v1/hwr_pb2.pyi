@@ -26,6 +26,13 @@ class BeginOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BEGIN_OUTCOME_STAGED: _ClassVar[BeginOutcome]
     BEGIN_OUTCOME_ALREADY_PRESENT: _ClassVar[BeginOutcome]
     BEGIN_OUTCOME_JOINED: _ClassVar[BeginOutcome]
+
+class PrewarmOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PREWARM_OUTCOME_UNSPECIFIED: _ClassVar[PrewarmOutcome]
+    PREWARM_OUTCOME_BUILT: _ClassVar[PrewarmOutcome]
+    PREWARM_OUTCOME_ALREADY_PRESENT: _ClassVar[PrewarmOutcome]
+    PREWARM_OUTCOME_JOINED: _ClassVar[PrewarmOutcome]
 ARTIFACT_STATE_UNSPECIFIED: ArtifactState
 ARTIFACT_STATE_READY: ArtifactState
 ARTIFACT_STATE_DENIED: ArtifactState
@@ -37,6 +44,10 @@ BEGIN_OUTCOME_UNSPECIFIED: BeginOutcome
 BEGIN_OUTCOME_STAGED: BeginOutcome
 BEGIN_OUTCOME_ALREADY_PRESENT: BeginOutcome
 BEGIN_OUTCOME_JOINED: BeginOutcome
+PREWARM_OUTCOME_UNSPECIFIED: PrewarmOutcome
+PREWARM_OUTCOME_BUILT: PrewarmOutcome
+PREWARM_OUTCOME_ALREADY_PRESENT: PrewarmOutcome
+PREWARM_OUTCOME_JOINED: PrewarmOutcome
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("client_name", "client_version")
@@ -73,12 +84,14 @@ class KeepAliveResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., lease_count: _Optional[int] = ..., publication_count: _Optional[int] = ...) -> None: ...
 
 class ArtifactRef(_message.Message):
-    __slots__ = ("identity_json", "key")
+    __slots__ = ("identity_json", "key", "checkpoint")
     IDENTITY_JSON_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     identity_json: bytes
     key: str
-    def __init__(self, identity_json: _Optional[bytes] = ..., key: _Optional[str] = ...) -> None: ...
+    checkpoint: CheckpointRef
+    def __init__(self, identity_json: _Optional[bytes] = ..., key: _Optional[str] = ..., checkpoint: _Optional[_Union[CheckpointRef, _Mapping]] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
     __slots__ = ("artifact",)
@@ -318,3 +331,305 @@ class GetStatusResponse(_message.Message):
     uptime_s: float
     pid: int
     def __init__(self, version: _Optional[str] = ..., root: _Optional[str] = ..., socket: _Optional[str] = ..., artifacts: _Optional[int] = ..., leases: _Optional[int] = ..., sessions: _Optional[int] = ..., publications: _Optional[int] = ..., store_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class CheckpointRef(_message.Message):
+    __slots__ = ("checkpoint_id",)
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: str
+    def __init__(self, checkpoint_id: _Optional[str] = ...) -> None: ...
+
+class CheckpointInfo(_message.Message):
+    __slots__ = ("checkpoint_id", "path", "model_id", "revision", "file_count", "tensor_count", "size_bytes", "source_kind", "state", "leases", "registered_at")
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    FILE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_KIND_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_AT_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: str
+    path: str
+    model_id: str
+    revision: str
+    file_count: int
+    tensor_count: int
+    size_bytes: int
+    source_kind: str
+    state: str
+    leases: int
+    registered_at: float
+    def __init__(self, checkpoint_id: _Optional[str] = ..., path: _Optional[str] = ..., model_id: _Optional[str] = ..., revision: _Optional[str] = ..., file_count: _Optional[int] = ..., tensor_count: _Optional[int] = ..., size_bytes: _Optional[int] = ..., source_kind: _Optional[str] = ..., state: _Optional[str] = ..., leases: _Optional[int] = ..., registered_at: _Optional[float] = ...) -> None: ...
+
+class AddCheckpointRequest(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class AddCheckpointResponse(_message.Message):
+    __slots__ = ("checkpoint", "added")
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: CheckpointInfo
+    added: bool
+    def __init__(self, checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., added: _Optional[bool] = ...) -> None: ...
+
+class ListCheckpointsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListCheckpointsResponse(_message.Message):
+    __slots__ = ("checkpoints",)
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointInfo]
+    def __init__(self, checkpoints: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ...) -> None: ...
+
+class PrewarmRequest(_message.Message):
+    __slots__ = ("checkpoint", "producer", "dtype", "keep_fp32", "tp_size", "tp_plan", "tp_ranks", "timeout_ms", "wait_timeout_ms")
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FP32_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TP_PLAN_FIELD_NUMBER: _ClassVar[int]
+    TP_RANKS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: str
+    producer: str
+    dtype: str
+    keep_fp32: _containers.RepeatedScalarFieldContainer[str]
+    tp_size: int
+    tp_plan: bytes
+    tp_ranks: _containers.RepeatedScalarFieldContainer[int]
+    timeout_ms: int
+    wait_timeout_ms: int
+    def __init__(self, checkpoint: _Optional[str] = ..., producer: _Optional[str] = ..., dtype: _Optional[str] = ..., keep_fp32: _Optional[_Iterable[str]] = ..., tp_size: _Optional[int] = ..., tp_plan: _Optional[bytes] = ..., tp_ranks: _Optional[_Iterable[int]] = ..., timeout_ms: _Optional[int] = ..., wait_timeout_ms: _Optional[int] = ...) -> None: ...
+
+class PrewarmProgress(_message.Message):
+    __slots__ = ("tp_rank", "done_bytes", "total_bytes", "tensor")
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    DONE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    tp_rank: int
+    done_bytes: int
+    total_bytes: int
+    tensor: str
+    def __init__(self, tp_rank: _Optional[int] = ..., done_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., tensor: _Optional[str] = ...) -> None: ...
+
+class PrewarmArtifact(_message.Message):
+    __slots__ = ("key", "tp_rank", "outcome", "size_bytes", "content_sha256", "producer_peak_rss_bytes", "build_seconds")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_SHA256_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_PEAK_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUILD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    tp_rank: int
+    outcome: PrewarmOutcome
+    size_bytes: int
+    content_sha256: str
+    producer_peak_rss_bytes: int
+    build_seconds: float
+    def __init__(self, key: _Optional[str] = ..., tp_rank: _Optional[int] = ..., outcome: _Optional[_Union[PrewarmOutcome, str]] = ..., size_bytes: _Optional[int] = ..., content_sha256: _Optional[str] = ..., producer_peak_rss_bytes: _Optional[int] = ..., build_seconds: _Optional[float] = ...) -> None: ...
+
+class PrewarmResult(_message.Message):
+    __slots__ = ("artifacts",)
+    ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
+    artifacts: _containers.RepeatedCompositeFieldContainer[PrewarmArtifact]
+    def __init__(self, artifacts: _Optional[_Iterable[_Union[PrewarmArtifact, _Mapping]]] = ...) -> None: ...
+
+class PrewarmResponse(_message.Message):
+    __slots__ = ("progress", "result")
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    progress: PrewarmProgress
+    result: PrewarmResult
+    def __init__(self, progress: _Optional[_Union[PrewarmProgress, _Mapping]] = ..., result: _Optional[_Union[PrewarmResult, _Mapping]] = ...) -> None: ...
+
+class VerifyArtifactRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    def __init__(self, key: _Optional[str] = ...) -> None: ...
+
+class VerifyArtifactResponse(_message.Message):
+    __slots__ = ("key", "done_bytes", "total_bytes", "finished", "ok", "error_code", "message", "quarantined", "affected_leases")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    DONE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    AFFECTED_LEASES_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    done_bytes: int
+    total_bytes: int
+    finished: bool
+    ok: bool
+    error_code: str
+    message: str
+    quarantined: bool
+    affected_leases: _containers.RepeatedCompositeFieldContainer[LeaseInfo]
+    def __init__(self, key: _Optional[str] = ..., done_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., finished: _Optional[bool] = ..., ok: _Optional[bool] = ..., error_code: _Optional[str] = ..., message: _Optional[str] = ..., quarantined: _Optional[bool] = ..., affected_leases: _Optional[_Iterable[_Union[LeaseInfo, _Mapping]]] = ...) -> None: ...
+
+class DenyArtifactRequest(_message.Message):
+    __slots__ = ("key", "reason")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    reason: str
+    def __init__(self, key: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class DenyArtifactResponse(_message.Message):
+    __slots__ = ("key", "affected_leases")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    AFFECTED_LEASES_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    affected_leases: _containers.RepeatedCompositeFieldContainer[LeaseInfo]
+    def __init__(self, key: _Optional[str] = ..., affected_leases: _Optional[_Iterable[_Union[LeaseInfo, _Mapping]]] = ...) -> None: ...
+
+class AllowArtifactRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    def __init__(self, key: _Optional[str] = ...) -> None: ...
+
+class AllowArtifactResponse(_message.Message):
+    __slots__ = ("key", "was_denied")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    WAS_DENIED_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    was_denied: bool
+    def __init__(self, key: _Optional[str] = ..., was_denied: _Optional[bool] = ...) -> None: ...
+
+class PinArtifactRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    def __init__(self, key: _Optional[str] = ...) -> None: ...
+
+class PinArtifactResponse(_message.Message):
+    __slots__ = ("key", "already_pinned", "size_bytes", "locked_bytes", "residency")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_PINNED_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOCKED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESIDENCY_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    already_pinned: bool
+    size_bytes: int
+    locked_bytes: int
+    residency: str
+    def __init__(self, key: _Optional[str] = ..., already_pinned: _Optional[bool] = ..., size_bytes: _Optional[int] = ..., locked_bytes: _Optional[int] = ..., residency: _Optional[str] = ...) -> None: ...
+
+class UnpinArtifactRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    def __init__(self, key: _Optional[str] = ...) -> None: ...
+
+class UnpinArtifactResponse(_message.Message):
+    __slots__ = ("key", "was_pinned")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    WAS_PINNED_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    was_pinned: bool
+    def __init__(self, key: _Optional[str] = ..., was_pinned: _Optional[bool] = ...) -> None: ...
+
+class EvictArtifactRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    def __init__(self, key: _Optional[str] = ...) -> None: ...
+
+class EvictArtifactResponse(_message.Message):
+    __slots__ = ("key", "freed_bytes")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    freed_bytes: int
+    def __init__(self, key: _Optional[str] = ..., freed_bytes: _Optional[int] = ...) -> None: ...
+
+class CollectGarbageRequest(_message.Message):
+    __slots__ = ("target_bytes",)
+    TARGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    target_bytes: int
+    def __init__(self, target_bytes: _Optional[int] = ...) -> None: ...
+
+class SkippedArtifact(_message.Message):
+    __slots__ = ("key", "reason")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    reason: str
+    def __init__(self, key: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class CollectGarbageResponse(_message.Message):
+    __slots__ = ("evicted", "freed_bytes", "store_bytes", "target_bytes", "skipped", "staging_reclaimed")
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TARGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    STAGING_RECLAIMED_FIELD_NUMBER: _ClassVar[int]
+    evicted: _containers.RepeatedScalarFieldContainer[str]
+    freed_bytes: int
+    store_bytes: int
+    target_bytes: int
+    skipped: _containers.RepeatedCompositeFieldContainer[SkippedArtifact]
+    staging_reclaimed: int
+    def __init__(self, evicted: _Optional[_Iterable[str]] = ..., freed_bytes: _Optional[int] = ..., store_bytes: _Optional[int] = ..., target_bytes: _Optional[int] = ..., skipped: _Optional[_Iterable[_Union[SkippedArtifact, _Mapping]]] = ..., staging_reclaimed: _Optional[int] = ...) -> None: ...
+
+class ArtifactUsage(_message.Message):
+    __slots__ = ("key", "size_bytes", "last_access", "pinned", "leases", "held_by_pids")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAST_ACCESS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    HELD_BY_PIDS_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    size_bytes: int
+    last_access: float
+    pinned: bool
+    leases: int
+    held_by_pids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, key: _Optional[str] = ..., size_bytes: _Optional[int] = ..., last_access: _Optional[float] = ..., pinned: _Optional[bool] = ..., leases: _Optional[int] = ..., held_by_pids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GetStoreUsageRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetStoreUsageResponse(_message.Message):
+    __slots__ = ("store_bytes", "reserved_bytes", "store_limit_bytes", "artifact_limit_bytes", "min_free_bytes", "free_bytes", "pinned_bytes", "locked_bytes", "evictions", "artifacts")
+    STORE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORE_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACT_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MIN_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOCKED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
+    store_bytes: int
+    reserved_bytes: int
+    store_limit_bytes: int
+    artifact_limit_bytes: int
+    min_free_bytes: int
+    free_bytes: int
+    pinned_bytes: int
+    locked_bytes: int
+    evictions: int
+    artifacts: _containers.RepeatedCompositeFieldContainer[ArtifactUsage]
+    def __init__(self, store_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., store_limit_bytes: _Optional[int] = ..., artifact_limit_bytes: _Optional[int] = ..., min_free_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., locked_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., artifacts: _Optional[_Iterable[_Union[ArtifactUsage, _Mapping]]] = ...) -> None: ...

@@ -90,6 +90,61 @@ class HostWeightRuntimeStub:
                 request_serializer=hwr_dot_v1_dot_hwr__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=hwr_dot_v1_dot_hwr__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
+        self.AddCheckpoint = channel.unary_unary(
+                '/hwr.v1.HostWeightRuntime/AddCheckpoint',
+                request_serializer=hwr_dot_v1_dot_hwr__pb2.AddCheckpointRequest.SerializeToString,
+                response_deserializer=hwr_dot_v1_dot_hwr__pb2.AddCheckpointResponse.FromString,
+                _registered_method=True)
+        self.ListCheckpoints = channel.unary_unary(
+                '/hwr.v1.HostWeightRuntime/ListCheckpoints',
+                request_serializer=hwr_dot_v1_dot_hwr__pb2.ListCheckpointsRequest.SerializeToString,
+                response_deserializer=hwr_dot_v1_dot_hwr__pb2.ListCheckpointsResponse.FromString,
+                _registered_method=True)
+        self.Prewarm = channel.unary_stream(
+                '/hwr.v1.HostWeightRuntime/Prewarm',
+                request_serializer=hwr_dot_v1_dot_hwr__pb2.PrewarmRequest.SerializeToString,
+                response_deserializer=hwr_dot_v1_dot_hwr__pb2.PrewarmResponse.FromString,
+                _registered_method=True)
+        self.VerifyArtifact = channel.unary_stream(
+                '/hwr.v1.HostWeightRuntime/VerifyArtifact',
+                request_serializer=hwr_dot_v1_dot_hwr__pb2.VerifyArtifactRequest.SerializeToString,
+                response_deserializer=hwr_dot_v1_dot_hwr__pb2.VerifyArtifactResponse.FromString,
+                _registered_method=True)
+        self.DenyArtifact = channel.unary_unary(
+                '/hwr.v1.HostWeightRuntime/DenyArtifact',
+                request_serializer=hwr_dot_v1_dot_hwr__pb2.DenyArtifactRequest.SerializeToString,
+                response_deserializer=hwr_dot_v1_dot_hwr__pb2.DenyArtifactResponse.FromString,
+                _registered_method=True)
+        self.AllowArtifact = channel.unary_unary(
+                '/hwr.v1.HostWeightRuntime/AllowArtifact',
+                request_serializer=hwr_dot_v1_dot_hwr__pb2.AllowArtifactRequest.SerializeToString,
+                response_deserializer=hwr_dot_v1_dot_hwr__pb2.AllowArtifactResponse.FromString,
+                _registered_method=True)
+        self.PinArtifact = channel.unary_unary(
+                '/hwr.v1.HostWeightRuntime/PinArtifact',
+                request_serializer=hwr_dot_v1_dot_hwr__pb2.PinArtifactRequest.SerializeToString,
+                response_deserializer=hwr_dot_v1_dot_hwr__pb2.PinArtifactResponse.FromString,
+                _registered_method=True)
+        self.UnpinArtifact = channel.unary_unary(
+                '/hwr.v1.HostWeightRuntime/UnpinArtifact',
+                request_serializer=hwr_dot_v1_dot_hwr__pb2.UnpinArtifactRequest.SerializeToString,
+                response_deserializer=hwr_dot_v1_dot_hwr__pb2.UnpinArtifactResponse.FromString,
+                _registered_method=True)
+        self.EvictArtifact = channel.unary_unary(
+                '/hwr.v1.HostWeightRuntime/EvictArtifact',
+                request_serializer=hwr_dot_v1_dot_hwr__pb2.EvictArtifactRequest.SerializeToString,
+                response_deserializer=hwr_dot_v1_dot_hwr__pb2.EvictArtifactResponse.FromString,
+                _registered_method=True)
+        self.CollectGarbage = channel.unary_unary(
+                '/hwr.v1.HostWeightRuntime/CollectGarbage',
+                request_serializer=hwr_dot_v1_dot_hwr__pb2.CollectGarbageRequest.SerializeToString,
+                response_deserializer=hwr_dot_v1_dot_hwr__pb2.CollectGarbageResponse.FromString,
+                _registered_method=True)
+        self.GetStoreUsage = channel.unary_unary(
+                '/hwr.v1.HostWeightRuntime/GetStoreUsage',
+                request_serializer=hwr_dot_v1_dot_hwr__pb2.GetStoreUsageRequest.SerializeToString,
+                response_deserializer=hwr_dot_v1_dot_hwr__pb2.GetStoreUsageResponse.FromString,
+                _registered_method=True)
 
 
 class HostWeightRuntimeServicer:
@@ -120,6 +175,10 @@ class HostWeightRuntimeServicer:
         FAILED_PRECONDITION (ARTIFACT_DENIED: denied or quarantined); DATA_LOSS (MANIFEST_CORRUPT,
         CHECKSUM_MISMATCH, MANIFEST_INCOMPATIBLE: the artifact was just denied, do not retry);
         RESOURCE_EXHAUSTED (too many leases for this session).
+        For a checkpoint reference, manifest_json is empty, key is the checkpoint id and files are
+        the checkpoint's safetensors files (relative names); the client builds tensors from their
+        headers. Extra status: NOT_FOUND (CHECKPOINT_NOT_FOUND); FAILED_PRECONDITION
+        (CHECKPOINT_MODIFIED: a file changed after registration; the lease is refused).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -196,6 +255,115 @@ class HostWeightRuntimeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AddCheckpoint(self, request, context):
+        """--- checkpoints and prewarm ---
+        Registers a canonical checkpoint: a directory of safetensors files on the daemon's host, or
+        a Hugging Face cache snapshot. Every header is validated strictly and every file gets a
+        source identity (immutable HF blob hash, else content SHA-256 guarded by size, inode, mtime
+        and ctime). Registering the same content again is answered with the existing entry.
+        Status: OK; INVALID_ARGUMENT (not a directory, no safetensors files, duplicate tensor names,
+        not a regular file); DATA_LOSS (MANIFEST_CORRUPT: a hostile or malformed header);
+        FAILED_PRECONDITION (CHECKPOINT_MODIFIED: a file changed while it was hashed, retry later).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListCheckpoints(self, request, context):
+        """Lists registered checkpoints (state "modified" once a file changed after registration).
+        Status: OK.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prewarm(self, request, context):
+        """Builds final-layout artifacts from a registered checkpoint in an isolated producer process
+        and streams progress; the last message carries the result. Cancelling the call (the client
+        goes away, Ctrl-C in hwrctl) kills the producer and discards its staging. A build registers
+        in the one-publisher-per-identity table: a worker publishing the same identity waits for it
+        and joins. Status: OK; NOT_FOUND (CHECKPOINT_NOT_FOUND); INVALID_ARGUMENT (unknown
+        producer, bad dtype, bad TP plan); FAILED_PRECONDITION (CHECKPOINT_MODIFIED: refused, do
+        not retry before re-registering); ABORTED (PRODUCER_FAILED: the producer crashed or was
+        killed, nothing was published); DEADLINE_EXCEEDED (PRODUCER_TIMEOUT, ACTIVE_BUILD_TIMEOUT);
+        CANCELLED (BUILD_CANCELLED); RESOURCE_EXHAUSTED (ENOSPC).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def VerifyArtifact(self, request, context):
+        """--- store administration ---
+        Re-hashes every byte of one artifact (key or unique prefix, denied ones included). Streams
+        progress messages (finished=false) and then exactly one verdict (finished=true). A mismatch
+        is a verdict, not an RPC failure: ok=false, error_code CHECKSUM_MISMATCH, the artifact is
+        quarantined and denied, and affected_leases lists the leases already granted on it (their
+        mappings stay valid; the daemon cannot revoke them). Status: OK; NOT_FOUND; INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DenyArtifact(self, request, context):
+        """Denies an artifact by operator decision: it stops being handed out (existing leases keep
+        their mappings and are listed). Survives restarts; a new publication does not replace it.
+        Status: OK; NOT_FOUND; INVALID_ARGUMENT (reason missing or longer than 1000 bytes).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AllowArtifact(self, request, context):
+        """Removes a deny marker; the next lookup re-validates the artifact from scratch. Idempotent.
+        Status: OK; NOT_FOUND (no artifact or marker matches the key).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PinArtifact(self, request, context):
+        """Pins an artifact: exempt from eviction, pages prefaulted and, within the configured mlock
+        budget and when the daemon may, locked in memory. Survives restarts. Idempotent.
+        Status: OK; NOT_FOUND; FAILED_PRECONDITION (ARTIFACT_DENIED).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnpinArtifact(self, request, context):
+        """Reverses PinArtifact (unlocks and unmaps the daemon's view). Idempotent.
+        Status: OK; NOT_FOUND (key unknown and not pinned).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EvictArtifact(self, request, context):
+        """Evicts one artifact by hand. Refused with FAILED_PRECONDITION (ACTIVE_LEASE, details.reason
+        = leased | pinned | mapped | held | publishing) when it is in use.
+        Status: OK; NOT_FOUND; FAILED_PRECONDITION (ACTIVE_LEASE).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CollectGarbage(self, request, context):
+        """Evicts least-recently-used artifacts that are neither leased, pinned nor mapped until the
+        store holds at most target_bytes (default: the configured store limit and free-space floor),
+        and reclaims leftover staging. Never fails for in-use artifacts: they are listed as skipped.
+        Status: OK.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetStoreUsage(self, request, context):
+        """Capacity, reservations, pins and per-artifact use (last access, leases, holders). Status: OK.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HostWeightRuntimeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -253,6 +421,61 @@ def add_HostWeightRuntimeServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=hwr_dot_v1_dot_hwr__pb2.GetStatusRequest.FromString,
                     response_serializer=hwr_dot_v1_dot_hwr__pb2.GetStatusResponse.SerializeToString,
+            ),
+            'AddCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddCheckpoint,
+                    request_deserializer=hwr_dot_v1_dot_hwr__pb2.AddCheckpointRequest.FromString,
+                    response_serializer=hwr_dot_v1_dot_hwr__pb2.AddCheckpointResponse.SerializeToString,
+            ),
+            'ListCheckpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCheckpoints,
+                    request_deserializer=hwr_dot_v1_dot_hwr__pb2.ListCheckpointsRequest.FromString,
+                    response_serializer=hwr_dot_v1_dot_hwr__pb2.ListCheckpointsResponse.SerializeToString,
+            ),
+            'Prewarm': grpc.unary_stream_rpc_method_handler(
+                    servicer.Prewarm,
+                    request_deserializer=hwr_dot_v1_dot_hwr__pb2.PrewarmRequest.FromString,
+                    response_serializer=hwr_dot_v1_dot_hwr__pb2.PrewarmResponse.SerializeToString,
+            ),
+            'VerifyArtifact': grpc.unary_stream_rpc_method_handler(
+                    servicer.VerifyArtifact,
+                    request_deserializer=hwr_dot_v1_dot_hwr__pb2.VerifyArtifactRequest.FromString,
+                    response_serializer=hwr_dot_v1_dot_hwr__pb2.VerifyArtifactResponse.SerializeToString,
+            ),
+            'DenyArtifact': grpc.unary_unary_rpc_method_handler(
+                    servicer.DenyArtifact,
+                    request_deserializer=hwr_dot_v1_dot_hwr__pb2.DenyArtifactRequest.FromString,
+                    response_serializer=hwr_dot_v1_dot_hwr__pb2.DenyArtifactResponse.SerializeToString,
+            ),
+            'AllowArtifact': grpc.unary_unary_rpc_method_handler(
+                    servicer.AllowArtifact,
+                    request_deserializer=hwr_dot_v1_dot_hwr__pb2.AllowArtifactRequest.FromString,
+                    response_serializer=hwr_dot_v1_dot_hwr__pb2.AllowArtifactResponse.SerializeToString,
+            ),
+            'PinArtifact': grpc.unary_unary_rpc_method_handler(
+                    servicer.PinArtifact,
+                    request_deserializer=hwr_dot_v1_dot_hwr__pb2.PinArtifactRequest.FromString,
+                    response_serializer=hwr_dot_v1_dot_hwr__pb2.PinArtifactResponse.SerializeToString,
+            ),
+            'UnpinArtifact': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnpinArtifact,
+                    request_deserializer=hwr_dot_v1_dot_hwr__pb2.UnpinArtifactRequest.FromString,
+                    response_serializer=hwr_dot_v1_dot_hwr__pb2.UnpinArtifactResponse.SerializeToString,
+            ),
+            'EvictArtifact': grpc.unary_unary_rpc_method_handler(
+                    servicer.EvictArtifact,
+                    request_deserializer=hwr_dot_v1_dot_hwr__pb2.EvictArtifactRequest.FromString,
+                    response_serializer=hwr_dot_v1_dot_hwr__pb2.EvictArtifactResponse.SerializeToString,
+            ),
+            'CollectGarbage': grpc.unary_unary_rpc_method_handler(
+                    servicer.CollectGarbage,
+                    request_deserializer=hwr_dot_v1_dot_hwr__pb2.CollectGarbageRequest.FromString,
+                    response_serializer=hwr_dot_v1_dot_hwr__pb2.CollectGarbageResponse.SerializeToString,
+            ),
+            'GetStoreUsage': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStoreUsage,
+                    request_deserializer=hwr_dot_v1_dot_hwr__pb2.GetStoreUsageRequest.FromString,
+                    response_serializer=hwr_dot_v1_dot_hwr__pb2.GetStoreUsageResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -553,6 +776,303 @@ class HostWeightRuntime:
             '/hwr.v1.HostWeightRuntime/GetStatus',
             hwr_dot_v1_dot_hwr__pb2.GetStatusRequest.SerializeToString,
             hwr_dot_v1_dot_hwr__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hwr.v1.HostWeightRuntime/AddCheckpoint',
+            hwr_dot_v1_dot_hwr__pb2.AddCheckpointRequest.SerializeToString,
+            hwr_dot_v1_dot_hwr__pb2.AddCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCheckpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hwr.v1.HostWeightRuntime/ListCheckpoints',
+            hwr_dot_v1_dot_hwr__pb2.ListCheckpointsRequest.SerializeToString,
+            hwr_dot_v1_dot_hwr__pb2.ListCheckpointsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prewarm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/hwr.v1.HostWeightRuntime/Prewarm',
+            hwr_dot_v1_dot_hwr__pb2.PrewarmRequest.SerializeToString,
+            hwr_dot_v1_dot_hwr__pb2.PrewarmResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyArtifact(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/hwr.v1.HostWeightRuntime/VerifyArtifact',
+            hwr_dot_v1_dot_hwr__pb2.VerifyArtifactRequest.SerializeToString,
+            hwr_dot_v1_dot_hwr__pb2.VerifyArtifactResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DenyArtifact(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hwr.v1.HostWeightRuntime/DenyArtifact',
+            hwr_dot_v1_dot_hwr__pb2.DenyArtifactRequest.SerializeToString,
+            hwr_dot_v1_dot_hwr__pb2.DenyArtifactResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AllowArtifact(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hwr.v1.HostWeightRuntime/AllowArtifact',
+            hwr_dot_v1_dot_hwr__pb2.AllowArtifactRequest.SerializeToString,
+            hwr_dot_v1_dot_hwr__pb2.AllowArtifactResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PinArtifact(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hwr.v1.HostWeightRuntime/PinArtifact',
+            hwr_dot_v1_dot_hwr__pb2.PinArtifactRequest.SerializeToString,
+            hwr_dot_v1_dot_hwr__pb2.PinArtifactResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnpinArtifact(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hwr.v1.HostWeightRuntime/UnpinArtifact',
+            hwr_dot_v1_dot_hwr__pb2.UnpinArtifactRequest.SerializeToString,
+            hwr_dot_v1_dot_hwr__pb2.UnpinArtifactResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EvictArtifact(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hwr.v1.HostWeightRuntime/EvictArtifact',
+            hwr_dot_v1_dot_hwr__pb2.EvictArtifactRequest.SerializeToString,
+            hwr_dot_v1_dot_hwr__pb2.EvictArtifactResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CollectGarbage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hwr.v1.HostWeightRuntime/CollectGarbage',
+            hwr_dot_v1_dot_hwr__pb2.CollectGarbageRequest.SerializeToString,
+            hwr_dot_v1_dot_hwr__pb2.CollectGarbageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStoreUsage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hwr.v1.HostWeightRuntime/GetStoreUsage',
+            hwr_dot_v1_dot_hwr__pb2.GetStoreUsageRequest.SerializeToString,
+            hwr_dot_v1_dot_hwr__pb2.GetStoreUsageResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,102 @@
+"""Where the vLLM-Omni plugin finds hwrd: the environment, or a marker file in the runtime root.
+
+vLLM-Omni rejects unknown diffusion config keys, so the daemon's address cannot travel as a new
+``vllm serve`` flag. It comes, in this order, from:
+
+1. ``HWR_SOCKET`` in the worker's environment (an explicit per-process choice wins);
+2. ``<--host-weight-runtime-root>/hwrd.json``, a marker the operator writes next to the runtime
+   root (the file vLLM-Omni is already told about)::
+
+       {"socket": "/run/hwrd/hwrd.sock"}
+
+   Fields: ``socket`` (absolute path of hwrd's gRPC socket, required) and ``connect_timeout_s``
+   (positive number, default 10). Unknown fields are rejected so a typo is never silently
+   ignored. JSON rather than TOML so that the file cannot be mistaken for hwrd's own
+   ``hwrd.toml`` daemon configuration.
+
+``HWR_VLLM_PLUGIN=0`` turns the plugin off in a process whatever else is set. With neither the
+variable nor the marker, the plugin leaves vLLM-Omni's own filesystem store in place.
+
+Contract: ``resolve_target`` returns ``None`` (not configured) or a ``DaemonTarget``; a marker
+that exists but is malformed raises ``ConfigError`` naming the file and the field. Limits: the
+marker is read once per ``HostWeightRuntime`` construction; it is not watched.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from hwr.client.errors import ConfigError
+
+__all__ = ["ENV_DISABLE", "ENV_SOCKET", "MARKER_FILE", "DaemonTarget", "plugin_disabled", "resolve_target"]
+
+ENV_SOCKET = "HWR_SOCKET"
+ENV_DISABLE = "HWR_VLLM_PLUGIN"
+MARKER_FILE = "hwrd.json"
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
+_MAX_MARKER_BYTES = 64 * 1024
+
+
+class _Marker(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    socket: str
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+
+
+@dataclass(frozen=True)
+class DaemonTarget:
+    """One hwrd to use: its socket, where that came from (for messages), the connect timeout."""
+
+    socket: Path
+    origin: str
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+
+
+def plugin_disabled(environ: Mapping[str, str] | None = None) -> bool:
+    env = os.environ if environ is None else environ
+    return env.get(ENV_DISABLE, "").strip().lower() in {"0", "false", "no", "off"}
+
+
+def resolve_target(root: Path | str | None, environ: Mapping[str, str] | None = None) -> DaemonTarget | None:
+    """The hwrd this process should use for a runtime rooted at ``root``, or None."""
+    env = os.environ if environ is None else environ
+    if plugin_disabled(env):
+        return None
+    if env.get(ENV_SOCKET):
+        return DaemonTarget(Path(env[ENV_SOCKET]), f"${ENV_SOCKET}")
+    if root is None:
+        return None
+    return read_marker(Path(root).expanduser() / MARKER_FILE)
+
+
+def read_marker(path: Path) -> DaemonTarget | None:
+    """Parse ``hwrd.json``; None when it does not exist, ``ConfigError`` when it is malformed."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ConfigError(f"cannot read the hwrd marker {path}: {exc.strerror}",
+                          details={"file": str(path)}) from None
+    if not stat.S_ISREG(info.st_mode) or info.st_size > _MAX_MARKER_BYTES:
+        raise ConfigError(f"the hwrd marker {path} is not a small regular file", details={"file": str(path)})
+    try:
+        marker = msgspec.json.decode(path.read_bytes(), type=_Marker)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ConfigError(f"the hwrd marker {path} is invalid: {exc}", details={"file": str(path)}) from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read the hwrd marker {path}: {exc.strerror}",
+                          details={"file": str(path)}) from None
+    if not marker.socket or not os.path.isabs(marker.socket):
+        raise ConfigError(f"{path}: 'socket' must be an absolute path", details={"file": str(path), "field": "socket"})
+    timeout = marker.connect_timeout_s
+    if not math.isfinite(timeout) or timeout <= 0:
+        raise ConfigError(f"{path}: 'connect_timeout_s' must be a positive number",
+                          details={"file": str(path), "field": "connect_timeout_s"})
+    return DaemonTarget(Path(marker.socket), str(path), float(timeout))

@@ -1,0 +1,315 @@
+"""vLLM-Omni's ``HostWeightStore`` protocol served by hwrd.
+
+``HwrdHostWeightStore`` is what ``HostWeightRuntime`` gets instead of vLLM-Omni's in-process
+filesystem store when hwrd is configured (see ``config``):
+
+- ``lookup`` = ``Client.acquire``: the daemon maps nothing for us, it hands over read-only
+  descriptors; the hwr ``Lease`` maps them and checks every safetensors header against the
+  manifest, and the result is wrapped into vLLM-Omni's own ``HostWeightLease`` (its constructor
+  re-checks names, shapes, dtypes, strides and digests against vLLM-Omni's ``WeightManifest``,
+  parsed from the daemon's manifest bytes). Closing that lease releases the hwrd lease.
+- ``get_or_build`` = lookup, else run the vLLM-Omni producer into a ``CollectingWriter`` and
+  publish through hwrd (one publisher per identity node-wide; others are told JOINED), then
+  lease the committed artifact.
+
+Outcome table (hwr error -> ``StoreResult``):
+
+    ArtifactNotFound                               -> MISS
+    ArtifactDenied / ManifestCorrupt / ...Incompat. / ChecksumMismatch -> INVALID (typed failure)
+    ActiveBuildTimeout                             -> TIMEOUT (retryable)
+    DaemonUnavailable / DeadlineExceeded / SessionInvalid / StoreLocked
+                                                   -> FAILED, DOMAIN_UNAVAILABLE, retryable
+    anything else typed                            -> FAILED with the same code when vLLM-Omni
+                                                      knows it, else UNSUPPORTED; retryable as hwr says
+
+So preferred mode falls back to canonical loading when hwrd is down (retryable), and required
+mode fails with a message naming the socket.
+
+Validation levels: MANIFEST_AND_METADATA and FULL_CHECKSUM are both served from hwrd's
+guarantee: it hashed every byte once at publication (or adoption) and keeps payloads immutable
+(0444 files in a private 0700 store, read-only mappings), so a warm lease does not re-read the
+bytes. FS_VERITY is reported UNSUPPORTED, like vLLM-Omni's own store.
+
+Limits: hwrd's publication records no ``format_metadata``; a producer that returns non-empty
+``format_metadata`` gets ``PUBLICATION_FAILED`` (non-retryable) instead of an artifact whose
+manifest would silently differ. ``LeaseProvenance.publication_id`` is the hwrd lease id and
+``domain_uuid`` names the daemon's socket (hwrd exposes no publication id to clients).
+One ``Client`` (session) per process, opened on first use and reopened after a fork or when
+the daemon went away.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from typing import Any
+
+from vllm_omni.host_weight_runtime import (
+    BuildRequest,
+    CanonicalJson,
+    CoordinationScope,
+    FailureCode,
+    HostWeightFailure,
+    HostWeightLease,
+    LeaseProvenance,
+    MappedHostRegion,
+    ResolutionStage,
+    StoreResult,
+    StoreStatus,
+    ValidationLevel,
+    WeightArtifactIdentity,
+    WeightManifest,
+)
+
+from hwr.client import connect
+from hwr.client.client import Client
+from hwr.client.errors import (
+    ActiveBuildTimeout,
+    ArtifactDenied,
+    ArtifactNotFound,
+    ChecksumMismatch,
+    DaemonUnavailable,
+    HwrError,
+    IdentityCollision,
+    ManifestCorrupt,
+    ManifestIncompatible,
+)
+from hwr.client.identity import ArtifactIdentity
+from hwr.client.lease import Lease
+from hwr.dlo_backend.vllm_plugin.config import DaemonTarget
+from hwr.dlo_backend.vllm_plugin.writer import CollectingWriter, WriterError
+
+__all__ = ["HwrdHostWeightStore", "failure_from_error", "to_hwr_identity"]
+
+log = logging.getLogger("hwr.vllm_plugin")
+
+_INVALID = (ArtifactDenied, ManifestCorrupt, ManifestIncompatible, ChecksumMismatch)
+_MANIFEST_CACHE = 32  # parsed manifests kept per store (one per artifact this process leases)
+_UNREACHABLE_CODES = {"DAEMON_UNAVAILABLE", "DEADLINE_EXCEEDED", "SESSION_INVALID", "STORE_LOCKED"}
+_STAGE_BY_CODE = {
+    "ARTIFACT_DENIED": ResolutionStage.LOOKUP, "MANIFEST_CORRUPT": ResolutionStage.VALIDATION,
+    "MANIFEST_INCOMPATIBLE": ResolutionStage.VALIDATION, "CHECKSUM_MISMATCH": ResolutionStage.VALIDATION,
+    "IDENTITY_COLLISION": ResolutionStage.VALIDATION, "ENOSPC": ResolutionStage.CAPACITY,
+    "ARTIFACT_TOO_LARGE": ResolutionStage.CAPACITY, "STORE_LIMIT_EXCEEDED": ResolutionStage.CAPACITY,
+    "INSUFFICIENT_CAPACITY": ResolutionStage.CAPACITY, "INVALID_CONFIG": ResolutionStage.CONFIGURATION,
+    "DOMAIN_POLICY_MISMATCH": ResolutionStage.DOMAIN,
+}
+
+
+def to_hwr_identity(identity: WeightArtifactIdentity) -> ArtifactIdentity:
+    """The hwr identity of a vLLM-Omni identity; both compute the same key (tested)."""
+    return ArtifactIdentity.from_dict(identity.to_dict())
+
+
+def _failure(stage: ResolutionStage, code: FailureCode, message: str, *, retryable: bool,
+             details: dict[str, Any] | None = None) -> HostWeightFailure:
+    return HostWeightFailure(stage=stage, code=code, retryable=retryable, message=message,
+                             details=CanonicalJson.from_value({k: str(v) for k, v in (details or {}).items()}))
+
+
+def failure_from_error(exc: HwrError, stage: ResolutionStage, target: DaemonTarget) -> HostWeightFailure:
+    """The vLLM-Omni failure for a typed hwr error (pure; see the module's outcome table)."""
+    details = {"hwr_code": exc.code, "socket": str(target.socket)}
+    if exc.code in _UNREACHABLE_CODES:
+        return _failure(ResolutionStage.DOMAIN, FailureCode.DOMAIN_UNAVAILABLE,
+                        f"hwrd at {target.socket} (from {target.origin}) is unavailable: {exc.message}",
+                        retryable=True, details=details)
+    code = FailureCode.__members__.get(exc.code, FailureCode.UNSUPPORTED)
+    return _failure(_STAGE_BY_CODE.get(exc.code, stage), code, f"hwrd: {exc.message}",
+                    retryable=bool(exc.retryable), details=details)
+
+
+def _result_for_error(exc: HwrError, stage: ResolutionStage, target: DaemonTarget) -> StoreResult:
+    if isinstance(exc, ArtifactNotFound):
+        return StoreResult(StoreStatus.MISS)
+    failure = failure_from_error(exc, stage, target)
+    if isinstance(exc, _INVALID):
+        return StoreResult(StoreStatus.INVALID, failure=failure)
+    if isinstance(exc, ActiveBuildTimeout):
+        return StoreResult(StoreStatus.TIMEOUT, failure=failure)
+    return StoreResult(StoreStatus.FAILED, failure=failure)
+
+
+def _remaining(deadline: float | None, floor: float = 0.5) -> float | None:
+    return None if deadline is None else max(floor, deadline - time.monotonic())
+
+
+class HwrdHostWeightStore:
+    """``HostWeightStore`` over one hwrd; thread-safe; one hwrd session per process."""
+
+    def __init__(self, target: DaemonTarget, *, client_name: str | None = None) -> None:
+        self.target = target
+        self._client_name = client_name or f"vllm-omni-{os.getpid()}"
+        self._lock = threading.Lock()
+        self._client: Client | None = None
+        self._pid = os.getpid()
+        self._manifests: dict[bytes, WeightManifest] = {}
+
+    # session -------------------------------------------------------------------------------
+    def _session(self) -> Client:
+        with self._lock:
+            client = self._client
+            if client is not None and self._pid != os.getpid():
+                client = None  # a fork's inherited client refuses to be used in the child
+            if client is None:
+                client = connect(self.target.socket, timeout=self.target.connect_timeout_s,
+                                 client_name=self._client_name)
+                self._client, self._pid = client, os.getpid()
+            return client
+
+    def _drop_session(self, client: Client) -> None:
+        with self._lock:
+            if self._client is client:
+                self._client = None
+        client.close()
+
+    def close(self) -> None:
+        """End this process's hwrd session (the daemon then releases its leases); idempotent."""
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None and self._pid == os.getpid():
+            client.close()
+
+    # HostWeightStore -----------------------------------------------------------------------
+    def lookup(self, identity: WeightArtifactIdentity, *, validation: ValidationLevel,
+               deadline: float | None = None) -> StoreResult:
+        if validation is ValidationLevel.FS_VERITY:
+            return StoreResult(StoreStatus.FAILED, failure=_failure(
+                ResolutionStage.VALIDATION, FailureCode.UNSUPPORTED,
+                "fs-verity validation is not implemented by hwrd", retryable=False))
+        return self._acquire(identity, validation, deadline, origin="hwrd")
+
+    def get_or_build(self, request: BuildRequest, producer: Any, *, validation: ValidationLevel,
+                     deadline: float) -> StoreResult:
+        identity = request.identity
+        spec = producer.spec
+        if spec.coordination_scope is not CoordinationScope.SINGLE_PROCESS:
+            return StoreResult(StoreStatus.FAILED, failure=_failure(
+                ResolutionStage.PRODUCTION, FailureCode.PRODUCER_UNSUPPORTED,
+                f"coordination scope {spec.coordination_scope.value} is not implemented", retryable=False))
+        if tuple(output.key for output in spec.outputs) != (identity.key,):
+            return StoreResult(StoreStatus.FAILED, failure=_failure(
+                ResolutionStage.PRODUCTION, FailureCode.PRODUCER_UNAVAILABLE,
+                "producer does not declare exactly the requested artifact identity", retryable=False))
+        initial = self.lookup(identity, validation=validation, deadline=deadline)
+        if initial.status is not StoreStatus.MISS and initial.status is not StoreStatus.INVALID:
+            return initial
+        writer = CollectingWriter()
+        try:
+            metadata = producer.produce(writer)
+            specs, tensors = writer.tensor_specs(), writer.tensors()
+        except Exception as exc:
+            return StoreResult(StoreStatus.FAILED, failure=_failure(
+                ResolutionStage.PRODUCTION, FailureCode.PRODUCER_FAILED, f"artifact producer failed: {exc}",
+                retryable=False, details={"exception_type": type(exc).__name__}))
+        refusal = _metadata_refusal(identity, metadata)
+        if refusal is not None:
+            return StoreResult(StoreStatus.FAILED, failure=refusal)
+        try:
+            client = self._session()
+            publisher = client.publisher(to_hwr_identity(identity), specs,
+                                         wait_timeout=_remaining(deadline, 0.0) or 0.0)
+            with publisher:
+                joined = not publisher.staged
+                if publisher.staged:
+                    for name, tensor in tensors.items():
+                        publisher.write(name, tensor)
+                publisher.commit()
+                joined = joined or publisher.joined
+        except WriterError as exc:
+            return StoreResult(StoreStatus.FAILED, failure=_failure(
+                ResolutionStage.PRODUCTION, FailureCode.PRODUCER_FAILED, str(exc), retryable=False))
+        except IdentityCollision as exc:
+            return StoreResult(StoreStatus.FAILED, failure=failure_from_error(exc, ResolutionStage.VALIDATION,
+                                                                                self.target))
+        except HwrError as exc:
+            result = _result_for_error(exc, ResolutionStage.PRODUCTION, self.target)
+            if result.status is StoreStatus.MISS or result.status is StoreStatus.INVALID:
+                failure = failure_from_error(exc, ResolutionStage.LIFECYCLE, self.target)
+                result = StoreResult(StoreStatus.FAILED, failure=_failure(
+                    ResolutionStage.LIFECYCLE, FailureCode.PUBLICATION_FAILED,
+                    f"publication through hwrd failed: {failure.message}", retryable=failure.retryable))
+            return result
+        opened = self._acquire(identity, validation, deadline, origin="producer")
+        if opened.status is not StoreStatus.HIT:
+            return opened
+        return StoreResult(StoreStatus.JOINED if joined else StoreStatus.BUILT, lease=opened.lease)
+
+    # leases --------------------------------------------------------------------------------
+    def _acquire(self, identity: WeightArtifactIdentity, validation: ValidationLevel,
+                 deadline: float | None, *, origin: str) -> StoreResult:
+        try:
+            hwr_identity = to_hwr_identity(identity)
+        except HwrError as exc:
+            return StoreResult(StoreStatus.FAILED, failure=failure_from_error(exc, ResolutionStage.LOOKUP,
+                                                                                self.target))
+        client: Client | None = None
+        try:
+            client = self._session()
+            lease = client.acquire(hwr_identity, timeout=_remaining(deadline))
+        except HwrError as exc:
+            if client is not None and isinstance(exc, DaemonUnavailable):
+                self._drop_session(client)
+            return _result_for_error(exc, ResolutionStage.LOOKUP, self.target)
+        try:
+            return StoreResult(StoreStatus.HIT, lease=self._wrap(identity, lease, validation, origin))
+        except (ValueError, TypeError) as exc:
+            lease.close()
+            return StoreResult(StoreStatus.INVALID, failure=_failure(
+                ResolutionStage.VALIDATION, FailureCode.MANIFEST_CORRUPT,
+                f"hwrd artifact {identity.key} failed vLLM-Omni's manifest validation: {exc}", retryable=False))
+
+    def _wrap(self, identity: WeightArtifactIdentity, lease: Lease, validation: ValidationLevel,
+              origin: str) -> HostWeightLease:
+        manifest = self._manifest(lease.manifest.to_json())
+        regions = tuple(MappedHostRegion(file_name=r.file, address=r.address, length=r.length,
+                                         read_only=r.read_only) for r in lease.mapped_regions)
+        backing = hashlib.sha256(f"{self.target.socket}\0{lease.key}\0{lease.lease_id}".encode()).hexdigest()
+        provenance = LeaseProvenance(
+            resolution_id=uuid.uuid4().hex, identity_digest=identity.key,
+            artifact_content_sha256=manifest.artifact_content_sha256, domain_uuid=f"hwrd:{self.target.socket}",
+            publication_id=lease.lease_id, resolution_source="hwrd", artifact_origin=origin,
+            producer_id=identity.producer.producer_id, provider_id=None, validation_level=validation.value,
+            backing_fingerprint=backing)
+        return HostWeightLease(identity=identity, manifest=manifest, tensors=dict(lease.tensors),
+                               mapped_regions=regions, provenance=provenance, resource_closers=(),
+                               release_artifact_lock=lease.close)
+
+    def _manifest(self, document: bytes) -> WeightManifest:
+        """vLLM-Omni's strict parse of the daemon's manifest, once per distinct document.
+
+        An artifact's manifest never changes (content-addressed, immutable in hwrd) and a
+        ``WeightManifest`` is frozen, so equal bytes can share one parsed object; the parse
+        (vLLM-Omni's full schema validation) dominated a warm lookup's client-side cost.
+        """
+        with self._lock:
+            cached = self._manifests.get(document)
+        if cached is not None:
+            return cached
+        manifest = WeightManifest.from_dict(json.loads(document))
+        with self._lock:
+            if len(self._manifests) >= _MANIFEST_CACHE:
+                self._manifests.pop(next(iter(self._manifests)))
+            self._manifests[document] = manifest
+        return manifest
+
+    def __repr__(self) -> str:
+        return f"HwrdHostWeightStore(socket={str(self.target.socket)!r}, origin={self.target.origin!r})"
+
+
+def _metadata_refusal(identity: WeightArtifactIdentity, metadata: Any) -> HostWeightFailure | None:
+    if (metadata.producer_schema, metadata.restorer_schema) != (identity.producer.manifest_schema,
+                                                                identity.producer.restorer_schema):
+        return _failure(ResolutionStage.PRODUCTION, FailureCode.PRODUCER_FAILED,
+                        "production metadata does not match the identity's manifest/restorer schema",
+                        retryable=False)
+    if metadata.format_metadata.encoded != b"{}":
+        return _failure(ResolutionStage.LIFECYCLE, FailureCode.PUBLICATION_FAILED,
+                        "hwrd publication cannot record format_metadata yet; not publishing an artifact "
+                        "whose manifest would differ from the producer's", retryable=False)
+    return None
