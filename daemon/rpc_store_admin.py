@@ -64,6 +64,7 @@ class StoreAdminRpc:
         try:
             record = job.result()
         except HwrError as exc:
+            self.d.metrics.count_verification_failure(exc.code)
             quarantined = exc.code == "CHECKSUM_MISMATCH"
             yield pb.VerifyArtifactResponse(
                 key=key, finished=True, ok=False, error_code=exc.code, message=exc.message,

@@ -93,6 +93,7 @@ class Daemon:
         from hwr.daemon.store_service import StoreService
 
         self.store_service = StoreService(self.config, self.store, self.registry)
+        self.store_service.on_evict = self.metrics.count_eviction
         self.publications = Publications(self.store, gate=self.store_service)
         await self.store_service.start(self.publications)
         from hwr.daemon.checkpoints import Checkpoints
@@ -175,6 +176,13 @@ class Daemon:
         """One line for sd_notify STATUS= (systemctl status shows it)."""
         return (f"serving: {len(self.store.artifacts())} artifacts, {self.registry.lease_count()} leases, "
                 f"{len(self.registry.sessions())} sessions")
+
+    def set_capacity(self, config: DaemonConfig) -> None:
+        """Apply new capacity limits (SIGHUP); reservations already granted stay granted."""
+        from hwr.daemon.capacity import CapacityPolicy
+
+        self.store_service.policy = CapacityPolicy(
+            config.store_limit_bytes, config.artifact_limit_bytes, config.min_free_bytes)
 
     def set_allow_list(self, allow_uids: tuple[int, ...], allow_gids: tuple[int, ...]) -> None:
         """Swap the allow-list atomically; existing sessions and leases are kept."""

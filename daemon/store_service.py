@@ -110,6 +110,7 @@ class StoreService:
         self.registry = registry
         root = Path(store.root)
         self.policy = CapacityPolicy(config.store_limit_bytes, config.artifact_limit_bytes, config.min_free_bytes)
+        self.on_evict: Callable[[str], None] | None = None  # metrics hook: reason is a fixed word
         self.reservations = Reservations()
         self.admission = Admission(serialized=config.serialized_admission)
         self.pins = PinSet.open(root)
@@ -329,10 +330,12 @@ class StoreService:
                      ",".join(k[:12] for k in report.evicted))
         return report
 
-    async def _remove(self, key: str) -> None:
+    async def _remove(self, key: str, reason: str = "capacity") -> None:
         with contextlib.suppress(ArtifactNotFound):
             await asyncio.to_thread(self.store.remove, key)
         self.evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(reason)
         self.access.forget(key)
         self.journal.forget(key)
 
@@ -365,7 +368,7 @@ class StoreService:
                     pids = sorted(mapped[key])
                     raise ActiveLease(f"artifact {key[:16]} is mapped by pid(s) {pids} (no lease)",
                                       details={"key": key, "reason": "mapped", "pids": ",".join(map(str, pids))})
-                await self._remove(key)
+                await self._remove(key, "manual")
             finally:
                 self.evicting.discard(key)
                 self._settled.set()
