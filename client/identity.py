@@ -68,8 +68,12 @@ def _check_json(value: object, path: str) -> Any:
 
 def canonical_json(value: object) -> bytes:
     """The one stable encoding of a JSON value; raises ``IdentityError`` for non-JSON values."""
+    try:
+        checked = _check_json(value, "$")
+    except RecursionError:
+        raise IdentityError("JSON value is nested too deeply") from None
     return json.dumps(
-        _check_json(value, "$"), sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+        checked, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
     ).encode("ascii")
 
 
@@ -79,6 +83,8 @@ def parse_canonical(data: bytes) -> Any:
         value = json.loads(data)
     except (UnicodeDecodeError, ValueError) as exc:
         raise IdentityError("identity is not valid JSON") from exc
+    except RecursionError:
+        raise IdentityError("identity JSON is nested too deeply") from None
     if canonical_json(value) != data:
         raise IdentityError("identity JSON is not in canonical form")
     return value

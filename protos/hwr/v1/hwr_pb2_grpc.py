@@ -186,7 +186,8 @@ class HostWeightRuntimeServicer:
 
     def Release(self, request, context):
         """Releases a lease of the calling session. Releasing twice is answered OK with released=false
-        (at most one release takes effect). Status: OK; NOT_FOUND (not a lease of this session).
+        (at most one release takes effect); an unknown lease id is answered the same way.
+        Status: OK; PERMISSION_DENIED (PERMISSION_DENIED: the lease belongs to another session).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -208,7 +209,7 @@ class HostWeightRuntimeServicer:
 
     def CommitPublication(self, request, context):
         """Validates, hashes, fsyncs and atomically renames the staging into the store.
-        Status: OK; NOT_FOUND (unknown publication of this session); FAILED_PRECONDITION
+        Status: OK; PERMISSION_DENIED (not a publication of this session); FAILED_PRECONDITION
         (PUBLICATION_FAILED: a writer still holds the staging open, or it was aborted);
         DATA_LOSS (CHECKSUM_MISMATCH against expected digests, MANIFEST_CORRUPT);
         ALREADY_EXISTS (IDENTITY_COLLISION: another content exists for this identity; it stays);
@@ -220,7 +221,7 @@ class HostWeightRuntimeServicer:
 
     def AbortPublication(self, request, context):
         """Abandons a publication and reclaims its staging. Idempotent.
-        Status: OK; NOT_FOUND (unknown publication of this session).
+        Status: OK; PERMISSION_DENIED (not a publication of this session).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
