@@ -478,14 +478,18 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "warm_start", "hwr_version": hwr.__version__, "torch": torch.__version__,
         "safetensors": safetensors.__version__, "python": platform.python_version(),
         "cpus": os.cpu_count(), "machine": platform.machine(), "page_cache": "warm",
-        "repeats": args.repeats, "quick": args.quick,
+        "repeats": args.repeats, "quick": args.quick, "loadavg_start": os.getloadavg(),
     }
+    if os.getloadavg()[0] > (os.cpu_count() or 1) / 2:
+        print(f"WARNING: load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs: other work "
+              "competes for the CPU and the timings will be noisy", flush=True)
     try:
         run_all(args, work, results, clients, cycles, big_cycles)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     results["wall_s"] = round(time.perf_counter() - started, 1)
+    results["loadavg_end"] = os.getloadavg()
     print(f"\n(total {results['wall_s']} s)\n")
     common.json_line(results, args.json_out)
     return 0

@@ -173,14 +173,16 @@ class Client:
 
     # publication ----------------------------------------------------------------------------
     def publisher(self, identity: ArtifactIdentity, specs: Sequence[TensorSpec], *,
-                  wait_timeout: float = 600.0, verify: bool = False) -> Publisher:
+                  wait_timeout: float = 600.0, verify: bool = False,
+                  format_metadata: Mapping[str, Any] | None = None) -> Publisher:
         """Start a streaming publication (see ``hwr.client.publisher``)."""
         def staging_fds(publication_id: str, token: str) -> list[int]:
             return self._peer_request({"op": "staging_fds", "publication_id": publication_id,
                                        "publication_token": token}, want_fds=True)
 
         return Publisher(identity=identity, specs=specs, call=self._call, staging_fds=staging_fds,
-                         wait_timeout=wait_timeout, verify=verify, call_timeout=self.timeout)
+                         wait_timeout=wait_timeout, verify=verify, call_timeout=self.timeout,
+                         format_metadata=format_metadata)
 
     def publish(self, identity: ArtifactIdentity, tensors: Mapping[str, torch.Tensor], *,
                 buffers: Sequence[str] = (), wait_timeout: float = 600.0, verify: bool = False) -> str:

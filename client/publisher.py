@@ -21,14 +21,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hwr.client.errors import InvalidRequest, PublicationFailed
-from hwr.client.identity import ArtifactIdentity
+from hwr.client.identity import ArtifactIdentity, canonical_json
 from hwr.client.safetensors_header import DTYPES
 from hwr.client.wire import MAX_WAIT_TIMEOUT_MS
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
@@ -74,6 +74,7 @@ class Publisher:
         wait_timeout: float,
         verify: bool,
         call_timeout: float = 30.0,
+        format_metadata: Mapping[str, Any] | None = None,
     ) -> None:
         self._call = call
         self._call_timeout = call_timeout
@@ -86,7 +87,8 @@ class Publisher:
             raise InvalidRequest(f"wait_timeout must be at most {MAX_WAIT_TIMEOUT_MS // 1000} seconds")
         request = pb.BeginPublicationRequest(
             identity_json=identity.canonical_bytes, tensors=[s.to_proto() for s in specs],
-            wait_timeout_ms=int(wait_timeout * 1000))
+            wait_timeout_ms=int(wait_timeout * 1000),
+            format_metadata_json=canonical_json(dict(format_metadata)) if format_metadata else b"")
         # The daemon may rightly hold this call for the whole wait (another publisher is building).
         response = call("BeginPublication", request, call_timeout + wait_timeout)
         self.key: str = response.key

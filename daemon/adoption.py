@@ -13,7 +13,8 @@ runs at start, in two steps around ``Store.open``:
   - moves aside artifacts that upstream marked invalid (the sticky bit upstream sets on a
     directory it is invalidating or moving) to ``quarantine/<key>.upstream-invalidated.<uuid>``;
   - notes artifacts that a vLLM-Omni process still leases (its shared ``<key>.artifact.lock``
-    is held): they are adopted, and the eviction's mappings scan protects them.
+    is held): they are adopted, and the eviction's mappings scan protects them;
+  - reports unfinished publications left in ``tmp/`` as rejected (the store's open removes them).
 ``finish(store, prepared)`` (after the open validated metadata and recovered staging):
   - re-hashes every byte of each artifact not adopted before (``Store.verify``): a mismatch is
     quarantined and denied like any corruption;
@@ -105,6 +106,14 @@ def prepare(root: Path) -> list[dict[str, Any]]:
             continue
         if _lock_held(locks / f"{entry}.artifact.lock"):
             item["note"] = "leased by a running vLLM-Omni process (protected by the mappings scan)"
+    # Unfinished publications (upstream stages in tmp/<key>.<pid>.<uuid>/): never adoptable, and
+    # the store's open removes them; report them so an operator sees why a key is missing.
+    staging = root / "tmp"
+    for entry in sorted(os.listdir(staging)) if staging.is_dir() else []:
+        key = entry.split(".", 1)[0]
+        report.append({"key": key if is_key(key) else entry[:80], "status": "rejected",
+                       "reason": f"unfinished publication in tmp/{entry[:120]} (never committed: no READY "
+                                 "marker in artifacts/); removed"})
     return report
 
 

@@ -17,6 +17,10 @@ commits (then its bytes are counted as committed) or ends. Until its staging has
 preallocated it also counts against free space (after that the filesystem's own free count
 already reflects it).
 
+A request that does not fit after eviction while other publications hold reservations is not
+refused at once: ``StoreService.reserve`` waits (up to the publication's wait timeout) for a
+reservation to end or a lease to be released, evicts again, and only then raises.
+
 Contract: called on the daemon's event loop (no locks). Limits: ``need`` is the payload size
 computed from the tensor specs; manifest, marker and directory blocks (a few KiB) are not
 counted. Bytes of a cancelled publication whose writer still holds its descriptors return to the

@@ -113,6 +113,9 @@ async def _watchdog(notifier: object, interval: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hwr.daemon.fault_injection import install_from_env
+
+    install_from_env()  # test-only: a no-op unless $HWR_TEST_FAULTS is set (hwr.daemon.fault_injection)
     args = _parser().parse_args(argv)
     try:
         config, sources = load_config_with_sources(args.config, overrides=_overrides(args),

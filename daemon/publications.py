@@ -101,6 +101,7 @@ class Publications:
         specs: Sequence[Any],
         *,
         wait_timeout: float,
+        format_metadata: dict[str, Any] | None = None,
     ) -> BeginResult:
         key = identity.key
         loop = asyncio.get_running_loop()
@@ -133,7 +134,8 @@ class Publications:
         try:
             if self._gate is not None:
                 pub.ticket = await self._gate.admit(key, specs, deadline - loop.time())
-            pub.staging = await asyncio.to_thread(self._store.begin, identity, specs)
+            pub.staging = await asyncio.to_thread(self._store.begin, identity, specs,
+                                                  format_metadata=format_metadata)
             if self._gate is not None:
                 self._gate.allocated(pub.ticket)
         except BaseException:

@@ -17,7 +17,7 @@ import grpc
 
 from hwr import __version__
 from hwr.client.errors import ArtifactNotFound, IdentityError, InvalidRequest
-from hwr.client.identity import ArtifactIdentity, is_key
+from hwr.client.identity import ArtifactIdentity, is_key, parse_canonical
 from hwr.client.wire import MAX_WAIT_TIMEOUT_MS
 from hwr.daemon.rpc_checkpoints import CheckpointsMixin
 from hwr.daemon.rpc_store_admin import StoreAdminRpc
@@ -100,7 +100,8 @@ class Servicer(StoreAdminRpc, CheckpointsMixin, hwr_pb2_grpc.HostWeightRuntimeSe
             raise InvalidRequest("wait_timeout_ms is out of range",
                                  details={"field": "wait_timeout_ms", "limit": MAX_WAIT_TIMEOUT_MS})
         result = await self.d.publications.begin(
-            session, identity, specs, wait_timeout=request.wait_timeout_ms / 1000.0)
+            session, identity, specs, wait_timeout=request.wait_timeout_ms / 1000.0,
+            format_metadata=_format_metadata(bytes(request.format_metadata_json)))
         if result.publication is None:
             outcome = (pb.BEGIN_OUTCOME_JOINED if result.outcome == "joined"
                        else pb.BEGIN_OUTCOME_ALREADY_PRESENT)
@@ -167,6 +168,22 @@ class Servicer(StoreAdminRpc, CheckpointsMixin, hwr_pb2_grpc.HostWeightRuntimeSe
     async def GetStatus(self, request: pb.GetStatusRequest, context: Any) -> pb.GetStatusResponse:
         self._session(context)
         return await self.d.status()
+
+
+def _format_metadata(data: bytes) -> dict[str, Any] | None:
+    """An optional canonical JSON object; anything else is INVALID_ARGUMENT."""
+    if not data:
+        return None
+    if len(data) > 1 << 20:
+        raise InvalidRequest("format_metadata_json is too large", details={"field": "format_metadata_json"})
+    try:
+        value = parse_canonical(data)
+    except IdentityError as exc:
+        raise InvalidRequest(f"format_metadata_json: {exc.message}",
+                             details={"field": "format_metadata_json"}) from None
+    if not isinstance(value, dict):
+        raise InvalidRequest("format_metadata_json must be a JSON object", details={"field": "format_metadata_json"})
+    return value
 
 
 def _ref_key(ref: pb.ArtifactRef) -> str:

@@ -41,6 +41,7 @@ import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from hwr.client.errors import (
     ArtifactDenied,
@@ -210,7 +211,12 @@ class Store:
 
     # ----------------------------------------------------------------- publication
     def begin(
-        self, identity: ArtifactIdentity, specs: Sequence[TensorSpec], *, max_file_bytes: int | None = None
+        self,
+        identity: ArtifactIdentity,
+        specs: Sequence[TensorSpec],
+        *,
+        max_file_bytes: int | None = None,
+        format_metadata: Mapping[str, Any] | None = None,
     ) -> Staging:
         """Create a staging directory with preallocated payload files and their headers written.
 
@@ -222,7 +228,7 @@ class Store:
         plans = plan_payloads(list(specs), max_file_bytes)
         staging_id = f"{identity.key}.{os.getpid()}.{uuid.uuid4().hex}"
         path = self.root / "tmp" / staging_id
-        staging = Staging.from_plans(staging_id, identity, path, specs, plans)
+        staging = Staging.from_plans(staging_id, identity, path, specs, plans, format_metadata)
         try:
             path.mkdir(mode=0o700)
             for plan in plans:
@@ -341,7 +347,7 @@ class Store:
             )
             for s in staging.specs
         ]
-        manifest = Manifest.build(staging.identity, tensors, files)
+        manifest = Manifest.build(staging.identity, tensors, files, dict(staging.format_metadata) or None)
         manifest_bytes = manifest.to_json()
         store_io.write_new_file(staging.path / MANIFEST_FILE, manifest_bytes)
         _step("manifest_written")

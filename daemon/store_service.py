@@ -125,6 +125,7 @@ class StoreService:
         self.scrubbed = 0
         self._settled = asyncio.Event()
         self._capacity_lock = asyncio.Lock()
+        self._room = asyncio.Event()  # replaced after each wake-up (see _signal_room)
         self._pin_lock = asyncio.Lock()
         self._starts: dict[str, int] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -193,6 +194,7 @@ class StoreService:
                 self._reattach(lease.key, lease.pid)
             else:
                 self.journal.released(lease.lease_id)
+                self._signal_room()
             self.access.touch(lease.key)
         except OSError as exc:
             log.error("lease journal write failed: %s", exc)
@@ -236,7 +238,7 @@ class StoreService:
         need = sum(p.size for p in plan_payloads(list(specs)))
         took = await self.admission.enter(key, wait_timeout)
         try:
-            reservation = await self.reserve(key, need)
+            reservation = await self.reserve(key, need, wait_timeout)
         except BaseException:
             self.admission.leave(took)
             raise
@@ -251,6 +253,12 @@ class StoreService:
         ticket.took_slot = False
         if committed:
             self.access.touch(ticket.key)
+        self._signal_room()
+
+    def _signal_room(self) -> None:
+        """Wake publications waiting for room (a reservation ended or a lease was released)."""
+        self._room.set()
+        self._room = asyncio.Event()
 
     async def usage(self) -> Usage:
         sizes = await asyncio.to_thread(self.store.usage_by_key)
@@ -258,17 +266,38 @@ class StoreService:
         return Usage(sum(sizes.values()), self.reservations.reserved_bytes, self.reservations.unallocated_bytes,
                      st.f_bavail * st.f_frsize)
 
-    async def reserve(self, key: str, need: int) -> Reservation:
-        """Reserve ``need`` bytes for a publication of ``key``, evicting LRU artifacts if needed."""
-        async with self._capacity_lock:
-            usage = await self.usage()
-            shortfall = assess(self.policy, usage, need, key=key)
-            if shortfall:
-                await self._evict_round(shortfall, exclude={key}, require_fit=True)
+    async def reserve(self, key: str, need: int, wait_timeout: float = 0.0) -> Reservation:
+        """Reserve ``need`` bytes for a publication of ``key``, evicting LRU artifacts if needed.
+
+        When the request does not fit even after eviction but publications in flight hold
+        reservations (their bytes will be committed, and become evictable once unused, or be
+        returned), it waits up to ``wait_timeout`` for a reservation to end or a lease to be
+        released and tries again; then the typed capacity error. Requests that can never fit
+        (``ArtifactTooLarge``, larger than the whole store) fail at once.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.0, wait_timeout)
+        while True:
+            async with self._capacity_lock:
                 usage = await self.usage()
-                if assess(self.policy, usage, need, key=key):
-                    raise shortfall_error(self.policy, usage, need, key)
-            return self.reservations.add(key, need)
+                shortfall = assess(self.policy, usage, need, key=key)
+                if shortfall:
+                    await self._evict_round(shortfall, exclude={key}, require_fit=True)
+                    usage = await self.usage()
+                    if assess(self.policy, usage, need, key=key):
+                        error = shortfall_error(self.policy, usage, need, key)
+                        room, in_flight = self._room, len(self.reservations)
+                    else:
+                        return self.reservations.add(key, need)
+                else:
+                    return self.reservations.add(key, need)
+            remaining = deadline - loop.time()
+            if not in_flight or remaining <= 0:
+                raise error
+            try:
+                await asyncio.wait_for(room.wait(), remaining)
+            except TimeoutError:
+                raise error from None
 
     # ------------------------------------------------------------------ eviction
     def _flags(self, key: str, size: int, default_access: float) -> Candidate:

@@ -17,7 +17,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -134,6 +134,7 @@ class Staging:
     specs: tuple[TensorSpec, ...]
     plans: tuple[PayloadPlan, ...]
     placements: Mapping[str, tuple[str, int, int]] = field(repr=False)
+    format_metadata: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def files(self) -> list[tuple[str, Path, int]]:
@@ -147,13 +148,14 @@ class Staging:
         path: Path,
         specs: Sequence[TensorSpec],
         plans: tuple[PayloadPlan, ...],
+        format_metadata: Mapping[str, Any] | None = None,
     ) -> Staging:
         placements = {
             entry.name: (plan.name, plan.data_offset() + entry.begin, entry.nbytes)
             for plan in plans
             for entry in plan.entries
         }
-        return cls(id, identity.key, identity, path, tuple(specs), plans, placements)
+        return cls(id, identity.key, identity, path, tuple(specs), plans, placements, dict(format_metadata or {}))
 
 
 def write_tensor(staging: Staging, name: str, tensor: torch.Tensor, fd: int | None = None) -> None:

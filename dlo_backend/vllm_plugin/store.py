@@ -30,9 +30,8 @@ guarantee: it hashed every byte once at publication (or adoption) and keeps payl
 (0444 files in a private 0700 store, read-only mappings), so a warm lease does not re-read the
 bytes. FS_VERITY is reported UNSUPPORTED, like vLLM-Omni's own store.
 
-Limits: hwrd's publication records no ``format_metadata``; a producer that returns non-empty
-``format_metadata`` gets ``PUBLICATION_FAILED`` (non-retryable) instead of an artifact whose
-manifest would silently differ. ``LeaseProvenance.publication_id`` is the hwrd lease id and
+Publication carries the producer's ``format_metadata`` into hwrd's manifest unchanged.
+Limits: ``LeaseProvenance.publication_id`` is the hwrd lease id and
 ``domain_uuid`` names the daemon's socket (hwrd exposes no publication id to clients).
 One ``Client`` (session) per process, opened on first use and reopened after a fork or when
 the daemon went away.
@@ -210,10 +209,12 @@ class HwrdHostWeightStore:
         refusal = _metadata_refusal(identity, metadata)
         if refusal is not None:
             return StoreResult(StoreStatus.FAILED, failure=refusal)
+        client: Client | None = None
         try:
             client = self._session()
             publisher = client.publisher(to_hwr_identity(identity), specs,
-                                         wait_timeout=_remaining(deadline, 0.0) or 0.0)
+                                         wait_timeout=_remaining(deadline, 0.0) or 0.0,
+                                         format_metadata=metadata.format_metadata.to_value() or None)
             with publisher:
                 joined = not publisher.staged
                 if publisher.staged:
@@ -228,6 +229,8 @@ class HwrdHostWeightStore:
             return StoreResult(StoreStatus.FAILED, failure=failure_from_error(exc, ResolutionStage.VALIDATION,
                                                                                 self.target))
         except HwrError as exc:
+            if client is not None and isinstance(exc, DaemonUnavailable):
+                self._drop_session(client)
             result = _result_for_error(exc, ResolutionStage.PRODUCTION, self.target)
             if result.status is StoreStatus.MISS or result.status is StoreStatus.INVALID:
                 failure = failure_from_error(exc, ResolutionStage.LIFECYCLE, self.target)
@@ -243,15 +246,12 @@ class HwrdHostWeightStore:
     # leases --------------------------------------------------------------------------------
     def _acquire(self, identity: WeightArtifactIdentity, validation: ValidationLevel,
                  deadline: float | None, *, origin: str) -> StoreResult:
-        try:
-            hwr_identity = to_hwr_identity(identity)
-        except HwrError as exc:
-            return StoreResult(StoreStatus.FAILED, failure=failure_from_error(exc, ResolutionStage.LOOKUP,
-                                                                                self.target))
         client: Client | None = None
         try:
             client = self._session()
-            lease = client.acquire(hwr_identity, timeout=_remaining(deadline))
+            # By key: the daemon's manifest carries the identity, and HostWeightLease below
+            # rejects it unless its canonical bytes equal the requested identity's.
+            lease = client.acquire(identity.key, timeout=_remaining(deadline))
         except HwrError as exc:
             if client is not None and isinstance(exc, DaemonUnavailable):
                 self._drop_session(client)
@@ -308,8 +308,4 @@ def _metadata_refusal(identity: WeightArtifactIdentity, metadata: Any) -> HostWe
         return _failure(ResolutionStage.PRODUCTION, FailureCode.PRODUCER_FAILED,
                         "production metadata does not match the identity's manifest/restorer schema",
                         retryable=False)
-    if metadata.format_metadata.encoded != b"{}":
-        return _failure(ResolutionStage.LIFECYCLE, FailureCode.PUBLICATION_FAILED,
-                        "hwrd publication cannot record format_metadata yet; not publishing an artifact "
-                        "whose manifest would differ from the producer's", retryable=False)
     return None

@@ -151,15 +151,22 @@ def test_without_configuration_vllm_omni_keeps_its_own_store(runtime_root):
     assert isinstance(runtime(runtime_root).store, FilesystemHostWeightStore)
 
 
-def test_format_metadata_is_refused_not_dropped(vo_hwrd, runtime_root, monkeypatch):
+def test_format_metadata_round_trips_through_hwrd(vo_hwrd, runtime_root, monkeypatch):
+    from vllm_omni.host_weight_runtime import CanonicalJson
+
     monkeypatch.setenv("HWR_SOCKET", str(vo_hwrd.socket))
     ident = identity("format-metadata/model")
     report = runtime(runtime_root).publish_after_load(
         ident, producer=TensorProducer(ident, tensors(6), format_metadata={"tensor_count": 5}))
-    assert report.outcome is PostLoadPublicationOutcome.FAILED
-    assert report.failure.code is FailureCode.PUBLICATION_FAILED
-    with hwr.client.connect(vo_hwrd.socket) as c, pytest.raises(hwr.client.ArtifactNotFound):
-        c.acquire(ident.key)
+    assert report.outcome is PostLoadPublicationOutcome.PUBLISHED, report
+    with hwr.client.connect(vo_hwrd.socket) as c, c.acquire(ident.key) as lease:
+        assert lease.manifest.format_metadata == b'{"tensor_count":5}'
+    warm = runtime(runtime_root).resolve(ident)
+    try:
+        assert warm.report.outcome is ResolutionOutcome.LOCAL_HIT
+        assert warm.lease.manifest.format_metadata == CanonicalJson.from_value({"tensor_count": 5})
+    finally:
+        warm.lease.close()
 
 
 def test_failing_producer_is_typed_and_publishes_nothing(vo_hwrd, runtime_root, monkeypatch):
@@ -169,3 +176,23 @@ def test_failing_producer_is_typed_and_publishes_nothing(vo_hwrd, runtime_root, 
     assert report.outcome is PostLoadPublicationOutcome.FAILED
     assert report.failure.code is FailureCode.PRODUCER_FAILED and not report.failure.retryable
     assert not runtime(runtime_root).resolve(ident).lease
+
+
+def test_a_denied_artifact_is_invalid_not_a_hit(vo_hwrd, runtime_root, monkeypatch):
+    monkeypatch.setenv("HWR_SOCKET", str(vo_hwrd.socket))
+    ident = identity("denied/model")
+    runtime(runtime_root).publish_after_load(ident, producer=TensorProducer(ident, tensors(8)))
+    with hwr.client.connect(vo_hwrd.socket) as c:
+        c.deny(ident.key, "operator says no")
+        try:
+            preferred = runtime(runtime_root).resolve(ident)
+            required = runtime(runtime_root, RuntimeMode.REQUIRED).resolve(ident)
+        finally:
+            c.allow(ident.key)
+    assert preferred.report.outcome is ResolutionOutcome.CANONICAL_FALLBACK and preferred.lease is None
+    assert required.report.outcome is ResolutionOutcome.FAILED
+    for result in (preferred, required):  # the lookup attempt says why; upstream then reports no producer
+        assert result.report.attempts[0].failure.code is FailureCode.ARTIFACT_DENIED
+    again = runtime(runtime_root).resolve(ident)
+    assert again.report.outcome is ResolutionOutcome.LOCAL_HIT
+    again.lease.close()

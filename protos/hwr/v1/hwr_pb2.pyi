@@ -160,14 +160,16 @@ class TensorPlacement(_message.Message):
     def __init__(self, name: _Optional[str] = ..., file_index: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class BeginPublicationRequest(_message.Message):
-    __slots__ = ("identity_json", "tensors", "wait_timeout_ms")
+    __slots__ = ("identity_json", "tensors", "wait_timeout_ms", "format_metadata_json")
     IDENTITY_JSON_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     WAIT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
     identity_json: bytes
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     wait_timeout_ms: int
-    def __init__(self, identity_json: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., wait_timeout_ms: _Optional[int] = ...) -> None: ...
+    format_metadata_json: bytes
+    def __init__(self, identity_json: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., wait_timeout_ms: _Optional[int] = ..., format_metadata_json: _Optional[bytes] = ...) -> None: ...
 
 class BeginPublicationResponse(_message.Message):
     __slots__ = ("outcome", "key", "publication_id", "publication_token", "files", "placements")

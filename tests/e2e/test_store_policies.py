@@ -1,0 +1,143 @@
+"""Store policies end to end: background scrub at a bandwidth cap, serialized admission, the pin
+mlock budget, and publications that wait for room held by publications in flight.
+
+Real hwrd processes; the only timing assertions are lower bounds that a slow machine cannot break
+(a capped scrub cannot finish faster than its cap allows) or generous upper bounds on waits.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hwr.client import ArtifactIdentity, connect
+from hwr.client.errors import ActiveBuildTimeout, ArtifactDenied, StoreLimitExceeded
+from hwr.client.publisher import specs_for
+
+MIB = 1 << 20
+
+
+def _flip_keep_times(payload: Path, offset: int) -> None:
+    st = os.stat(payload)
+    os.chmod(payload, 0o644)
+    with open(payload, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.chmod(payload, 0o444)
+    os.utime(payload, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_background_scrub_at_a_bandwidth_cap_quarantines_a_flipped_byte(spawn_daemon) -> None:
+    daemon = spawn_daemon()
+    with connect(daemon.socket) as client:
+        good = client.publish(ArtifactIdentity.simple("scrub-good"), {"w": torch.ones(1 << 18)})
+        bad = client.publish(ArtifactIdentity.simple("scrub-bad"), {"w": torch.full((1 << 20,), 2.0)})
+    daemon.stop()
+    _flip_keep_times(Path(daemon.root) / "artifacts" / bad / "model-00001.safetensors", 3 * MIB)
+    cap = 2.0  # MiB/s: the bad artifact's 4 MiB payload is hashed twice (file + tensor) = 8 MiB
+    daemon = spawn_daemon("--scrub-bandwidth-mib-s", str(cap), "--scrub-interval-s", "1")  # same root
+    started = time.monotonic()
+    with connect(daemon.socket) as client:
+        with client.acquire(bad):  # metadata still validates: only a re-hash can tell
+            pass
+        deadline = started + 60
+        while True:
+            try:
+                with client.acquire(bad):
+                    pass
+            except ArtifactDenied:
+                break
+            assert time.monotonic() < deadline, "the scrub never caught the flipped byte"
+            time.sleep(0.2)
+        elapsed = time.monotonic() - started
+        # The scrub paces itself: 8 MiB at 2 MiB/s cannot take less than ~4 s (+1 s first delay).
+        assert elapsed >= 8 / cap * 0.8, elapsed
+        assert any(e.startswith(bad) for e in os.listdir(Path(daemon.root) / "quarantine"))
+        with client.acquire(good) as lease:
+            assert float(lease.tensors["w"][0]) == 1.0
+
+
+def test_serialized_admission_lets_one_publication_build_at_a_time(spawn_daemon) -> None:
+    daemon = spawn_daemon("--serialized-admission", "true")
+    tensors = {"w": torch.zeros(1024)}
+    with connect(daemon.socket) as first, connect(daemon.socket) as second:
+        pub = first.publisher(ArtifactIdentity.simple("serial-a"), specs_for(tensors))
+        pub.write("w", tensors["w"])
+        # Another identity cannot start while the first is building: a short wait times out, typed.
+        with pytest.raises(ActiveBuildTimeout) as timed_out:
+            second.publish(ArtifactIdentity.simple("serial-b"), tensors, wait_timeout=0.5)
+        assert timed_out.value.details.get("serialized") is True
+        done: list[str] = []
+        waiter = threading.Thread(target=lambda: done.append(
+            second.publish(ArtifactIdentity.simple("serial-c"), tensors, wait_timeout=30)))
+        waiter.start()
+        time.sleep(1.0)
+        assert not done, "a second publication built while the first still held the slot"
+        pub.commit()
+        waiter.join(30)
+        assert done == [ArtifactIdentity.simple("serial-c").key]
+        assert second.status()["publications"] == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mlock beyond RLIMIT_MEMLOCK needs root (CAP_IPC_LOCK)")
+def test_pins_lock_pages_within_the_mlock_budget(spawn_daemon) -> None:
+    size = 4 * MIB + 136  # one 1Mi-float32 tensor and its header
+    daemon = spawn_daemon("--mlock-budget-bytes", str(size + size // 2))
+
+    def vm_lck_kib() -> int:
+        with open(f"/proc/{daemon.pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmLck:"))
+
+    with connect(daemon.socket) as client:
+        a = client.publish(ArtifactIdentity.simple("pin-a"), {"w": torch.ones(1 << 20)})
+        b = client.publish(ArtifactIdentity.simple("pin-b"), {"w": torch.ones(1 << 20)})
+        before = vm_lck_kib()
+        first = client.pin(a)
+        assert first["residency"] == "locked" and first["locked_bytes"] == size
+        assert vm_lck_kib() - before >= size // 1024
+        second = client.pin(b)  # does not fit in what is left of the budget: resident, not locked
+        assert second["residency"] == "prefaulted" and second["locked_bytes"] == 0
+        assert client.store_usage()["locked_bytes"] == size
+        client.unpin(a)
+        assert client.store_usage()["locked_bytes"] == 0
+        assert vm_lck_kib() <= before
+        client.unpin(b)
+
+
+def test_a_publication_waits_for_room_held_by_publications_in_flight(spawn_daemon) -> None:
+    art = 2 * MIB + 136
+    limit = art + art // 2
+    daemon = spawn_daemon("--store-limit-bytes", str(limit))
+    big = {"w": torch.zeros(1 << 19)}  # 2 MiB: two of them do not fit under the limit at once
+    with connect(daemon.socket) as first, connect(daemon.socket) as second:
+        pub = first.publisher(ArtifactIdentity.simple("room-a"), specs_for(big))
+        pub.write("w", big["w"])
+        # Reserve a second 2 MiB: 2 + 2 > 3 MiB with nothing committed to evict. Without a wait it
+        # is refused at once (typed); with one it proceeds as soon as the first commits (its
+        # bytes become committed and, unused, evictable).
+        with pytest.raises(StoreLimitExceeded):
+            second.publish(ArtifactIdentity.simple("room-c"), big, wait_timeout=0)
+        t0 = time.monotonic()
+        with pytest.raises(StoreLimitExceeded):
+            second.publish(ArtifactIdentity.simple("room-c"), big, wait_timeout=0.6)
+        assert time.monotonic() - t0 >= 0.5  # it waited for its timeout before giving up
+        done: list[str] = []
+        waiter = threading.Thread(target=lambda: done.append(
+            second.publish(ArtifactIdentity.simple("room-d"), big, wait_timeout=30)))
+        waiter.start()
+        time.sleep(0.5)
+        assert not done
+        key_a = pub.commit()
+        waiter.join(30)
+        assert done == [ArtifactIdentity.simple("room-d").key]
+        usage = second.store_usage()
+        assert usage["store_bytes"] <= limit and usage["reserved_bytes"] == 0
+        # The first, committed and unused, was evicted (LRU) to make room for the waiter.
+        assert {a["key"] for a in usage["artifacts"]} == {done[0]} and key_a != done[0]
