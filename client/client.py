@@ -28,13 +28,11 @@ import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
-import torch
 
 from hwr import __version__
-from hwr.client.checkpoint_lease import CheckpointLease
 from hwr.client.errors import (
     DaemonUnavailable,
     HwrError,
@@ -43,13 +41,18 @@ from hwr.client.errors import (
     error_from_code,
 )
 from hwr.client.identity import ArtifactIdentity, is_key
-from hwr.client.lease import Lease
 from hwr.client.manifest import Manifest
 from hwr.client.paths import default_socket, peer_path
-from hwr.client.publisher import Publisher, TensorSpec, specs_for
 from hwr.client.wire import SESSION_KEY, error_from_rpc, recv_frame, send_frame
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
 from hwr.protos.hwr.v1 import hwr_pb2_grpc
+
+if TYPE_CHECKING:  # torch is imported only by the calls that build tensors (hwrctl never does)
+    import torch
+
+    from hwr.client.checkpoint_lease import CheckpointLease
+    from hwr.client.lease import Lease
+    from hwr.client.publisher import Publisher, TensorSpec
 
 __all__ = ["Client", "connect"]
 
@@ -160,6 +163,8 @@ class Client:
         except BaseException:
             self._release(response.lease_id)
             raise
+        from hwr.client.lease import Lease
+
         lease = Lease(lease_id=response.lease_id, key=response.key, manifest=manifest, fds=fds,
                       release=self._release, copy_on_write=copy_on_write, populate=populate)
         self._open_leases[lease] = files
@@ -180,6 +185,8 @@ class Client:
             return self._peer_request({"op": "staging_fds", "publication_id": publication_id,
                                        "publication_token": token}, want_fds=True)
 
+        from hwr.client.publisher import Publisher
+
         return Publisher(identity=identity, specs=specs, call=self._call, staging_fds=staging_fds,
                          wait_timeout=wait_timeout, verify=verify, call_timeout=self.timeout,
                          format_metadata=format_metadata)
@@ -189,6 +196,8 @@ class Client:
         """Publish a mapping of CPU tensors; returns the key (also when it already existed)."""
         if not tensors:
             raise InvalidRequest("nothing to publish")
+        from hwr.client.publisher import specs_for
+
         with self.publisher(identity, specs_for(dict(tensors), buffers), wait_timeout=wait_timeout,
                             verify=verify) as pub:
             if pub.staged:
@@ -248,6 +257,8 @@ class Client:
         except BaseException:
             self._release(response.lease_id)
             raise
+        from hwr.client.checkpoint_lease import CheckpointLease
+
         return CheckpointLease(lease_id=response.lease_id, checkpoint_id=response.key,
                                files=[(f.name, f.size) for f in response.files], fds=fds,
                                release=self._release, populate=populate)

@@ -33,9 +33,10 @@ import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from hwr.client.errors import ManifestCorrupt
 
@@ -62,30 +63,35 @@ _LENGTH = struct.Struct("<Q")
 
 @dataclass(frozen=True)
 class DtypeInfo:
-    """One safetensors dtype: its header code, torch dtype, item size and torch name (manifest form)."""
+    """One safetensors dtype: its header code, torch attribute, item size and torch name (manifest form).
+
+    The table is static so that parsing headers never imports torch (hwrd does not load torch);
+    ``torch_dtype`` imports it on first use.
+    """
 
     code: str
-    torch_dtype: torch.dtype
+    attr: str
     itemsize: int
 
     @property
     def torch_name(self) -> str:
-        return str(self.torch_dtype)
+        return f"torch.{self.attr}"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.attr)
 
 
 def _dtype_table() -> dict[str, DtypeInfo]:
     names = {
-        "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-        "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-        "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-        "U16": "uint16", "U32": "uint32", "U64": "uint64",
+        "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
+        "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1), "U8": ("uint8", 1),
+        "BOOL": ("bool", 1), "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
+        "U16": ("uint16", 2), "U32": ("uint32", 4), "U64": ("uint64", 8),
     }  # fmt: skip
-    table: dict[str, DtypeInfo] = {}
-    for code, attr in names.items():
-        dtype = getattr(torch, attr, None)
-        if isinstance(dtype, torch.dtype):  # the unsigned types only exist in newer torch
-            table[code] = DtypeInfo(code, dtype, dtype.itemsize)
-    return table
+    return {code: DtypeInfo(code, attr, size) for code, (attr, size) in names.items()}
 
 
 #: safetensors dtype code -> (torch dtype, item size).

@@ -17,9 +17,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal
 
 from hwr.client.errors import InvalidRequest
 from hwr.client.identity import ArtifactIdentity
@@ -32,6 +30,9 @@ from hwr.client.safetensors_header import (
     plan_file,
 )
 from hwr.daemon import store_io
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["PayloadPlan", "Staging", "TensorSpec", "plan_payloads", "write_tensor"]
 
@@ -50,7 +51,10 @@ class TensorSpec:
     @property
     def info(self) -> DtypeInfo:
         for info in DTYPES.values():
-            if self.dtype in (info.torch_dtype, info.code, info.torch_name):
+            if isinstance(self.dtype, str):
+                if self.dtype in (info.code, info.torch_name):
+                    return info
+            elif self.dtype == info.torch_dtype:  # a torch dtype: torch is already imported
                 return info
         raise InvalidRequest(f"tensor {self.name!r}: unsupported dtype {self.dtype!r}", details={"tensor": self.name})
 
@@ -171,6 +175,8 @@ def write_tensor(staging: Staging, name: str, tensor: torch.Tensor, fd: int | No
     file_name, offset, nbytes = staging.placements[name]
     if nbytes == 0:
         return
+    import torch  # only writers that hold tensors call this (producers, store.publish in tests)
+
     raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
     own = fd is None
     fd = os.open(staging.path / file_name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC) if own else fd
