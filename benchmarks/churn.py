@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import json_line  # noqa: E402
-from benchmarks.load import ELEMENTS, report, run  # noqa: E402
+from benchmarks.common import json_line
+from benchmarks.load import ELEMENTS, report, run
 
 BASE = 16
 ROOM = 32  # published artifacts that fit besides the pinned base: the rest evicts

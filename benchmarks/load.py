@@ -32,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import fmt_ms, hwrd, json_line, md_table, summarize  # noqa: E402
+from benchmarks.common import fmt_ms, hwrd, json_line, md_table, summarize
 
 ELEMENTS = 1 << 14  # float32 elements per artifact (64 KiB)
 OPS = ("acquire", "release", "publish", "list")

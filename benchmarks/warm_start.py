@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import gc
 import importlib
+import importlib.util
 import json
 import math
 import os
@@ -118,25 +119,31 @@ def small_tensors() -> dict[str, torch.Tensor]:
 def import_upstream(src: str | None) -> tuple[types.ModuleType | None, str]:
     """vLLM-Omni's ``host_weight_runtime`` package, and how it was found.
 
-    Installed: a plain import. Otherwise, with ``src`` (a directory holding ``vllm_omni/``), only
-    that subpackage is loaded: a bare ``vllm_omni`` package object stands in for the real
-    ``vllm_omni/__init__.py`` (which imports vLLM itself), and when the ``regex`` package is
-    missing the stdlib ``re`` stands in for it (upstream only compiles ``[0-9a-f]{64}`` with it).
+    Only that subpackage is loaded (it needs torch and safetensors, not vLLM): a bare
+    ``vllm_omni`` package object stands in for ``vllm_omni/__init__.py``, which imports all of
+    vLLM (about 15 s per fresh process here; the timed code is the same either way). The package
+    comes from the installed ``vllm-omni`` distribution, else from ``src`` (a directory holding
+    ``vllm_omni/``, e.g. an unpacked wheel); there, when the ``regex`` package is missing, the
+    stdlib ``re`` stands in for it (upstream only compiles ``[0-9a-f]{64}`` with it).
     """
-    try:
-        return importlib.import_module("vllm_omni.host_weight_runtime"), "installed"
-    except ImportError as exc:
-        if not src:
-            return None, f"not installed ({exc})"
-    pkg_dir = Path(src) / "vllm_omni"
+    loaded = sys.modules.get("vllm_omni.host_weight_runtime")
+    if loaded is not None:
+        return loaded, "installed"
+    spec = None
+    with contextlib.suppress(ImportError, ValueError):
+        spec = importlib.util.find_spec("vllm_omni")  # finds, does not run, the package
+    if spec is not None and spec.submodule_search_locations:
+        pkg_dir, how = Path(next(iter(spec.submodule_search_locations))), "installed"
+    elif src:
+        pkg_dir, how = Path(src) / "vllm_omni", f"source tree {src}"
+    else:
+        return None, "not installed"
     if not (pkg_dir / "host_weight_runtime" / "__init__.py").is_file():
-        return None, f"not installed (no vllm_omni/host_weight_runtime under {src})"
-    for name in [m for m in sys.modules if m == "vllm_omni" or m.startswith("vllm_omni.")]:
-        del sys.modules[name]
-    stub = types.ModuleType("vllm_omni")
-    stub.__path__ = [str(pkg_dir)]
-    sys.modules["vllm_omni"] = stub
-    how = f"source tree {src}"
+        return None, f"not installed (no host_weight_runtime under {pkg_dir})"
+    if "vllm_omni" not in sys.modules:
+        stub = types.ModuleType("vllm_omni")
+        stub.__path__ = [str(pkg_dir)]
+        sys.modules["vllm_omni"] = stub
     try:
         importlib.import_module("regex")
     except ImportError:
@@ -145,7 +152,7 @@ def import_upstream(src: str | None) -> tuple[types.ModuleType | None, str]:
     try:
         return importlib.import_module("vllm_omni.host_weight_runtime"), how
     except ImportError as exc:
-        return None, f"not importable from {src} ({exc})"
+        return None, f"not importable from {pkg_dir} ({exc})"
 
 
 def upstream_identity(vo: types.ModuleType, ident: hc.ArtifactIdentity) -> Any:
@@ -342,37 +349,49 @@ def worker_upstream_publish(spec: dict[str, Any]) -> dict[str, Any]:
     return {"publish_s": elapsed, "status": str(result.status.value), "how": how}
 
 
-def worker_lease_loop(spec: dict[str, Any]) -> dict[str, Any]:
-    """One client of the latency test: connect, warm up, say ready, wait for the start, loop."""
+def worker_lease_pool(spec: dict[str, Any]) -> dict[str, Any]:
+    """One client of the latency test; serves phases the driver sends on stdin, one JSON line each.
+
+    Per phase: read the phase, warm up, print ``armed``, read ``GO_AT OFFSET``, sleep until the
+    start (a barrier across clients), run the cycles, print the latencies. ``quit`` (or EOF) ends.
+    """
     client = hc.connect(spec["socket"])
-    for _ in range(spec["warmup"]):
-        client.acquire(spec["key"]).close()
     print("ready", flush=True)
-    go_at, offset = (float(x) for x in sys.stdin.readline().split())
-    interval = spec.get("interval_ms", 0) / 1e3
-    common.wait_until(go_at + offset * interval)
-    acquire_us: list[float] = []
-    release_us: list[float] = []
     clock = time.perf_counter_ns
-    start = time.monotonic()
-    for i in range(spec["cycles"]):
-        if interval:  # paced (open loop): the i-th cycle starts at its slot, or at once if late
-            common.wait_until(start + i * interval)
-        t0 = clock()
-        lease = client.acquire(spec["key"])
-        t1 = clock()
-        lease.close()
-        t2 = clock()
-        acquire_us.append(round((t1 - t0) / 1e3, 1))
-        release_us.append(round((t2 - t1) / 1e3, 1))
-    end = time.monotonic()
+    while True:
+        line = sys.stdin.readline()
+        if not line or line.strip() == "quit":
+            break
+        phase = json.loads(line)
+        key, interval = phase["key"], phase.get("interval_ms", 0) / 1e3
+        for _ in range(phase["warmup"]):
+            client.acquire(key).close()
+        print("armed", flush=True)
+        go_at, offset = (float(x) for x in sys.stdin.readline().split())
+        common.wait_until(go_at + offset * interval)
+        acquire_us: list[float] = []
+        release_us: list[float] = []
+        start = time.monotonic()
+        for i in range(phase["cycles"]):
+            if interval:  # paced (open loop): cycle i starts at its slot, or at once when late
+                common.wait_until(start + i * interval)
+            t0 = clock()
+            lease = client.acquire(key)
+            t1 = clock()
+            lease.close()
+            t2 = clock()
+            acquire_us.append(round((t1 - t0) / 1e3, 1))
+            release_us.append(round((t2 - t1) / 1e3, 1))
+        end = time.monotonic()
+        print(json.dumps({"acquire_us": acquire_us, "release_us": release_us, "start": start, "end": end}),
+              flush=True)
     client.close()
-    return {"acquire_us": acquire_us, "release_us": release_us, "start": start, "end": end}
+    return {"done": True}
 
 
 WORKERS = {"hwr": worker_hwr, "hwr-breakdown": worker_hwr_breakdown, "load_file": worker_load_file,
            "safe_open": worker_safe_open, "upstream": worker_upstream,
-           "upstream-publish": worker_upstream_publish, "lease-loop": worker_lease_loop}
+           "upstream-publish": worker_upstream_publish, "lease-pool": worker_lease_pool}
 
 
 def worker_main(spec_json: str) -> None:
@@ -386,56 +405,81 @@ def run(spec: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
     return common.run_worker([THIS, "--worker", json.dumps(spec)], timeout=timeout)
 
 
-def lease_latency(socket: str, key: str, clients: int, cycles: int, warmup: int,
-                  interval_ms: float = 0.0, batch: int = 4) -> dict[str, Any]:
-    """``clients`` processes, each with its own session, doing ``cycles`` acquire+close cycles.
+class ClientPool:
+    """``n`` client processes, each with its own hwrd session, driven phase by phase.
 
-    Processes start in batches of ``batch`` (each imports torch: stagger the CPU and memory),
-    warm up, then all start the timed loop at one monotonic instant (a barrier). Closed loop
-    (back to back) by default; with ``interval_ms`` each client starts a cycle every interval,
-    the clients' phases spread evenly over it.
+    Processes start in batches of ``batch`` (each imports torch: staggered CPU and memory) and
+    are reused by every phase; a phase with ``clients`` < ``n`` uses the first ``clients``.
     """
-    spec = json.dumps({"mode": "lease-loop", "socket": socket, "key": key, "cycles": cycles,
-                       "warmup": warmup, "interval_ms": interval_ms})
-    procs: list[subprocess.Popen[str]] = []
-    try:
-        for i in range(0, clients, batch):
-            started = [subprocess.Popen([sys.executable, THIS, "--worker", spec], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                       for _ in range(min(batch, clients - i))]
-            procs += started
-            for proc in started:
-                assert proc.stdout is not None
-                if proc.stdout.readline().strip() != "ready":
-                    raise RuntimeError(f"latency client failed: {proc.communicate(timeout=30)[1][-3000:]}")
+
+    def __init__(self, socket: str, n: int, batch: int = 4) -> None:
+        spec = json.dumps({"mode": "lease-pool", "socket": socket})
+        self.procs: list[subprocess.Popen[str]] = []
+        try:
+            for i in range(0, n, batch):
+                started = [subprocess.Popen([sys.executable, THIS, "--worker", spec], stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                           for _ in range(min(batch, n - i))]
+                self.procs += started
+                for proc in started:
+                    self._expect(proc, "ready")
+        except BaseException:
+            self.close()
+            raise
+
+    def _expect(self, proc: subprocess.Popen[str], word: str) -> str:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line or (word and line.strip() != word):
+            proc.kill()
+            err = proc.stderr.read() if proc.stderr else ""
+            raise RuntimeError(f"latency client said {line!r} instead of {word!r}: {err[-3000:]}")
+        return line
+
+    def _send(self, proc: subprocess.Popen[str], text: str) -> None:
+        assert proc.stdin is not None
+        proc.stdin.write(text + "\n")
+        proc.stdin.flush()
+
+    def phase(self, key: str, clients: int, cycles: int, warmup: int, interval_ms: float = 0.0) -> dict[str, Any]:
+        """All of the first ``clients`` processes do ``cycles`` acquire+close cycles from one instant.
+
+        Closed loop (back to back) by default; with ``interval_ms`` each client starts a cycle
+        every interval, the clients' phases spread evenly over it.
+        """
+        procs = self.procs[:clients]
+        command = json.dumps({"key": key, "cycles": cycles, "warmup": warmup, "interval_ms": interval_ms})
+        for proc in procs:
+            self._send(proc, command)
+        for proc in procs:
+            self._expect(proc, "armed")
         go_at = time.monotonic() + 0.25
         for i, proc in enumerate(procs):
-            assert proc.stdin is not None
-            proc.stdin.write(f"{go_at} {i / clients}\n")
-            proc.stdin.flush()  # communicate() closes it
-        results = []
-        for proc in procs:
-            out, err = proc.communicate(timeout=600)
-            if proc.returncode != 0:
-                raise RuntimeError(f"latency client exited {proc.returncode}: {err[-3000:]}")
-            results.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for proc in procs:
+            self._send(proc, f"{go_at} {i / clients}")
+        results = [json.loads(self._expect(proc, "")) for proc in procs]
+        acquire = [v / 1e3 for r in results for v in r["acquire_us"]]
+        release = [v / 1e3 for r in results for v in r["release_us"]]
+        span = max(r["end"] for r in results) - min(r["start"] for r in results)
+        return {"clients": clients, "cycles_per_client": cycles, "interval_ms": interval_ms,
+                "acquire_ms": common.summarize(acquire), "release_ms": common.summarize(release),
+                "cycle_ms": common.summarize([a + b for a, b in zip(acquire, release, strict=True)]),
+                "cycles_per_s": len(acquire) / span if span > 0 else None, "span_s": span}
+
+    def close(self) -> None:
+        for proc in self.procs:
             if proc.poll() is None:
+                with contextlib.suppress(OSError):
+                    self._send(proc, "quit")
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    acquire = [v / 1e3 for r in results for v in r["acquire_us"]]
-    release = [v / 1e3 for r in results for v in r["release_us"]]
-    span = max(r["end"] for r in results) - min(r["start"] for r in results)
-    return {"clients": clients, "cycles_per_client": cycles, "interval_ms": interval_ms,
-            "acquire_ms": common.summarize(acquire),
-            "release_ms": common.summarize(release),
-            "cycle_ms": common.summarize([a + b for a, b in zip(acquire, release, strict=True)]),
-            "cycles_per_s": len(acquire) / span if span > 0 else None, "span_s": span}
-
-
-def drop_none(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in d.items() if v is not None}
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                if stream is not None:
+                    with contextlib.suppress(OSError):
+                        stream.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -497,15 +541,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_all(args: argparse.Namespace, work: Path, results: dict[str, Any], clients: list[int],
             cycles: int, big_cycles: int) -> None:
-    say = print
+    t_run = time.perf_counter()
+
+    def say(text: str) -> None:
+        print(f"[{time.perf_counter() - t_run:6.1f} s] {text}", flush=True)
+
     shapes = dit_shapes(int(args.size_gib * GiB), args.tensors)
     t = time.perf_counter()
     tensors = make_tensors(shapes)
     nbytes = sum(x.nbytes for x in tensors.values())
     results |= {"artifact_bytes": nbytes, "tensor_count": len(tensors),
                 "hidden": shapes["x_embedder.proj.bias"][0], "dtype": "bfloat16"}
-    say(f"# warm start: {nbytes / GiB:.2f} GiB, {len(tensors)} bf16 tensors (hidden "
-        f"{results['hidden']}), {args.repeats} fresh-process runs per mode, page cache warm")
+    print(f"# warm start: {nbytes / GiB:.2f} GiB, {len(tensors)} bf16 tensors (hidden "
+          f"{results['hidden']}), {args.repeats} fresh-process runs per mode, page cache warm")
     say(f"generated in {time.perf_counter() - t:.1f} s; workdir {work}")
 
     st_path = work / "model.safetensors"
@@ -550,6 +598,7 @@ def run_all(args: argparse.Namespace, work: Path, results: dict[str, Any], clien
         say("publish: " + ", ".join(f"{k} {v:.2f} s" for k, v in publish.items()))
 
         # Warm the page cache (and check every mode sees the same bytes), then the timed runs.
+        say("warming the page cache")
         checksums = {name: run(spec)["checksum"] for name, spec in modes.items()}
         if len(set(checksums.values())) != 1:
             raise RuntimeError(f"modes disagree on the bytes: {checksums}")
@@ -562,22 +611,25 @@ def run_all(args: argparse.Namespace, work: Path, results: dict[str, Any], clien
                 breakdowns.append(run({"mode": "hwr-breakdown", "socket": sock, "key": key}))
             except RuntimeError as exc:  # the client's internals moved: report, do not fail
                 say(f"(breakdown skipped: {str(exc).splitlines()[-1]})")
+        say("warm-start runs done")
         results["warm_start"] = summarize_runs(runs)
         results["warm_start_breakdown_ms"] = summarize_breakdown(breakdowns)
 
         latency = []
         small, big = "small (8 tensors, 1 MiB)", f"big ({nbytes / GiB:.2f} GiB, {len(shapes)} tensors)"
-        for n in clients:
-            latency.append({"artifact": small, "key": small_key,
-                            **lease_latency(sock, small_key, n, cycles, warmup=5)})
-        if args.paced_hz:
-            n = max(clients)
-            latency.append({"artifact": small, "key": small_key,
-                            **lease_latency(sock, small_key, n, max(10, cycles // 2), warmup=5,
-                                            interval_ms=1e3 / args.paced_hz)})
-        if big_cycles:
+        pool = ClientPool(sock, max(clients))
+        try:
             for n in clients:
-                latency.append({"artifact": big, "key": key, **lease_latency(sock, key, n, big_cycles, warmup=2)})
+                latency.append({"artifact": small, **pool.phase(small_key, n, cycles, warmup=5)})
+            if args.paced_hz:
+                latency.append({"artifact": small, **pool.phase(small_key, max(clients), max(10, cycles // 2),
+                                                                 warmup=2, interval_ms=1e3 / args.paced_hz)})
+            if big_cycles:
+                for n in clients:
+                    latency.append({"artifact": big, **pool.phase(key, n, big_cycles, warmup=2)})
+        finally:
+            pool.close()
+        say("latency runs done")
         results["lease_latency"] = latency
         results["daemon_pss_kib"] = common.pss_kib(daemon.pid)
 
@@ -672,7 +724,8 @@ def print_report(results: dict[str, Any], have_vo: bool, how: str) -> None:
         print("\n## Publication of the same bytes (one run, informative)\n")
         print(common.md_table(["path", "seconds"], [[k, f"{v:.2f} s"] for k, v in publish.items()]))
 
-    print("\n## Lease acquire/release latency (each client its own process and session, closed loop)\n")
+    print("\n## Lease acquire/release latency (each client its own process and session; closed loop: back to "
+          "back cycles; paced: one cycle per interval per client)\n")
     rows = []
     for r in results["lease_latency"]:
         acq, rel = r["acquire_ms"], r["release_ms"]

@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 
 from hwr.client import ArtifactIdentity, connect
-from hwr.client.errors import HwrError, InsufficientCapacity, NoSpace, PublicationFailed
+from hwr.client.errors import HwrError, InsufficientCapacity, NoSpace, PublicationFailed, StoreIOError
 
 from .faultkit import Control, check_invariants, publish, tally, wait_for
 
-EXPECTED = {"ENOSPC": (NoSpace,), "EIO": (PublicationFailed, HwrError)}
+EXPECTED = {"ENOSPC": (NoSpace,), "EIO": (PublicationFailed, StoreIOError)}
 
 
 @pytest.mark.parametrize("errno_name", ["ENOSPC", "EIO"])

@@ -7,9 +7,9 @@ the session closes and no lease, publication or staging file is left.
 Messages are generated from the proto descriptors, so an RPC added later is fuzzed too; string
 fields draw from random text plus hostile values (paths, NULs, 64-hex keys, a real key, 10 kB).
 
-Quick size (CI): 25 examples per RPC. Long size::
+Quick size (CI): 50 examples per RPC. Long size::
 
-    HWR_FUZZ_EXAMPLES=5000 .venv/bin/python -m pytest tests/fuzz/test_rpc_fuzz.py -q
+    HWR_FUZZ_EXAMPLES=15000 .venv/bin/python -m pytest tests/fuzz/test_rpc_fuzz.py -q   # 5,000 per RPC
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from hwr.protos.hwr.v1 import hwr_pb2_grpc
 
 from .fuzzkit import count
 
-EXAMPLES = max(1, int(os.environ.get("HWR_FUZZ_EXAMPLES", "150")) // 6)
+EXAMPLES = max(1, int(os.environ.get("HWR_FUZZ_EXAMPLES", "150")) // 3)
 SERVICE = pb.DESCRIPTOR.services_by_name["HostWeightRuntime"]
 F = FieldDescriptor
 
