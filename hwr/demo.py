@@ -11,7 +11,9 @@
    canonical loads) and runs the same forward with layerwise offload; the outputs must be
    bit-identical to the cold start's;
 5. N warm workers vs N workers without hwrd (mode ``disabled``) run at the same time; their
-   aggregate PSS (``/proc/PID/smaps_rollup``) is read while all of them hold their weights;
+   aggregate PSS (``/proc/PID/smaps_rollup``) is read while all of them hold their weights.
+   These run without offload: on a CPU-only machine DLO's two "device" slots are host memory
+   too, which would blur what the comparison is about (who holds a copy of the weights);
 6. prints a table and a JSON line, then stops hwrd.
 
 Limits: each worker's PSS includes its Python+torch interpreter (~220 MiB), shown separately
@@ -33,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main"]
+__all__ = ["demo_identity", "main", "run_workers", "summarize"]
 
 MiB = 1 << 20
 
@@ -54,15 +56,17 @@ def _worker(args: argparse.Namespace) -> int:
     from hwr.dlo_backend.loader import start_worker
 
     cfg = DemoConfig(hidden=args.hidden, depth=args.depth, heads=args.heads)
-    identity = _identity(cfg)
+    identity = demo_identity(cfg)
     checkpoint = Path(args.checkpoint)
-    x = torch.randn(1, 64, cfg.in_channels, generator=torch.Generator().manual_seed(0))
+    # A short sequence: the first forward proves the weights are usable; its compute is not the
+    # host side's business (on CPU, bf16 matmuls of a long sequence would dominate the time).
+    x = torch.randn(1, 4, cfg.in_channels, generator=torch.Generator().manual_seed(0))
     t = torch.tensor([500.0])
     baseline = _pss_kib(os.getpid())
     started = time.perf_counter()
     worker = start_worker(identity=identity, build_skeleton=lambda: build_skeleton(cfg),
                           load_canonical=lambda: load_canonical(cfg, checkpoint), mode=args.mode,
-                          socket=args.socket)
+                          socket=args.socket, offload=not args.no_offload)
     ready = time.perf_counter() - started
     with torch.inference_mode():
         out = worker.model(x, t)
@@ -80,18 +84,18 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _identity(cfg: Any) -> Any:
+def demo_identity(cfg: Any) -> Any:
     from hwr.client import ArtifactIdentity
 
     tag = f"h{cfg.hidden}-d{cfg.depth}-n{cfg.heads}"
     return ArtifactIdentity.simple("hwr-demo/dit", revision=tag, fingerprint=f"demo-seed0-{tag}", dtype="bfloat16")
 
 
-def _run_workers(mode: str, n: int, args: argparse.Namespace, socket: Path, checkpoint: Path,
-                 cfg: Any) -> list[dict[str, Any]]:
+def run_workers(mode: str, n: int, args: argparse.Namespace, socket: Path, checkpoint: Path,
+                 cfg: Any, *, offload: bool = True) -> list[dict[str, Any]]:
     cmd = [sys.executable, "-m", "hwr.demo", "worker", "--mode", mode, "--socket", str(socket),
            "--checkpoint", str(checkpoint), "--hidden", str(cfg.hidden), "--depth", str(cfg.depth),
-           "--heads", str(cfg.heads)]
+           "--heads", str(cfg.heads), *([] if offload else ["--no-offload"])]
     procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(n)]
     reports: list[dict[str, Any]] = []
     try:
@@ -114,7 +118,7 @@ def _run_workers(mode: str, n: int, args: argparse.Namespace, socket: Path, chec
     return reports
 
 
-def _summary(reports: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(reports: list[dict[str, Any]]) -> dict[str, Any]:
     pss = sum(r["pss_kib"] for r in reports) / 1024
     interp = sum(r["baseline_kib"] for r in reports) / 1024
     return {"workers": len(reports), "outcomes": sorted({r["outcome"] for r in reports}),
@@ -146,22 +150,24 @@ def _demo(args: argparse.Namespace) -> int:
     try:
         from hwr.client import connect
 
-        with connect(daemon.socket) as client:  # a fresh demo: drop an artifact left by an earlier run
-            known = {a["key"] for a in client.list_artifacts()}
-        if _identity(cfg).key in known:
-            print("      (the artifact exists from an earlier run: the cold start below will be warm;"
-                  " delete the workdir's store/ for a cold one)", flush=True)
-        cold = _run_workers("preferred", 1, args, daemon.socket, checkpoint, cfg)[0]
+        with connect(daemon.socket) as client:  # a cold start needs no artifact from an earlier run
+            if demo_identity(cfg).key in {a["key"] for a in client.list_artifacts()}:
+                client.evict(demo_identity(cfg).key)
+                print("      (evicted the artifact an earlier run published, so the next start is cold)",
+                      flush=True)
+        cold = run_workers("preferred", 1, args, daemon.socket, checkpoint, cfg)[0]
         print(f"[3/6] cold start: {cold['outcome']}, first forward after {cold['first_forward_s'] * 1e3:.0f} ms, "
               f"publication {cold['publication']}", flush=True)
-        warm = _run_workers("preferred", 1, args, daemon.socket, checkpoint, cfg)[0]
+        warm = run_workers("preferred", 1, args, daemon.socket, checkpoint, cfg)[0]
         same = warm["output_sha256"] == cold["output_sha256"]
         print(f"[4/6] warm start: {warm['outcome']}, first forward after {warm['first_forward_s'] * 1e3:.0f} ms, "
               f"output bit-identical to the cold start: {same}", flush=True)
         print(f"[5/6] {args.workers} warm workers and {args.workers} workers without hwrd hold their weights ...",
               flush=True)
-        leased = _summary(_run_workers("preferred", args.workers, args, daemon.socket, checkpoint, cfg))
-        private = _summary(_run_workers("disabled", args.workers, args, daemon.socket, checkpoint, cfg))
+        leased = summarize(run_workers("preferred", args.workers, args, daemon.socket, checkpoint, cfg,
+                                       offload=False))
+        private = summarize(run_workers("disabled", args.workers, args, daemon.socket, checkpoint, cfg,
+                                        offload=False))
     finally:
         daemon.stop()
     print("[6/6] hwrd stopped\n")
@@ -171,7 +177,8 @@ def _demo(args: argparse.Namespace) -> int:
     for name, r in (("cold start (canonical + publish)", cold), ("warm start (lease + restore + DLO)", warm)):
         print(f"| {name} | {r['outcome']} | {r['startup_s'] * 1e3:.0f} ms | {r['first_forward_s'] * 1e3:.0f} ms "
               f"| | | |")
-    for name, r in ((f"{args.workers} workers with hwrd", leased), (f"{args.workers} workers without hwrd", private)):
+    for name, r in ((f"{args.workers} workers with hwrd (no DLO)", leased),
+                    (f"{args.workers} workers without hwrd (no DLO)", private)):
         print(f"| {name} | {','.join(r['outcomes'])} | {r['startup_ms_median']:.0f} ms | "
               f"{r['first_forward_ms_median']:.0f} ms | {r['aggregate_pss_mib']:.0f} MiB "
               f"| {r['weights_pss_mib']:.0f} MiB | {r['weights_pss_mib'] / model_mib:.2f}x |")
@@ -199,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--hidden", type=int, required=True)
     w.add_argument("--depth", type=int, required=True)
     w.add_argument("--heads", type=int, required=True)
+    w.add_argument("--no-offload", action="store_true", help="serve from host tensors without DLO")
     args = parser.parse_args(argv)
     return _worker(args) if args.cmd == "worker" else _demo(args)
 

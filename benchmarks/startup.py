@@ -1,0 +1,106 @@
+"""Cold vs warm worker startup of the demo DiT, with 1 and 4 workers, in one run (issue 5).
+
+    .venv/bin/python benchmarks/startup.py [--size-gib 2.0] [--workers 1,4] [--quick]
+
+For each worker count N: evict the artifact, start N workers in ``preferred`` mode at once (cold:
+canonical load = read the fp32 checkpoint + cast to the bf16 final layout, layerwise offload,
+first forward, one of them publishes), then start N workers again (warm: lease + restore + DLO,
+first forward). Each worker is a fresh process (``python -m hwr.demo worker``) that holds its
+weights until the aggregate PSS (``/proc/PID/smaps_rollup``, minus each worker's interpreter
+baseline) has been read. A third group starts N warm workers without offload: on a CPU-only
+machine DLO's two "device" slots are host memory, so this row isolates who holds a copy of the
+weights. The page cache is warm (the checkpoint was just written or read).
+
+Goals: warm startup to first forward >= 10x faster than cold; aggregate weight PSS of 4 warm
+workers <= 1.2x one model copy. Prints a markdown table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import json_line, md_table
+
+from hwr.client import connect
+from hwr.daemon.launcher import DaemonProcess
+from hwr.demo import demo_identity, run_workers
+from hwr.demo_model import DemoConfig, canonical_checkpoint
+
+MiB = 1 << 20
+
+
+def _group(reports: list[dict], model_mib: float) -> dict:
+    weights = (sum(r["pss_kib"] for r in reports) - sum(r["baseline_kib"] for r in reports)) / 1024
+    return {
+        "workers": len(reports),
+        "outcomes": sorted({r["outcome"] for r in reports}),
+        "startup_ms": statistics.median(r["startup_s"] for r in reports) * 1e3,
+        "first_forward_ms": statistics.median(r["first_forward_s"] for r in reports) * 1e3,
+        "weights_pss_mib": weights,
+        "weights_vs_one_copy": weights / model_mib,
+        "publications": sorted(str((r.get("publication") or {}).get("outcome")) for r in reports),
+        "output_sha256": sorted({r["output_sha256"] for r in reports}),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-gib", type=float, default=2.0, help="bf16 final-layout size (checkpoint is 2x)")
+    parser.add_argument("--workers", default="1,4")
+    parser.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "hwr-bench-startup"))
+    parser.add_argument("--quick", action="store_true", help="0.25 GiB, workers 1,2")
+    parser.add_argument("--json-out")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.size_gib, args.workers = 0.25, "1,2"
+    counts = [int(n) for n in args.workers.split(",")]
+    cfg = DemoConfig.for_size(args.size_gib * 1024 * 2, hidden=1024, heads=16)
+    workdir = Path(args.workdir)
+    checkpoint = workdir / f"dit-h{cfg.hidden}-d{cfg.depth}.safetensors"
+    if not checkpoint.exists():
+        canonical_checkpoint(cfg, checkpoint)
+    model_mib = checkpoint.stat().st_size / 2 / MiB
+    key = demo_identity(cfg).key
+    sockdir = Path(tempfile.mkdtemp(prefix="hwrb-"))
+    os.chmod(sockdir, 0o700)
+    daemon = DaemonProcess(sockdir / "store", sockdir / "hwrd.sock").start()
+    results: dict = {"benchmark": "startup", "model_mib": model_mib, "depth": cfg.depth, "runs": {}}
+    rows = []
+    try:
+        for n in counts:
+            with connect(daemon.socket) as client:
+                if key in {a["key"] for a in client.list_artifacts()}:
+                    client.evict(key)
+            cold = _group(run_workers("preferred", n, None, daemon.socket, checkpoint, cfg), model_mib)
+            warm = _group(run_workers("preferred", n, None, daemon.socket, checkpoint, cfg), model_mib)
+            plain = _group(run_workers("preferred", n, None, daemon.socket, checkpoint, cfg, offload=False),
+                           model_mib)
+            speedup = cold["first_forward_ms"] / max(warm["first_forward_ms"], 1e-9)
+            results["runs"][str(n)] = {"cold": cold, "warm": warm, "warm_no_offload": plain,
+                                       "speedup_first_forward": speedup,
+                                       "bit_identical": cold["output_sha256"] == warm["output_sha256"]}
+            for name, g in (("cold (canonical + DLO)", cold), ("warm (lease + restore + DLO)", warm),
+                            ("warm, no DLO", plain)):
+                rows.append([n, name, ",".join(g["outcomes"]), f"{g['startup_ms']:.0f} ms",
+                             f"{g['first_forward_ms']:.0f} ms", f"{g['weights_pss_mib']:.0f} MiB",
+                             f"{g['weights_vs_one_copy']:.2f}x"])
+            rows.append([n, "warm speed-up to first forward", "", "", f"{speedup:.1f}x", "", ""])
+    finally:
+        daemon.stop()
+    print(f"startup of the demo DiT: {model_mib:.0f} MiB bf16 final layout, {cfg.depth} blocks, "
+          f"fp32 checkpoint {checkpoint.stat().st_size / MiB:.0f} MiB\n")
+    print(md_table(["workers", "start", "outcome", "startup (median)", "first forward (median)",
+                    "weights PSS (all workers)", "vs one copy"], rows))
+    json_line(results, args.json_out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
