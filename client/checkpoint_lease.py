@@ -15,29 +15,25 @@ daemon cannot revoke the pages if the file is modified in place later (it refuse
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import mmap
 import os
-import threading
 import warnings
-from collections.abc import Callable, Mapping, Sequence
-from types import MappingProxyType
+from collections.abc import Callable, Sequence
 
 import torch
 
 from hwr.client.carrier import MappedRegion
-from hwr.client.errors import HwrError, LeaseClosed, ManifestCorrupt
-from hwr.client.lease import _base_view, _map
+from hwr.client.errors import ManifestCorrupt
+from hwr.client.lease import MappedLease
 from hwr.client.safetensors_header import DTYPES, read_header
 
 __all__ = ["CheckpointLease"]
 
-log = logging.getLogger("hwr.client")
-PAGE = mmap.PAGESIZE
 
 
-class CheckpointLease:
+class CheckpointLease(MappedLease):
+    """A lease on a registered checkpoint's original files (see the module contract)."""
+
     def __init__(
         self,
         *,
@@ -48,103 +44,26 @@ class CheckpointLease:
         release: Callable[[str], None],
         populate: bool = False,
     ) -> None:
-        self._lock = threading.Lock()
-        self._closed = False
-        self._maps: list[mmap.mmap] = []
-        self._lease_id = lease_id
-        self._key = checkpoint_id
-        self._release = release
-        self._owner_pid = os.getpid()
+        super().__init__(lease_id=lease_id, key=checkpoint_id, release=release)
         self.files = tuple(files)
-        self._tensors: dict[str, torch.Tensor] = {}
-        regions: list[MappedRegion] = []
-        try:
-            if len(fds) != len(files):
-                raise ManifestCorrupt(f"daemon sent {len(fds)} descriptors for {len(files)} checkpoint files")
-            for (name, size), fd in zip(files, fds, strict=True):
-                if os.fstat(fd).st_size != size:
-                    raise ManifestCorrupt(f"checkpoint file {name!r} has the wrong size", details={"file": name})
-                header = read_header(fd, require_alignment=False)
-                mapped = _map(fd, size, copy_on_write=False, populate=populate)
-                self._maps.append(mapped)
-                base = _base_view(mapped)
-                regions.append(MappedRegion(name, base.data_ptr(), -(-size // PAGE) * PAGE, True))
-                for entry in header.entries:
-                    if entry.name in self._tensors:
-                        raise ManifestCorrupt(f"tensor {entry.name!r} appears in two files", details={"file": name})
-                    self._tensors[entry.name] = _view(mapped, header.data_offset, entry)
-        except BaseException:
-            self._teardown_local()
-            self._tell_daemon()
-            raise
-        finally:
-            for fd in fds:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        self._regions = tuple(regions)
-        self._view = MappingProxyType(self._tensors)
 
-    @property
-    def key(self) -> str:
-        return self._key
+        def map_one(index: int, fd: int) -> MappedRegion:
+            name, size = self.files[index]
+            if os.fstat(fd).st_size != size:
+                raise ManifestCorrupt(f"checkpoint file {name!r} has the wrong size", details={"file": name})
+            header = read_header(fd, require_alignment=False)
+            mapped, region = self._attach(fd, size, name, copy_on_write=False, populate=populate)
+            for entry in header.entries:
+                if entry.name in self._tensors:
+                    raise ManifestCorrupt(f"tensor {entry.name!r} appears in two files", details={"file": name})
+                self._tensors[entry.name] = _view(mapped, header.data_offset, entry)
+            return region
 
-    @property
-    def lease_id(self) -> str:
-        return self._lease_id
-
-    @property
-    def tensors(self) -> Mapping[str, torch.Tensor]:
-        if self._closed:
-            raise LeaseClosed("the lease is closed")
-        return self._view
-
-    @property
-    def mapped_regions(self) -> tuple[MappedRegion, ...]:
-        return self._regions
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
+        self._map_files(fds, len(self.files), map_one)
 
     @property
     def nbytes(self) -> int:
         return sum(size for _name, size in self.files)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._teardown_local()
-        if os.getpid() == self._owner_pid:
-            self._tell_daemon()
-
-    def _tell_daemon(self) -> None:
-        try:
-            self._release(self._lease_id)
-        except HwrError as exc:
-            log.debug("release of checkpoint lease %s not confirmed: %s", self._lease_id, exc)
-
-    def _teardown_local(self) -> None:
-        self._tensors = {}
-        self._view = MappingProxyType(self._tensors)
-        maps, self._maps = self._maps, []
-        for mapped in maps:
-            with contextlib.suppress(BufferError):
-                mapped.close()
-
-    def __enter__(self) -> CheckpointLease:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __reduce__(self) -> object:
-        raise TypeError("a CheckpointLease is bound to this process's mappings and cannot be pickled")
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{len(self._tensors)} tensors"
-        return f"CheckpointLease(checkpoint={self._key[:12]}…, {self.nbytes} bytes, {state})"
 
 
 def _view(mapped: mmap.mmap, data_offset: int, entry: object) -> torch.Tensor:

@@ -37,24 +37,22 @@ from hwr.client.errors import HwrError, LeaseClosed, ManifestCorrupt
 from hwr.client.manifest import Manifest
 from hwr.client.safetensors_header import read_header
 
-__all__ = ["Lease"]
+__all__ = ["Lease", "MappedLease"]
 
 log = logging.getLogger("hwr.client")
 PAGE = mmap.PAGESIZE
 
 
-class Lease:
-    def __init__(
-        self,
-        *,
-        lease_id: str,
-        key: str,
-        manifest: Manifest,
-        fds: list[int],
-        release: Callable[[str], None],
-        copy_on_write: bool = False,
-        populate: bool = False,
-    ) -> None:
+class MappedLease:
+    """What every lease shares: mappings of daemon-passed descriptors and one idempotent close.
+
+    Subclasses (``Lease`` for artifacts, ``CheckpointLease`` for canonical checkpoints) decide
+    how each file is validated and viewed, through ``_map_files`` and ``_attach``; the lifecycle
+    (close once, never from a forked child, views outlive the lease safely, not picklable) is
+    this class's.
+    """
+
+    def __init__(self, *, lease_id: str, key: str, release: Callable[[str], None]) -> None:
         self._lock = threading.Lock()
         self._closed = False
         self._maps: list[mmap.mmap] = []
@@ -63,27 +61,21 @@ class Lease:
         self._key = key
         self._release = release
         self._owner_pid = os.getpid()
-        self.manifest = manifest
         self._tensors: dict[str, torch.Tensor] = {}
+        self._regions: tuple[MappedRegion, ...] = ()
+        self._view = MappingProxyType(self._tensors)
+
+    def _map_files(self, fds: list[int], expected: int, map_one: Callable[[int, int], MappedRegion]) -> None:
+        """Map each descriptor with ``map_one(index, fd)``; descriptors are closed in every case.
+
+        On any failure the lease unmaps what it mapped, tells the daemon, and re-raises.
+        """
         regions: list[MappedRegion] = []
         try:
-            if len(fds) != len(manifest.files):
-                raise ManifestCorrupt(
-                    f"daemon sent {len(fds)} descriptors for {len(manifest.files)} payload files")
-            for file_record, fd in zip(manifest.files, fds, strict=True):
-                size = os.fstat(fd).st_size
-                if size != file_record.size:
-                    raise ManifestCorrupt(f"payload {file_record.name!r} has the wrong size",
-                                          details={"file": file_record.name})
-                header = read_header(fd)
-                pairs = validate_payload_header(header, manifest, file_record)
-                mapped = _map(fd, size, copy_on_write=copy_on_write, populate=populate)
-                self._maps.append(mapped)
-                base = _base_view(mapped)
-                self._bases.append(base)
-                regions.append(MappedRegion(file_record.name, base.data_ptr(),
-                                            -(-size // PAGE) * PAGE, not copy_on_write))
-                self._tensors.update(tensor_views(mapped, header, [record for record, _ in pairs]))
+            if len(fds) != expected:
+                raise ManifestCorrupt(f"daemon sent {len(fds)} descriptors for {expected} files")
+            for index, fd in enumerate(fds):
+                regions.append(map_one(index, fd))
         except BaseException:
             self._teardown_local()
             self._tell_daemon()
@@ -94,6 +86,14 @@ class Lease:
                     os.close(fd)
         self._regions = tuple(regions)
         self._view = MappingProxyType(self._tensors)
+
+    def _attach(self, fd: int, size: int, name: str, *, copy_on_write: bool,
+                populate: bool) -> tuple[mmap.mmap, MappedRegion]:
+        mapped = _map(fd, size, copy_on_write=copy_on_write, populate=populate)
+        self._maps.append(mapped)
+        base = _base_view(mapped)
+        self._bases.append(base)
+        return mapped, MappedRegion(name, base.data_ptr(), -(-size // PAGE) * PAGE, not copy_on_write)
 
     @property
     def key(self) -> str:
@@ -119,7 +119,7 @@ class Lease:
 
     @property
     def nbytes(self) -> int:
-        return sum(f.size for f in self.manifest.files)
+        return sum(region.length for region in self._regions)
 
     def close(self) -> None:
         with self._lock:
@@ -147,18 +147,55 @@ class Lease:
             with contextlib.suppress(BufferError):
                 mapped.close()
 
-    def __enter__(self) -> Lease:
+    def __enter__(self) -> MappedLease:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __reduce__(self) -> object:
-        raise TypeError("a Lease is bound to this process's mappings and cannot be pickled")
+        raise TypeError(f"a {type(self).__name__} is bound to this process's mappings and cannot be pickled")
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._tensors)} tensors"
-        return f"Lease(key={self._key[:12]}…, {self.nbytes} bytes, {state})"
+        return f"{type(self).__name__}(key={self._key[:12]}…, {self.nbytes} bytes, {state})"
+
+
+class Lease(MappedLease):
+    """A lease on a committed artifact (see the module contract)."""
+
+    def __init__(
+        self,
+        *,
+        lease_id: str,
+        key: str,
+        manifest: Manifest,
+        fds: list[int],
+        release: Callable[[str], None],
+        copy_on_write: bool = False,
+        populate: bool = False,
+    ) -> None:
+        super().__init__(lease_id=lease_id, key=key, release=release)
+        self.manifest = manifest
+
+        def map_one(index: int, fd: int) -> MappedRegion:
+            file_record = manifest.files[index]
+            size = os.fstat(fd).st_size
+            if size != file_record.size:
+                raise ManifestCorrupt(f"payload {file_record.name!r} has the wrong size",
+                                      details={"file": file_record.name})
+            header = read_header(fd)
+            pairs = validate_payload_header(header, manifest, file_record)
+            mapped, region = self._attach(fd, size, file_record.name, copy_on_write=copy_on_write,
+                                          populate=populate)
+            self._tensors.update(tensor_views(mapped, header, [record for record, _ in pairs]))
+            return region
+
+        self._map_files(fds, len(manifest.files), map_one)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.size for f in self.manifest.files)
 
 
 def raise_closed() -> None:
