@@ -1,0 +1,181 @@
+"""Every benchmark of the project in one go, on one model size: markdown tables, one JSON, a plot.
+
+    .venv/bin/python benchmarks/run_all.py                      # default: 256 MiB, < 10 min on 2 cores
+    .venv/bin/python benchmarks/run_all.py --size-mib 1024      # bigger artifacts everywhere
+    .venv/bin/python benchmarks/run_all.py --quick              # smoke run (64 MiB, few repeats)
+    .venv/bin/python benchmarks/run_all.py --only peers,scaling --out bench-out
+
+``--size-mib`` is the bf16 artifact size every section uses (the demo's fp32 checkpoint is twice
+that; prewarm's fp32 checkpoint is four times that, at least 0.25 GiB). Each section runs as its
+own subprocess (the benchmarks are scripts; a failing one is reported and the rest still run) with
+the parameters printed before it starts. Written to ``--out`` (default ``bench-out/``, gitignored):
+``<section>.log`` (the full output), ``<section>.md`` (its markdown tables and goal lines),
+``results.json`` (machine, command, sizes, load average before and after each section, every
+section's JSON result) and ``scaling.png`` (warm start and aggregate PSS with 1, 2, 4, 8 workers).
+
+Peers (the ``bench`` extra: runai-model-streamer, fastsafetensors, matplotlib; the ``vllm`` extra for
+vLLM-Omni) are measured where installed and listed as "not installed" otherwise. Timings on a
+shared machine are noisy: the load average is recorded around every section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+PY = sys.executable
+
+
+def sections(size_mib: int, quick: bool, out: Path) -> dict[str, list[str]]:
+    """Each section's command line for this size (argv after the interpreter)."""
+    s = size_mib
+    b = str(HERE)
+    return {
+        "warm_start": [f"{b}/warm_start.py", "--size-gib", f"{s / 1024:g}", "--tensors", "100",
+                       "--repeats", "2" if quick else "3", "--clients", "1,8" if quick else "1,32",
+                       "--cycles", "30" if quick else "50", "--big-cycles", "3" if quick else "5"],
+        "peers": [f"{b}/peers.py", "--size-mib", str(s), "--tensors", "100", "--repeats", "2" if quick else "3"],
+        "scaling": [f"{b}/scaling.py", "--size-mib", str(s), "--tensors", "100",
+                    "--workers", "1,2,4,8", "--png", str(out / "scaling.png")],
+        "vllm_omni_store": [f"{b}/vllm_omni_store.py", "--size-mib", str(s), "--tensors", "64",
+                            "--cycles", "5" if quick else "10", "--warmup", "2", "--workers", "1,4"],
+        "demo": ["-m", "hwr.demo", "--size-mb", str(2 * s), "--workers", "4"],  # --workdir: added at run
+        "startup": [f"{b}/startup.py", "--size-gib", f"{s / 1024:g}", "--workers", "1,2" if quick else "1,4"],
+        "prewarm": [f"{b}/prewarm.py", "--size-gib", f"{max(0.25, 4 * s / 1024):g}"],
+        "churn": [f"{b}/churn.py", "--clients", "16" if quick else "64", "--ops", "50" if quick else "150",
+                  "--processes", "2" if quick else "4"],
+        "load": [f"{b}/load.py", "--clients", "4" if quick else "16", "--ops", "50" if quick else "200",
+                 "--processes", "2" if quick else "4"],
+        "gpu_dlo": [f"{b}/gpu_dlo.py", "--device", "cpu", "--depth", "4", "--dim", "1024",
+                    "--hidden", "4096", "--tokens", "256", "--reps", "3"],
+    }
+
+
+JSON_OUT = {"warm_start", "peers", "scaling", "vllm_omni_store", "startup", "prewarm", "churn", "load"}
+
+
+def machine() -> dict[str, Any]:
+    cpu = ""
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem_kib = 0
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                mem_kib = int(line.split()[1])
+    import safetensors
+    import torch
+
+    return {"nproc": os.cpu_count(), "mem_gib": round(mem_kib / (1 << 20), 1), "cpu": cpu,
+            "kernel": platform.release(), "python": platform.python_version(), "torch": torch.__version__,
+            "safetensors": safetensors.__version__}
+
+
+def markdown_of(text: str) -> str:
+    """The tables, headings and goal/summary lines of a benchmark's output."""
+    keep = []
+    for line in text.splitlines():
+        if line.startswith(("|", "#")) or re.match(r"^(Goal|goal|hwrd|warm start|checkpoint|versions|plot|\*\*)", line):
+            keep.append(line)
+        elif keep and keep[-1] != "" and not line.strip():
+            keep.append("")
+    return "\n".join(keep).strip() + "\n"
+
+
+def last_json(text: str) -> Any:
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                continue
+    return None
+
+
+def run_section(name: str, argv: list[str], out: Path, timeout: float) -> dict[str, Any]:
+    cmd = [PY, *argv]
+    if name in JSON_OUT:
+        cmd += ["--json-out", str(out / f"{name}.json")]
+    entry: dict[str, Any] = {"command": shlex.join(cmd), "loadavg_before": os.getloadavg()}
+    print(f"\n=== {name}: {shlex.join(argv)}", flush=True)
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, check=False)
+        text, rc = proc.stdout + ("\n" + proc.stderr if proc.returncode else ""), proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        text, rc = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or ""), -1
+        text += f"\n(timed out after {timeout:.0f} s)"
+    entry |= {"seconds": round(time.perf_counter() - t0, 1), "rc": rc, "loadavg_after": os.getloadavg()}
+    (out / f"{name}.log").write_text(text)
+    md = markdown_of(text)
+    header = f"## {name}\n\n`{shlex.join(argv)}` ({entry['seconds']} s, rc {rc}, load average before " \
+             f"{entry['loadavg_before'][0]:.2f}, after {entry['loadavg_after'][0]:.2f})\n\n"
+    if rc != 0:
+        md += f"\nFAILED (rc {rc}):\n```\n{text[-2000:]}\n```\n"
+    (out / f"{name}.md").write_text(header + md)
+    entry["result"] = last_json(text)
+    print(md, flush=True)
+    print(f"--- {name}: {entry['seconds']} s, rc {rc}, load average {entry['loadavg_after'][0]:.2f}", flush=True)
+    return entry
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size-mib", type=int, default=None, help="bf16 artifact size (default 256; --quick: 64)")
+    ap.add_argument("--quick", action="store_true", help="smoke sizes and few repeats")
+    ap.add_argument("--only", help="comma-separated sections (default: all)")
+    ap.add_argument("--out", default=str(REPO / "bench-out"))
+    ap.add_argument("--section-timeout", type=float, default=900.0)
+    args = ap.parse_args(argv)
+    size = args.size_mib or (64 if args.quick else 256)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plan = sections(size, args.quick, out)
+    names = [n.strip() for n in args.only.split(",")] if args.only else list(plan)
+    unknown = set(names) - set(plan)
+    if unknown:
+        ap.error(f"unknown sections {sorted(unknown)}; known: {', '.join(plan)}")
+    info = machine()
+    results: dict[str, Any] = {
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": info, "size_mib": size,
+        "quick": args.quick, "loadavg_start": os.getloadavg(), "sections": {}}
+    print(f"run_all: {size} MiB bf16 artifacts{' (quick)' if args.quick else ''}; sections {', '.join(names)}; "
+          f"output {out}")
+    print(f"machine: {info}; load average {os.getloadavg()}")
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="hwr-run-all-") as tmp:
+        for name in names:
+            argv_ = plan[name] + (["--workdir", str(Path(tmp) / "demo")] if name == "demo" else [])
+            results["sections"][name] = run_section(name, argv_, out, args.section_timeout)
+            (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    results["wall_s"] = round(time.perf_counter() - started, 1)
+    results["loadavg_end"] = os.getloadavg()
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    failed = [n for n, e in results["sections"].items() if e["rc"] != 0]
+    print(f"\nrun_all: {results['wall_s']} s in all; sizes: {size} MiB bf16; "
+          f"{len(names) - len(failed)}/{len(names)} sections ok{'; FAILED: ' + ', '.join(failed) if failed else ''}; "
+          f"tables in {out}/*.md, JSON in {out}/results.json"
+          + (f", plot {out}/scaling.png" if "scaling" in names else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""benchmarks/run_all.py and benchmarks/scaling.py: the harness, on tiny sizes (no speed asserted)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import run_all  # noqa: E402
+
+
+def test_sections_cover_every_benchmark_and_scale_with_the_size(tmp_path: Path) -> None:
+    small, big = run_all.sections(64, True, tmp_path), run_all.sections(1024, False, tmp_path)
+    scripts = {p.name for p in (REPO / "benchmarks").glob("*.py")}
+    covered = {Path(argv[0]).name for argv in small.values() if argv[0].endswith(".py")}
+    # every benchmark script except the harness itself, its helpers and the GPU-only serve run
+    assert scripts - covered == {"run_all.py", "common.py", "gpu_vllm_serve.py"}
+    assert small["demo"][:2] == ["-m", "hwr.demo"]
+    assert "--size-mib" in small["peers"] and small["peers"][small["peers"].index("--size-mib") + 1] == "64"
+    assert big["scaling"][big["scaling"].index("--size-mib") + 1] == "1024"
+    assert big["warm_start"][big["warm_start"].index("--size-gib") + 1] == "1"
+    assert big["scaling"][big["scaling"].index("--workers") + 1] == "1,2,4,8"
+
+
+def test_markdown_and_json_extraction() -> None:
+    text = "noise\n## Title\n\n| a | b |\n| --- | --- |\n| 1 | 2 |\nmore noise\nGoal x: met\n{\"k\": 1}\n"
+    md = run_all.markdown_of(text)
+    assert "| 1 | 2 |" in md and "## Title" in md and "Goal x: met" in md and "noise" not in md
+    assert run_all.last_json(text) == {"k": 1}
+    assert run_all.last_json("no json here\n{broken") is None
+
+
+@pytest.mark.timeout(240)
+def test_scaling_section_end_to_end(tmp_path: Path) -> None:
+    """run_all's section runner on scaling.py: a real hwrd, real worker processes, same bytes, PSS.
+
+    Workers 1,2 only (each imports torch: 1,2,4,8 is 45 processes, too heavy for a test).
+    """
+    argv = [str(REPO / "benchmarks" / "scaling.py"), "--size-mib", "16", "--tensors", "20", "--workers", "1,2",
+            "--png", str(tmp_path / "scaling.png")]
+    entry = run_all.run_section("scaling", argv, tmp_path, timeout=220)
+    assert entry["rc"] == 0, (tmp_path / "scaling.log").read_text()[-3000:]
+    scaling = entry["result"]["scaling"]
+    assert set(scaling) == {"hwrd", "copy", "safe_open"}
+    for rows in scaling.values():
+        assert [r["workers"] for r in rows] == [1, 2]
+        assert all(len(r["checksums"]) == 1 and r["touch_ms_median"] > 0 for r in rows)
+    # two private copies (16 MiB each) hold more than one shared lease mapping plus 2 sessions
+    assert scaling["copy"][-1]["weights_pss_mib"] > scaling["hwrd"][-1]["weights_pss_mib"]
+    assert json.loads((tmp_path / "scaling.json").read_text())["benchmark"] == "scaling"
+    assert "| 2 | hwrd lease |" in (tmp_path / "scaling.md").read_text()
+    if (tmp_path / "scaling.png").exists():  # matplotlib (bench extra) installed
+        assert (tmp_path / "scaling.png").read_bytes()[:4] == b"\x89PNG"
