@@ -558,6 +558,12 @@ class Store:
 
     def remove(self, key: str) -> None:
         """Delete the artifact (moved into ``tmp/`` first, so a crash never leaves half of it)."""
+        self.purge(self.retire(key))
+
+    def retire(self, key: str) -> Path:
+        """Move the artifact out of ``artifacts/`` into a trash directory in ``tmp/`` (fast, no
+        fsync); its bytes stay on disk until ``purge``. Trash left by a crash is wiped at start
+        and by ``reclaim_stale_staging``."""
         _check_key(key)
         with self._key_lock(key):
             with self._mutex:
@@ -568,10 +574,18 @@ class Store:
             trash = self.root / "tmp" / f"{key}.removed.{uuid.uuid4().hex}"
             try:
                 store_io.rename(path, trash)
-                store_io.fsync_dir(path.parent)
             except OSError as exc:
                 raise store_io.io_error(exc, "remove") from None
-            store_io.remove_tree(trash)
+            return trash
+
+    def purge(self, trash: Path) -> None:
+        """Make a ``retire`` durable (fsync ``artifacts/``), then delete the trash's files."""
+        try:
+            store_io.fsync_dir(self.root / "artifacts")
+        except OSError as exc:
+            store_io.remove_tree(trash)  # the bytes go even so: only the rename's durability failed
+            raise store_io.io_error(exc, "remove") from None
+        store_io.remove_tree(trash)
 
     def _deny_for(self, key: str, exc: HwrError) -> None:
         with self._mutex:

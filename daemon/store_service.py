@@ -7,9 +7,19 @@ Eviction protocol (one round, under the capacity lock)::
 
     1. candidates = artifacts that are not leased, pinned, held (journal), publishing or denied
     2. mark them EVICTING: an Acquire of a marked key waits until the round ends (``lookup``)
-    3. scan /proc/*/maps once for all their payload (dev, inode)s, off the event loop
+    3. scan /proc/*/maps once for their payload (dev, inode)s, off the event loop; skipped for
+       keys never leased (nobody can map them) and for keys a scan found unmapped that nobody
+       acquired since (per-key lease generation, ``UNMAPPED_TTL_S``): see ``_needs_scan``
     4. plan = LRU candidates not mapped, until the shortfall is covered
-    5. remove the planned keys (no lease can have appeared: step 2), unmark everything
+    5. remove the planned keys in one worker-thread batch (no lease can have appeared: step 2),
+       unmark everything. For a publication's reservation the keys are only *retired* (renamed
+       into tmp/ trash) under the lock; the reservation stands in for their bytes and the
+       publication purges them (directory fsync + delete) after the lock, before its staging
+       exists, so other publications do not queue behind that fsync and the disk never holds
+       more than committed + reserved bytes.
+
+Usage snapshots read the reservations before the disk (see ``usage``): the other order missed a
+commit landing in between and let concurrent publications overshoot the store limit.
 
 Because a lease is the only way to obtain a descriptor, and step 2 blocks new leases before the
 scan, a mapping that the scan did not see cannot appear before the removal. Denied artifacts are
@@ -26,6 +36,7 @@ lost; it only changes which unused artifact goes first).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -33,7 +44,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +111,7 @@ class Ticket:
 class EvictionReport:
     evicted: list[str] = field(default_factory=list)
     freed_bytes: int = 0
+    trash: list[Path] = field(default_factory=list)  # retired, not yet purged (``defer``)
     skipped: list[tuple[str, str]] = field(default_factory=list)
 
 
@@ -130,6 +142,14 @@ class StoreService:
         self._starts: dict[str, int] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.maps_reader: Callable[[int], bytes] | None = None  # tests inject EACCES here
+        # Mapping-scan cache (see _mapped): key -> lease generation bumped at every acquire, and
+        # key -> (generation, monotonic time) of the last scan that found nobody mapping it.
+        self._lease_gen: dict[str, int] = {}
+        self._unmapped_at: dict[str, tuple[int, float]] = {}
+        self.scans = 0  # /proc scans run (a benchmark/diagnostic counter)
+        # Purges (directory fsync + delete) run here, not in the loop's default executor, where
+        # threads stuck in fsync would make every acquire's lookup hop wait for a free worker.
+        self._purge_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="hwr-purge")
         registry.observers.append(self._on_lease)
         if self.holds:
             log.info("recovered %d lease holds of live processes from before the restart", len(self.holds))
@@ -152,6 +172,7 @@ class StoreService:
         self.access.flush()
         self.journal.close()
         await asyncio.to_thread(self.residency.close)
+        self._purge_pool.shutdown(wait=True)
 
     async def _restore_pins(self) -> None:
         for key in sorted(self.pins.keys()):
@@ -184,6 +205,8 @@ class StoreService:
     def _on_lease(self, event: str, lease: LeaseRecord) -> None:
         try:
             if event == "acquire":
+                # Before the descriptor leaves: a cached "nobody maps it" is void from now on.
+                self._lease_gen[lease.key] = self._lease_gen.get(lease.key, 0) + 1
                 start = self._starts.get(lease.session_id)
                 if start is None:
                     if len(self._starts) > 65536:
@@ -261,10 +284,24 @@ class StoreService:
         self._room = asyncio.Event()
 
     async def usage(self) -> Usage:
-        sizes = await asyncio.to_thread(self.store.usage_by_key)
-        st = await asyncio.to_thread(os.statvfs, self.store.root)
-        return Usage(sum(sizes.values()), self.reservations.reserved_bytes, self.reservations.unallocated_bytes,
-                     st.f_bavail * st.f_frsize)
+        """Committed + reserved bytes, never an undercount (may double count a commit in flight).
+
+        The reservations are read BEFORE the disk: a publication renames its artifact into
+        ``artifacts/`` first and drops its reservation afterwards (``finished``), so each of its
+        bytes is in the snapshot of one or both. Read the other way round, a commit landing
+        between the two reads is in neither and a concurrent reservation overshoots the limit by
+        that artifact. Likewise a staging is preallocated before it is marked allocated, so free
+        space measured after the unallocated snapshot double counts at worst. Sound only under
+        the capacity lock (eviction, the other way bytes leave ``artifacts/``, takes it too).
+        """
+        reserved, unallocated = self.reservations.reserved_bytes, self.reservations.unallocated_bytes
+        committed, free = await asyncio.to_thread(self._disk_usage)
+        return Usage(committed, reserved, unallocated, free)
+
+    def _disk_usage(self) -> tuple[int, int]:
+        committed = sum(self.store.usage_by_key().values())
+        st = os.statvfs(self.store.root)
+        return committed, st.f_bavail * st.f_frsize
 
     async def reserve(self, key: str, need: int, wait_timeout: float = 0.0) -> Reservation:
         """Reserve ``need`` bytes for a publication of ``key``, evicting LRU artifacts if needed.
@@ -282,13 +319,22 @@ class StoreService:
                 usage = await self.usage()
                 shortfall = assess(self.policy, usage, need, key=key)
                 if shortfall:
-                    await self._evict_round(shortfall, exclude={key}, require_fit=True)
-                    usage = await self.usage()
+                    report = await self._evict_round(shortfall, exclude={key}, require_fit=True, defer=True)
+                    # Sound without re-reading the disk: nothing but eviction (under this lock)
+                    # takes bytes out of the snapshot, and the retired bytes are purged before
+                    # this publication's staging is created (after the lock, below).
+                    usage = replace(usage, committed_bytes=usage.committed_bytes - report.freed_bytes,
+                                    free_bytes=usage.free_bytes + report.freed_bytes)
+                    if assess(self.policy, usage, need, key=key):
+                        await self._purge(report.trash)  # nothing will stand in for it: free it now
+                        report.trash = []
+                        usage = await self.usage()
                     if assess(self.policy, usage, need, key=key):
                         error = shortfall_error(self.policy, usage, need, key)
                         room, in_flight = self._room, len(self.reservations)
                     else:
-                        return self.reservations.add(key, need)
+                        reservation = self.reservations.add(key, need)
+                        break
                 else:
                     return self.reservations.add(key, need)
             remaining = deadline - loop.time()
@@ -298,6 +344,17 @@ class StoreService:
                 await asyncio.wait_for(room.wait(), remaining)
             except TimeoutError:
                 raise error from None
+        # Outside the lock: the reservation stands in for the retired artifacts' bytes (they were
+        # taken out of the committed count), and the staging is created only after they are gone,
+        # so the disk never holds more than committed + reserved bytes; meanwhile other
+        # publications take the lock instead of queueing behind this directory fsync.
+        try:
+            await self._purge(report.trash)
+        except BaseException:
+            self.reservations.drop(reservation)
+            self._signal_room()
+            raise
+        return reservation
 
     # ------------------------------------------------------------------ eviction
     def _flags(self, key: str, size: int, default_access: float) -> Candidate:
@@ -307,11 +364,48 @@ class StoreService:
                          leased=self.registry.lease_count(key) > 0, pinned=key in self.pins,
                          held=bool(self.held_pids(key)), busy=busy)
 
+    #: How long a scan's "nobody maps it" stands for a key that nobody leased since.
+    UNMAPPED_TTL_S = 2.0
+
+    def _needs_scan(self, key: str, now: float) -> bool:
+        """False when ``key`` provably has no mapping outside the daemon, without a /proc scan.
+
+        Committed payloads reach another process only through a lease: a staging file's writer is
+        proven gone at commit (``hwr.daemon.exclusive``) and the store is private to the daemon's
+        user. So a key the journal never saw leased (no lessee uid, which also means no hold;
+        kept across restarts and dropped only when the artifact goes) is mapped by nobody, and a
+        key that a scan found unmapped stays so until its next acquire (the generation the
+        ``acquire`` observer bumps before the descriptor is sent). The cached answer expires after
+        ``UNMAPPED_TTL_S`` anyway, bounding the documented limit of a process that still held an
+        unmapped descriptor of an earlier lease.
+        """
+        if not self.journal.lessee_uids(key):
+            return False
+        cached = self._unmapped_at.get(key)
+        return cached is None or cached[0] != self._lease_gen.get(key, 0) or now - cached[1] > self.UNMAPPED_TTL_S
+
     async def _mapped(self, records: list[Any]) -> dict[str, set[int]]:
         """key -> pids that map (or, unreadable, possibly map) one of its payloads."""
+        now = time.monotonic()
+        records = [r for r in records if self._needs_scan(r.key, now)]
+        if not records:
+            return {}
+        generations = {r.key: self._lease_gen.get(r.key, 0) for r in records}  # before the scan
         by_file = {(fp.device, fp.inode): r.key for r in records for fp in r.files}
+        self.scans += 1
         result = await asyncio.to_thread(mappings.scan, list(by_file), skip_pids={os.getpid()},
                                          reader=self.maps_reader)
+        out = self._attribute(records, by_file, result)
+        if len(self._unmapped_at) > 65536:
+            self._unmapped_at.clear()
+        for key, generation in generations.items():
+            if key in out:
+                self._unmapped_at.pop(key, None)
+            else:
+                self._unmapped_at[key] = (generation, now)
+        return out
+
+    def _attribute(self, records: list[Any], by_file: dict[Any, str], result: Any) -> dict[str, set[int]]:
         out: dict[str, set[int]] = {}
         for fid, pids in result.mapped.items():
             out.setdefault(by_file[fid], set()).update(pids)
@@ -328,9 +422,12 @@ class StoreService:
         return out
 
     async def _evict_round(self, shortfall: int, exclude: set[str] = frozenset(),  # type: ignore[assignment]
-                           *, require_fit: bool = False) -> EvictionReport:
+                           *, require_fit: bool = False, defer: bool = False) -> EvictionReport:
+        """One eviction round (see the module docstring). ``defer``: only retire the chosen
+        artifacts (renamed out of ``artifacts/``, bytes still on disk) and return their trash in
+        the report; the caller must ``_purge`` it before anything else uses those bytes."""
         report = EvictionReport()
-        records = [r for r in await asyncio.to_thread(self.store.artifacts) if r.key not in exclude]
+        records = [r for r in self.store.artifacts() if r.key not in exclude]  # in memory: no thread hop
         candidates = [self._flags(r.key, r.size_bytes, r.created_at) for r in records]
         free = {c.key for c in candidates if not any((c.leased, c.pinned, c.held, c.busy))}
         self.evicting |= free
@@ -343,13 +440,22 @@ class StoreService:
             if require_fit and not chosen.fits:
                 return report  # evicting would not make the request fit: evict nothing
             sizes = {c.key: c.size_bytes for c in candidates}
+            keys = []
             for key in chosen.keys:
                 if self.registry.lease_count(key):  # impossible while marked; kept as a guard
                     report.skipped.append((key, "leased"))
                     continue
-                await self._remove(key)
+                keys.append(key)
+            # One thread hop for the whole batch; each key counts as freed only once removed.
+            removed, trash, failure = await asyncio.to_thread(self._remove_files, keys, defer)
+            report.trash = trash
+            for key in removed:
+                self._forget_removed(key)
                 report.evicted.append(key)
                 report.freed_bytes += sizes[key]
+            if failure is not None:
+                await self._purge(report.trash)
+                raise failure
         finally:
             self.evicting -= free
             self._settled.set()
@@ -359,14 +465,49 @@ class StoreService:
                      ",".join(k[:12] for k in report.evicted))
         return report
 
+    def _remove_files(self, keys: list[str], defer: bool) -> tuple[list[str], list[Path], BaseException | None]:
+        """Remove (``defer``: retire) ``keys`` in a worker thread: the keys gone, their trash,
+        and the error that stopped the batch."""
+        done: list[str] = []
+        trash: list[Path] = []
+        try:
+            for key in keys:
+                with contextlib.suppress(ArtifactNotFound):
+                    if defer:
+                        trash.append(self.store.retire(key))
+                    else:
+                        self.store.remove(key)
+                done.append(key)
+        except Exception as exc:  # re-raised on the loop once the removed keys are accounted
+            return done, trash, exc
+        return done, trash, None
+
+    async def _purge(self, trash: list[Path]) -> None:
+        """Delete retired artifacts' bytes, to the end even if the caller is cancelled."""
+        if not trash:
+            return
+        task = asyncio.get_running_loop().run_in_executor(
+            self._purge_pool, lambda: [self.store.purge(t) for t in trash])
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await task
+            raise
+
     async def _remove(self, key: str, reason: str = "capacity") -> None:
         with contextlib.suppress(ArtifactNotFound):
             await asyncio.to_thread(self.store.remove, key)
+        self._forget_removed(key, reason)
+
+    def _forget_removed(self, key: str, reason: str = "capacity") -> None:
         self.evictions += 1
         if self.on_evict is not None:
             self.on_evict(reason)
         self.access.forget(key)
         self.journal.forget(key)
+        self._unmapped_at.pop(key, None)
+        self._lease_gen.pop(key, None)
 
     async def evict(self, key: str) -> int:
         """Evict ``key`` by hand; ``ActiveLease`` (details.reason) when anything uses it."""

@@ -1,0 +1,61 @@
+"""Regression: ``StoreService.usage`` never misses a commit that lands while it reads the disk.
+
+A publication renames its artifact into ``artifacts/`` and only then drops its reservation. When
+the usage read the disk first and the reservations afterwards, a commit landing in between was
+in neither, and a concurrent publication could reserve past the store limit (seen as four 1 MiB
+artifacts on disk under a three-artifact limit in tests/e2e/test_store_service.py). Here the
+commit is made to land exactly in that window, deterministically, with a real store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from hwr.client.identity import ArtifactIdentity
+from hwr.daemon.sessions import Registry
+from hwr.daemon.store import Store
+from hwr.daemon.store_service import StoreService
+from hwr.daemon.store_staging import TensorSpec, write_tensor
+
+
+def test_a_commit_between_the_disk_read_and_the_reservation_drop_is_still_counted(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / "root")
+    config = SimpleNamespace(store_limit_bytes=0, artifact_limit_bytes=0, min_free_bytes=0,
+                             serialized_admission=False, mlock_budget_bytes=0)
+    tensor = torch.ones(1 << 12)
+
+    async def scenario() -> tuple[int, int]:
+        service = StoreService(config, store, Registry())
+        loop = asyncio.get_running_loop()
+        identity = ArtifactIdentity.simple("racing")
+        staging = store.begin(identity, [TensorSpec("w", tensor.dtype, tuple(tensor.shape))])
+        write_tensor(staging, "w", tensor)
+        reservation = service.reservations.add(identity.key, staging.files[0][2])
+        real = store.usage_by_key
+
+        def listing_then_commit() -> dict[str, int]:
+            sizes = real()  # the artifact is still staging: not in this listing
+            store.commit(staging)  # ... it lands right after, and the publication finishes
+            dropped = threading.Event()
+            loop.call_soon_threadsafe(lambda: (service.reservations.drop(reservation), dropped.set()))
+            assert dropped.wait(10)
+            return sizes
+
+        store.usage_by_key = listing_then_commit  # type: ignore[method-assign]
+        try:
+            usage = await service.usage()
+        finally:
+            store.usage_by_key = real  # type: ignore[method-assign]
+            service.journal.close()
+        return usage.committed_bytes + usage.reserved_bytes, staging.files[0][2]
+
+    try:
+        counted, size = asyncio.run(scenario())
+    finally:
+        store.close()
+    assert size > 0 and counted >= size
