@@ -26,9 +26,13 @@ class DaemonProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = root.parent / f"hwrd-{root.name}.log"
 
+    def command(self) -> list[str]:
+        """The command line that runs the daemon (tests override it to wrap hwrd)."""
+        return [sys.executable, "-m", "hwr.daemon.main", "--root", str(self.root),
+                "--socket", str(self.socket), *self.extra]
+
     def start(self, timeout: float = 30.0) -> DaemonProcess:
-        cmd = [sys.executable, "-m", "hwr.daemon.main", "--root", str(self.root),
-               "--socket", str(self.socket), *self.extra]
+        cmd = self.command()
         self._log = open(self.log, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + timeout

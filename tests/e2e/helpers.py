@@ -16,7 +16,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -206,32 +205,9 @@ class FaultDaemon(DaemonProcess):
         self.step = step
         self.marker = marker
 
-    def start(self, timeout: float = 30.0) -> FaultDaemon:
-        cmd = [sys.executable, str(SCRIPT), "hwrd-fault", self.step, str(self.marker),
-               "--root", str(self.root), "--socket", str(self.socket), *self.extra]
-        self._log = open(self.log, "ab")  # noqa: SIM115 - closed in stop()/kill()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"hwrd exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
-            if _answers(Path(f"{self.socket}.peer")) and _answers(self.socket):
-                return self
-            time.sleep(0.05)
-        self.kill()
-        raise TimeoutError(f"hwrd did not come up: {self.log.read_text()[-2000:]}")
-
-
-def _answers(path: Path) -> bool:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.settimeout(0.5)
-        s.connect(str(path))
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
+    def command(self) -> list[str]:
+        return [sys.executable, str(SCRIPT), "hwrd-fault", self.step, str(self.marker),
+                "--root", str(self.root), "--socket", str(self.socket), *self.extra]
 
 
 @contextlib.contextmanager
