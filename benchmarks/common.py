@@ -164,7 +164,7 @@ def touch_pages(tensors: Any) -> int:
 
 
 # --- daemon ----------------------------------------------------------------------------------
-def short_tmpdir(prefix: str = "hwrb-") -> Path:
+def short_tmpdir(prefix: str = "hwb-") -> Path:
     """A private (0700) directory directly under /tmp, short enough for Unix socket paths."""
     return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
 
@@ -193,7 +193,7 @@ def hwrd(root: Path | None = None, *extra: str, keep: bool = False,
         sys.path.insert(0, tests_dir)
     from daemon_proc import DaemonProcess
 
-    sock_dir = short_tmpdir("hwrs-")
+    sock_dir = short_tmpdir("hwb-")
     made_root = root is None
     if root is None:
         root = sock_dir / "root"

@@ -76,7 +76,12 @@ def worker(spec: dict[str, Any]) -> None:
                                  "checksum": checksum}), flush=True)
     sys.stdin.readline()  # hold the weights until the parent has read our PSS
     for obj in reversed(keep):
-        obj.close()
+        # safe_open handles are context managers; whether they also have close() depends on the
+        # safetensors release, so leave through the protocol every release has.
+        if hasattr(obj, "close"):
+            obj.close()
+        else:
+            obj.__exit__(None, None, None)
 
 
 # --- driver ----------------------------------------------------------------------------------

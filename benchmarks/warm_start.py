@@ -5,14 +5,17 @@ already served this model, so the bytes sit in the page cache; nothing here meas
 
 (a)  hwrd lease: ``connect()`` + ``acquire(key)`` -> read-only shared-mapping views
 (a') the same with ``populate=True`` (MAP_POPULATE pre-faults the page tables)
-(b)  ``safetensors.torch.load_file`` (copies into fresh process memory)
+(b)  ``safetensors.torch.load_file`` (in safetensors 0.8 its default ``backend="mmap"`` returns
+     lazy mmap-backed tensors, like (c))
+(b') ``load_file(backend="pread")``: the copying load (what ``load_file`` did before 0.8)
 (c)  ``safetensors.safe_open`` + ``get_tensor`` for every name (mmap views)
 (d)  vLLM-Omni 0.30's in-process ``FilesystemHostWeightStore.lookup`` (metadata level and full
      checksum), when ``vllm_omni.host_weight_runtime`` imports (or ``--vllm-omni-src`` points at
      a source tree, e.g. an unpacked ``vllm-omni==0.30.0`` wheel: only that subpackage is loaded).
 
-Every run is a fresh process that imports torch, safetensors and hwr (and vLLM-Omni's runtime for
-(d)) *before* its timer starts; "usable" stops when every tensor exists, "+touch" after reading one
+Every run is a fresh process that imports torch, safetensors and hwr's client (and vLLM-Omni's
+runtime for (d)) and collects its startup garbage (``gc.collect(); gc.freeze()``) *before* its
+timer starts; "usable" stops when every tensor exists, "+touch" after reading one
 byte of every 4 KiB page of every tensor as well. Median and min over ``--repeats`` runs, the
 modes interleaved. A run of each mode before the timed ones warms the page cache and checks that
 all modes see the same bytes.
@@ -190,6 +193,7 @@ def preload_client() -> float:
 
 def worker_hwr(spec: dict[str, Any]) -> dict[str, Any]:
     import_ms = preload_client()
+    settle()
     t0 = time.perf_counter()
     client = hc.connect(spec["socket"])
     t_conn = time.perf_counter()
@@ -214,6 +218,7 @@ def worker_hwr_breakdown(spec: dict[str, Any]) -> dict[str, Any]:
     from hwr.protos.hwr.v1 import hwr_pb2 as pb
 
     preload_client()
+    settle()
     ms: dict[str, float] = {}
     t = time.perf_counter()
 
@@ -292,12 +297,14 @@ def connect_steps(socket: str, lap: Any) -> None:
 
 
 def worker_load_file(spec: dict[str, Any]) -> dict[str, Any]:
+    settle()
     t0 = time.perf_counter()
     tensors = load_file(spec["path"], backend=spec.get("backend", "mmap"))
     return _result(t0, time.perf_counter(), tensors)
 
 
 def worker_safe_open(spec: dict[str, Any]) -> dict[str, Any]:
+    settle()
     t0 = time.perf_counter()
     with safe_open(spec["path"], framework="pt") as f:
         tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - not a dict
@@ -311,6 +318,7 @@ def worker_upstream(spec: dict[str, Any]) -> dict[str, Any]:
         raise RuntimeError(how)
     identity = upstream_identity(vo, hc.ArtifactIdentity.from_dict(spec["identity"]))
     level = vo.ValidationLevel(spec["level"])
+    settle()
     t0 = time.perf_counter()
     store = upstream_store(vo, spec["root"], spec["level"])
     t_store = time.perf_counter()
@@ -368,7 +376,9 @@ def worker_lease_pool(spec: dict[str, Any]) -> dict[str, Any]:
     Per phase: read the phase, warm up, print ``armed``, read ``GO_AT OFFSET``, sleep until the
     start (a barrier across clients), run the cycles, print the latencies. ``quit`` (or EOF) ends.
     """
+    preload_client()
     client = hc.connect(spec["socket"])
+    settle()
     print("ready", flush=True)
     clock = time.perf_counter_ns
     while True:
@@ -405,6 +415,14 @@ def worker_lease_pool(spec: dict[str, Any]) -> dict[str, Any]:
 WORKERS = {"hwr": worker_hwr, "hwr-breakdown": worker_hwr_breakdown, "load_file": worker_load_file,
            "safe_open": worker_safe_open, "upstream": worker_upstream,
            "upstream-publish": worker_upstream_publish, "lease-pool": worker_lease_pool}
+
+
+def settle() -> None:
+    """Collect and freeze the startup garbage (importing torch leaves ~10^5 objects) so that a
+    full collection, which takes ~100+ ms in a fresh process, does not land inside one timer
+    by chance; every mode gets the same treatment."""
+    gc.collect()
+    gc.freeze()
 
 
 def worker_main(spec_json: str) -> None:
@@ -530,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     base = Path(args.workdir) if args.workdir else Path(tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="hwr-warm-start-", dir=base))
+    work = Path(tempfile.mkdtemp(prefix="hwb-warm-start-", dir=base))
     results: dict[str, Any] = {
         "benchmark": "warm_start", "hwr_version": hwr.__version__, "torch": torch.__version__,
         "safetensors": safetensors.__version__, "python": platform.python_version(),
