@@ -132,8 +132,11 @@ def phase(spec: dict[str, Any], n: int) -> dict[str, Any]:
 
 
 def plot(results: dict[str, Any], png: Path) -> None:
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:  # the plot needs the `bench` extra; the tables and JSON do not
+        print(f"matplotlib is not installed (pip install -e '.[bench]'): no plot written to {png}", flush=True)
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
