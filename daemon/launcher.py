@@ -39,7 +39,7 @@ class DaemonProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"hwrd exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
-            if _answers(Path(f"{self.socket}.peer")) and _answers(self.socket):
+            if answers(Path(f"{self.socket}.peer")) and answers(self.socket):
                 return self
             time.sleep(0.05)
         self.kill()
@@ -77,12 +77,13 @@ class DaemonProcess:
         self.stop()
 
 
-def _answers(path: Path) -> bool:
+def answers(path: Path, timeout: float = 0.5) -> bool:
+    """True when something accepts a connection on the Unix socket ``path``."""
     if not path.exists():
         return False
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        s.settimeout(0.5)
+        s.settimeout(timeout)
         s.connect(str(path))
         return True
     except OSError:

@@ -16,6 +16,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from hwr.daemon.launcher import answers as launcher_answers
+
 HWRD = [sys.executable, "-m", "hwr.daemon.main"]
 
 
@@ -47,15 +49,7 @@ class NotifySocket:
 
 
 def answers(path: Path) -> bool:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.settimeout(1)
-        s.connect(str(path))
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
+    return launcher_answers(path, timeout=1.0)
 
 
 @contextlib.contextmanager
