@@ -33,6 +33,7 @@ def test_plan_reload_applies_reloadable_and_refuses_the_rest() -> None:
 AS_NOBODY = """
 import os, sys
 import grpc  # loaded before the privileges go
+import grpc._channel  # grpc imports it lazily; the checkout may be private (0700)
 import hwr.client.lease  # noqa: F401 - the stdlib extensions it needs are not readable as nobody
 from hwr.client import connect
 from hwr.client.errors import HwrError

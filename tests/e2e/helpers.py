@@ -377,7 +377,8 @@ def main(argv: list[str]) -> int:
         return 0
 
     if command == "unprivileged":  # REFUSING_SOCKET ALLOWING_SOCKET KEY: drop to nobody, connect to each
-        import grpc  # noqa: F401 - loaded before the privileges go
+        import grpc  # loaded before the privileges go
+        import grpc._channel  # noqa: F401 - grpc imports it lazily; the checkout may be 0700
 
         import hwr.client.lease  # noqa: F401
 
