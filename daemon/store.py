@@ -457,6 +457,15 @@ class Store:
         except BaseException as failure:
             for _, fd in opened:
                 os.close(fd)
+            if isinstance(failure, FileNotFoundError) and not isinstance(failure, HwrError):
+                # Raced with a quarantine (deny lands first) or an eviction/removal: say what
+                # the artifact is now, not an I/O error.
+                if record.key in self._denied:
+                    raise ArtifactDenied(
+                        f"artifact {record.key} is denied",
+                        details={"key": record.key, "reason": self._denied[record.key]},
+                    ) from None
+                raise ArtifactNotFound(f"no artifact {record.key}", details={"key": record.key}) from None
             if isinstance(failure, OSError) and not isinstance(failure, HwrError):
                 raise StoreIOError(
                     f"cannot open payloads of {record.key}: {failure.strerror}", details={"key": record.key}

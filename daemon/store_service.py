@@ -620,6 +620,8 @@ class StoreService:
 
             try:
                 await asyncio.to_thread(self.store.verify, record.key, throttle if rate else None)
+            except ArtifactNotFound:
+                continue  # evicted or removed since the listing: nothing left to scrub
             except HwrError as exc:
                 bad.append(record.key)
                 log.error("scrub: artifact %s failed verification: %s", record.key, exc)

@@ -321,3 +321,19 @@ def test_close_is_idempotent_and_releases_the_root(tmp_path: Path) -> None:
     s.close()
     s.close()
     Store.open(tmp_path / "s").close()
+
+
+def test_a_lookup_racing_a_removal_or_a_quarantine_reports_the_artifact_state(store: Store) -> None:
+    """An acquire validated just before an eviction or a quarantine moved the directory must
+    answer with what the artifact is now (gone, or denied), never a raw I/O error."""
+    store.publish(IDENTITY, _tensors())
+    record = store.lookup(IDENTITY.key)
+    store.purge(store.retire(IDENTITY.key))  # evicted between lookup and open
+    with pytest.raises(ArtifactNotFound):
+        store.open_payloads(record)
+    store.publish(IDENTITY, _tensors())
+    record = store.lookup(IDENTITY.key)
+    store.deny(IDENTITY.key, "quarantined by a scrub")
+    store.retire(IDENTITY.key)
+    with pytest.raises(ArtifactDenied):
+        store.open_payloads(record)
