@@ -13,7 +13,9 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -75,6 +77,19 @@ class DaemonProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def temporary_daemon(prefix: str = "hwr-", *extra: str) -> Iterator[DaemonProcess]:
+    """A started hwrd whose store and socket live in a fresh 0700 temp dir; stopped, then the dir
+    removed, on exit (for test fixtures and benchmarks that need one throwaway daemon)."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as d:
+        os.chmod(d, 0o700)
+        daemon = DaemonProcess(Path(d) / "store", Path(d) / "hwrd.sock", *extra).start()
+        try:
+            yield daemon
+        finally:
+            daemon.stop()
 
 
 def answers(path: Path, timeout: float = 0.5) -> bool:

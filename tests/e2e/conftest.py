@@ -9,14 +9,12 @@ from ``tests/conftest.py``, is still a fresh daemon per test.)
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from hwr.daemon.launcher import DaemonProcess
+from hwr.daemon.launcher import DaemonProcess, temporary_daemon
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -25,13 +23,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session")
 def shared_hwrd() -> Iterator[DaemonProcess]:
-    with tempfile.TemporaryDirectory(prefix="hwr-") as d:
-        os.chmod(d, 0o700)
-        daemon = DaemonProcess(Path(d) / "store", Path(d) / "hwrd.sock").start()
-        try:
-            yield daemon
-        finally:
-            daemon.stop()
+    with temporary_daemon("hwr-") as daemon:
+        yield daemon
 
 
 @pytest.fixture
