@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-
-import torch
+from typing import TYPE_CHECKING
 
 from hwr.client.errors import ManifestCorrupt
 from hwr.client.manifest import FileRecord, Manifest, TensorRecord
 from hwr.client.safetensors_header import DTYPES, Header, TensorEntry, dtype_by_torch_name
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["tensor_views", "validate_payload_header"]
 
@@ -73,6 +75,8 @@ def tensor_views(
     re-checked against the header and the buffer's length. Zero-element tensors are fresh empty
     tensors (there are no bytes to alias).
     """
+    import torch  # here, not at the top: hwrd validates headers with this module and never loads torch
+
     view = memoryview(buffer)  # type: ignore[arg-type]
     if view.nbytes < header.file_size:
         raise _mismatch(f"buffer holds {view.nbytes} bytes, the header needs {header.file_size}")

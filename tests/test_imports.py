@@ -12,6 +12,9 @@ import pytest
     "modules",
     [
         "hwr.daemon.main, hwr.daemon.server",
+        # what the daemon imports when it runs (not only at module import): store, leases, peer
+        "hwr.daemon.store, hwr.daemon.store_service, hwr.daemon.publications, hwr.daemon.peer, "
+        "hwr.daemon.leasing, hwr.daemon.checkpoints, hwr.daemon.rpc_checkpoints, hwr.daemon.rpc_store_admin",
         "hwr.daemon.ctl, hwr.daemon.ctl_checkpoints, hwr.daemon.ctl_store_admin, hwr.client",
     ],
 )
@@ -19,3 +22,22 @@ def test_no_torch_import(modules: str) -> None:
     code = f"import sys, {modules}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False", f"{modules} imported torch"
+
+
+def test_a_serving_daemon_never_loads_torch(short_tmp) -> None:
+    """Module imports are not enough: the daemon loads store and lease code at run time. After a
+    publication and a lease, its address space must hold no torch library (producers run in
+    their own processes)."""
+    import torch
+
+    from hwr.client import ArtifactIdentity, connect
+    from hwr.daemon.launcher import DaemonProcess
+
+    with DaemonProcess(short_tmp / "store", short_tmp / "hwrd.sock") as daemon:
+        with connect(daemon.socket) as client:
+            key = client.publish(ArtifactIdentity.simple("no-torch"), {"w": torch.ones(8)})
+            with client.acquire(key) as lease:
+                assert float(lease.tensors["w"][3]) == 1.0
+        with open(f"/proc/{daemon.pid}/maps") as f:
+            torch_maps = [line for line in f if "libtorch" in line or "/torch/" in line]
+    assert not torch_maps, torch_maps[:3]
