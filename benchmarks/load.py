@@ -6,8 +6,9 @@ descriptor left behind).
     .venv/bin/python benchmarks/load.py --clients 64 --ops 500 --processes 8
     .venv/bin/python benchmarks/load.py --quick               # 4 clients x 50 ops (CI smoke)
 
-Clients are sessions (each its own ``hwr.client.Client``: its own peer connection, gRPC channel
-and session in the daemon), run as threads inside ``--processes`` worker processes: 64 processes
+Clients are sessions (each its own ``hwr.client.Client``: its own peer connection and session
+in the daemon, and a gRPC channel opened on its first publish or list: acquire and release go
+over the peer connection), run as threads inside ``--processes`` worker processes: 64 processes
 that each import torch cost about 200 MiB apiece (~13 GiB), which a 24 GiB, 2-core machine cannot
 spare next to the daemon, and would measure the scheduler rather than hwrd. The daemon cannot tell
 the difference: every session has its own sockets. Operations (``--mix``, weights): ``acquire``

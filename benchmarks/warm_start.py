@@ -215,7 +215,6 @@ def worker_hwr_breakdown(spec: dict[str, Any]) -> dict[str, Any]:
     from hwr.client.lease import Lease
     from hwr.client.manifest import Manifest
     from hwr.client.safetensors_header import read_header
-    from hwr.protos.hwr.v1 import hwr_pb2 as pb
 
     preload_client()
     settle()
@@ -232,13 +231,10 @@ def worker_hwr_breakdown(spec: dict[str, Any]) -> dict[str, Any]:
     t = time.perf_counter()
     client = hc.connect(spec["socket"])
     lap("connect() as a whole (after the above)")
-    response = client._call("Acquire", pb.AcquireRequest(artifact=pb.ArtifactRef(key=spec["key"])))
-    lap("Acquire RPC (first on channel)")
-    manifest = Manifest.from_json(bytes(response.manifest_json))
-    lap("manifest parse + validation")
-    fds = client._peer_request({"op": "fds", "lease_id": response.lease_id,
-                                "lease_token": response.lease_token}, want_fds=True)
-    lap("descriptors over peer socket")
+    reply, fds, tail = client._peer_exchange({"op": "acquire", "key": spec["key"]}, want_fds=True)
+    lap("peer acquire: lease + descriptors + manifest bytes (one exchange)")
+    manifest = Manifest.from_json(tail)
+    lap("manifest parse + validation (first time in a process; cached after)")
     # The Lease constructor's steps, on duplicates of the descriptors, timed one by one.
     maps = []
     views = 0
@@ -246,23 +242,23 @@ def worker_hwr_breakdown(spec: dict[str, Any]) -> dict[str, Any]:
         dup = os.dup(fd)
         os.fstat(dup)
         header = read_header(dup)
-        lap("lease: read_header")
+        lap("lease: read_header (first time; cached after)")
         pairs = validate_payload_header(header, manifest, record)
-        lap("lease: validate_payload_header")
+        lap("lease: validate_payload_header (first time; cached after)")
         mapped = mmap.mmap(dup, record.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         os.close(dup)
         maps.append(mapped)
         lap("lease: mmap")
         views += len(tensor_views(mapped, header, [r for r, _ in pairs]))
-        lap("lease: tensor_views")
+        lap("lease: tensor_views (frombuffer per tensor; Lease uses cached plans)")
     del maps
     t = time.perf_counter()
-    lease = Lease(lease_id=response.lease_id, key=response.key, manifest=manifest, fds=fds,
+    lease = Lease(lease_id=reply["lease_id"], key=reply["key"], manifest=manifest, fds=fds,
                   release=client._release)
     lap("Lease() as a whole (after the above)")
     t_rel = time.perf_counter()
     lease.close()
-    ms["Release RPC + unmap"] = (time.perf_counter() - t_rel) * 1e3
+    ms["release (peer) + unmap"] = (time.perf_counter() - t_rel) * 1e3
     t = time.perf_counter()
     second = client.acquire(spec["key"])
     lap("second acquire() on the warm session")
@@ -272,27 +268,18 @@ def worker_hwr_breakdown(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def connect_steps(socket: str, lap: Any) -> None:
-    """What ``Client.__init__`` does, step by step (private names: may drift)."""
-    import grpc
-
+    """What ``Client.__init__`` does, step by step (private names: may drift). No gRPC: the
+    client opens its channel lazily, on the first call that needs it."""
     from hwr.client.client import _open_peer
-    from hwr.client.wire import SESSION_KEY, recv_frame
-    from hwr.protos.hwr.v1 import hwr_pb2 as pb
-    from hwr.protos.hwr.v1 import hwr_pb2_grpc
+    from hwr.client.wire import recv_frame, send_frame
 
     peer = _open_peer(Path(socket), 30.0)
     lap("connect: peer socket connect")
-    hello, _ = recv_frame(peer)
-    lap("connect: peer hello (daemon: SO_PEERCRED, session)")
-    channel = grpc.insecure_channel(f"unix:{socket}")
-    lap("connect: grpc.insecure_channel() (first: lazy grpc._channel import)")
-    stub = hwr_pb2_grpc.HostWeightRuntimeStub(channel)
-    grpc.channel_ready_future(channel).result(timeout=30)
-    lap("connect: gRPC channel ready (socket + HTTP/2 handshake)")
-    stub.OpenSession(pb.OpenSessionRequest(client_name="bench", client_version=hwr.__version__),
-                     metadata=((SESSION_KEY, str(hello["token"])),), timeout=30)
-    lap("connect: OpenSession RPC")
-    channel.close()
+    recv_frame(peer)
+    lap("connect: peer greeting (daemon: SO_PEERCRED, session)")
+    send_frame(peer, {"op": "hello", "client_name": "bench", "client_version": hwr.__version__})
+    recv_frame(peer)
+    lap("connect: peer hello (names the session)")
     peer.close()
 
 
@@ -530,6 +517,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-omni-src", default=os.environ.get("HWR_BENCH_VLLM_OMNI_SRC"),
                     help="a directory holding vllm_omni/ (source tree or unpacked wheel) when vLLM-Omni "
                          "is not installed; env HWR_BENCH_VLLM_OMNI_SRC")
+    ap.add_argument("--latency-only", action="store_true",
+                    help="only the acquire/release latency phases (no warm-start comparison)")
     ap.add_argument("--keep", action="store_true", help="keep the workdir and hwrd's log")
     ap.add_argument("--json-out", help="also write the JSON result line to this file")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -628,24 +617,8 @@ def run_all(args: argparse.Namespace, work: Path, results: dict[str, Any], clien
         results["publish"] = publish
         say("publish: " + ", ".join(f"{k} {v:.2f} s" for k, v in publish.items()))
 
-        # Warm the page cache (and check every mode sees the same bytes), then the timed runs.
-        say("warming the page cache")
-        checksums = {name: run(spec)["checksum"] for name, spec in modes.items()}
-        if len(set(checksums.values())) != 1:
-            raise RuntimeError(f"modes disagree on the bytes: {checksums}")
-        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in modes}
-        breakdowns: list[dict[str, Any]] = []
-        for _ in range(args.repeats):
-            for name, spec in modes.items():
-                runs[name].append(run(spec))
-            try:
-                breakdowns.append(run({"mode": "hwr-breakdown", "socket": sock, "key": key}))
-            except RuntimeError as exc:  # the client's internals moved: report, do not fail
-                say(f"(breakdown skipped: {str(exc).splitlines()[-1]})")
-        say("warm-start runs done")
-        results["warm_start"] = summarize_runs(runs)
-        results["warm_start_breakdown_ms"] = summarize_breakdown(breakdowns)
-
+        if not args.latency_only:
+            warm_start_runs(modes, sock, key, args.repeats, results, say)
         latency = []
         small, big = "small (8 tensors, 1 MiB)", f"big ({nbytes / GiB:.2f} GiB, {len(shapes)} tensors)"
         pool = ClientPool(sock, max(clients))
@@ -665,6 +638,27 @@ def run_all(args: argparse.Namespace, work: Path, results: dict[str, Any], clien
         results["daemon_pss_kib"] = common.pss_kib(daemon.pid)
 
     print_report(results, vo is not None, how)
+
+
+def warm_start_runs(modes: dict[str, dict[str, Any]], sock: str, key: str, repeats: int,
+                    results: dict[str, Any], say: Any) -> None:
+    # Warm the page cache (and check every mode sees the same bytes), then the timed runs.
+    say("warming the page cache")
+    checksums = {name: run(spec)["checksum"] for name, spec in modes.items()}
+    if len(set(checksums.values())) != 1:
+        raise RuntimeError(f"modes disagree on the bytes: {checksums}")
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in modes}
+    breakdowns: list[dict[str, Any]] = []
+    for _ in range(repeats):
+        for name, spec in modes.items():
+            runs[name].append(run(spec))
+        try:
+            breakdowns.append(run({"mode": "hwr-breakdown", "socket": sock, "key": key}))
+        except RuntimeError as exc:  # the client's internals moved: report, do not fail
+            say(f"(breakdown skipped: {str(exc).splitlines()[-1]})")
+    say("warm-start runs done")
+    results["warm_start"] = summarize_runs(runs)
+    results["warm_start_breakdown_ms"] = summarize_breakdown(breakdowns)
 
 
 def summarize_runs(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -703,6 +697,13 @@ LABELS = {
 
 
 def print_report(results: dict[str, Any], have_vo: bool, how: str) -> None:
+    results.setdefault("goals", {})
+    if "warm_start" in results:
+        print_warm_start(results, have_vo, how)
+    print_latency(results)
+
+
+def print_warm_start(results: dict[str, Any], have_vo: bool, how: str) -> None:
     ws = results["warm_start"]
     base, copy = ws["load_file"], ws["load_file-pread"]
 
@@ -758,6 +759,9 @@ def print_report(results: dict[str, Any], have_vo: bool, how: str) -> None:
         print("\n## Publication of the same bytes (one run, informative)\n")
         print(common.md_table(["path", "seconds"], [[k, f"{v:.2f} s"] for k, v in publish.items()]))
 
+
+
+def print_latency(results: dict[str, Any]) -> None:
     print("\n## Lease acquire/release latency (each client its own process and session; closed loop: back to "
           "back cycles; paced: one cycle per interval per client)\n")
     rows = []

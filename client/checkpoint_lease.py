@@ -77,7 +77,9 @@ def _view(mapped: mmap.mmap, data_offset: int, entry: object) -> torch.Tensor:
         # The read-only mapping protects the pages; torch only warns that it cannot.
         warnings.filterwarnings("ignore", message=".*not writable.*", category=UserWarning)
         if offset % info.itemsize:
-            raw = torch.frombuffer(mapped, dtype=torch.uint8, count=entry.nbytes, offset=offset)  # type: ignore[attr-defined]
+            raw = torch.frombuffer(memoryview(mapped), dtype=torch.uint8, count=entry.nbytes, offset=offset)  # type: ignore[attr-defined]
             return raw.clone().view(info.torch_dtype).reshape(shape)
-        flat = torch.frombuffer(mapped, dtype=info.torch_dtype, count=numel, offset=offset)
+        # Through a memoryview: the storage holds a buffer export, so the mapping cannot be
+        # closed under a live view (frombuffer(mapped) alone keeps no export).
+        flat = torch.frombuffer(memoryview(mapped), dtype=info.torch_dtype, count=numel, offset=offset)
     return flat.reshape(shape)

@@ -1,9 +1,11 @@
 """``hwr.client.connect()``: a session with hwrd, leases and publication.
 
 A ``Client`` owns two connections: the peer channel (``<socket>.peer``: authentication, the
-session's liveness, descriptor passing) and a gRPC channel (control calls carrying the session
-token). Closing the client, or the process exiting, ends the session and the daemon releases
-every lease it still holds.
+session's liveness, descriptor passing, and the lease hot path: ``acquire`` and ``release`` are
+one request/one reply each there, see ``hwr.daemon.peer``) and a gRPC channel (control calls
+carrying the session token), opened lazily on the first call that needs it: a client that only
+acquires and releases never opens one. Closing the client, or the process exiting, ends the
+session and the daemon releases every lease it still holds.
 
 Contract:
 - Every failure raises a typed ``HwrError`` (``DaemonUnavailable`` when hwrd cannot be reached,
@@ -18,12 +20,15 @@ Contract:
 
 from __future__ import annotations
 
+import array
 import contextlib
 import functools
+import hashlib
 import json
 import os
 import select
 import socket
+import struct
 import threading
 import time
 import weakref
@@ -32,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
+import msgspec
 
 from hwr import __version__
 from hwr.client.errors import (
@@ -44,7 +50,7 @@ from hwr.client.errors import (
 from hwr.client.identity import ArtifactIdentity, is_key
 from hwr.client.manifest import Manifest
 from hwr.client.paths import default_socket, peer_path
-from hwr.client.wire import SESSION_KEY, error_from_rpc, recv_frame, send_frame
+from hwr.client.wire import MAX_FRAME, SESSION_KEY, error_from_rpc, recv_frame, send_frame
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
 from hwr.protos.hwr.v1 import hwr_pb2_grpc
 
@@ -78,6 +84,8 @@ class Client:
         self._peer_lock = threading.Lock()
         self._peer: socket.socket | None = None
         self._channel: grpc.Channel | None = None
+        self._grpc_stub: hwr_pb2_grpc.HostWeightRuntimeStub | None = None
+        self._channel_lock = threading.Lock()
         self._client_name = client_name
         # Reconnect state (see ``reconnect``): open leases with the (dev, inode) of their files.
         self.auto_reconnect = True
@@ -87,18 +95,10 @@ class Client:
         self._reconnect_lock = threading.RLock()
         self._watcher: threading.Thread | None = None
         try:
-            self._peer = _open_peer(socket_path, timeout)
-            hello, _ = recv_frame(self._peer)
-            if not hello.get("ok"):
-                raise error_from_code(str(hello.get("code")), str(hello.get("message")),
-                                      hello.get("details") or {})
+            self._peer, hello = _open_session(socket_path, timeout, self._hello_request())
             self._token = str(hello["token"])
             self.session_id = str(hello["session_id"])
             self._metadata = ((SESSION_KEY, self._token),)
-            self._channel = grpc.insecure_channel(f"unix:{socket_path}")
-            self._stub = hwr_pb2_grpc.HostWeightRuntimeStub(self._channel)
-            self._call("OpenSession", pb.OpenSessionRequest(
-                client_name=(client_name or f"pid-{os.getpid()}")[:128], client_version=__version__))
         except HwrError:
             self.close()
             raise
@@ -111,6 +111,23 @@ class Client:
         _LIVE.add(self)
 
     # plumbing -------------------------------------------------------------------------------
+    def _hello_request(self) -> dict[str, Any]:
+        # The peer channel's ``hello`` names the session (what the OpenSession RPC does).
+        return {"op": "hello", "client_name": (self._client_name or f"pid-{os.getpid()}")[:128],
+                "client_version": __version__}
+
+    @property
+    def _stub(self) -> hwr_pb2_grpc.HostWeightRuntimeStub:
+        """The gRPC stub, its channel opened on first use (and again after a reconnect)."""
+        stub = self._grpc_stub
+        if stub is None:
+            with self._channel_lock:
+                if self._grpc_stub is None:
+                    self._channel = grpc.insecure_channel(f"unix:{self.socket_path}")
+                    self._grpc_stub = hwr_pb2_grpc.HostWeightRuntimeStub(self._channel)
+                stub = self._grpc_stub
+        return stub
+
     def _check_usable(self) -> None:
         if self._closed:
             raise DaemonUnavailable("the client is closed")
@@ -135,47 +152,107 @@ class Client:
             raise error_from_rpc(exc) from None
 
     def _peer_request(self, request: dict[str, Any], *, want_fds: bool) -> list[int]:
+        return self._peer_exchange(request, want_fds=want_fds)[1]
+
+    def _peer_exchange(self, request: dict[str, Any], *, want_fds: bool) -> tuple[dict[str, Any], list[int], bytes]:
+        """One request/reply on the peer channel: (reply, descriptors, raw tail bytes).
+
+        An error frame raises its typed error (descriptors closed); a broken channel raises
+        ``DaemonUnavailable``.
+        """
         self._check_usable()
-        assert self._peer is not None
         with self._peer_lock:
+            sock = self._peer
+            if sock is None:
+                raise DaemonUnavailable("the client is closed")
             try:
-                send_frame(self._peer, request)
-                reply, fds = recv_frame(self._peer, want_fds=want_fds)
+                sock.sendall(_frame(request))
+                reply, fds, tail = _recv_reply(sock, want_fds)
             except (ConnectionError, OSError) as exc:
+                # Half an exchange (a timeout, a reset) leaves the stream out of step: end this
+                # connection so no later request reads a stale reply (the watcher or the next
+                # acquire reconnects and reattaches the open leases).
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
                 raise DaemonUnavailable(f"peer channel to hwrd broke: {exc}") from None
         if not reply.get("ok"):
-            for fd in fds:
-                os.close(fd)
+            _close_fds(fds)
             raise error_from_code(str(reply.get("code")), str(reply.get("message")),
                                   reply.get("details") or {})
-        return fds
+        return reply, fds, tail
+
+    def _peer_acquire(self, key: str, identity: bytes | None = None) -> tuple[str, str, Manifest, list[int]]:
+        """The peer channel's ``acquire`` of ``key`` (sent as ``identity``, its canonical bytes,
+        when given): (lease id, key, manifest, descriptors)."""
+        request: dict[str, Any] = {"op": "acquire"}
+        if identity is not None:
+            request["identity"] = identity.decode()
+        else:
+            request["key"] = key
+        cached = _MANIFESTS.get(key)
+        if cached is not None:  # the daemon then sends no manifest bytes
+            request["have"] = cached[0]
+        reply, fds, tail = self._peer_exchange(request, want_fds=True)
+        try:
+            try:
+                lease_id, got_key, digest = (str(reply["lease_id"]), str(reply["key"]),
+                                             str(reply["manifest_sha256"]))
+            except KeyError:
+                raise DaemonUnavailable("malformed acquire reply from hwrd") from None
+            if tail:
+                manifest = _parse_manifest(tail)
+                if len(_MANIFESTS) > 256:
+                    _MANIFESTS.clear()
+                _MANIFESTS[got_key] = (digest, manifest)
+            else:
+                cached = _MANIFESTS.get(got_key)
+                if cached is None or cached[0] != digest:
+                    raise DaemonUnavailable("hwrd omitted a manifest this process does not hold")
+                manifest = cached[1]
+        except BaseException:
+            _close_fds(fds)
+            if "lease_id" in reply:
+                with contextlib.suppress(HwrError):
+                    self._peer_exchange({"op": "release", "lease_id": str(reply["lease_id"])},
+                                        want_fds=False)
+            raise
+        return lease_id, got_key, manifest, fds
 
     # leases ---------------------------------------------------------------------------------
     def acquire(self, artifact: ArtifactIdentity | str, *, copy_on_write: bool = False,
                 populate: bool = False, timeout: float | None = None) -> Lease:
         """Lease an artifact by identity or 64-hex key; raises ``ArtifactNotFound`` on a miss."""
-        ref = _ref(artifact)
-        response = self._call("Acquire", pb.AcquireRequest(artifact=ref), timeout)
+        if isinstance(artifact, ArtifactIdentity):
+            identity = artifact.canonical_bytes
+            key = hashlib.sha256(identity).hexdigest()  # = artifact.key
+        elif isinstance(artifact, str) and is_key(artifact):
+            key, identity = artifact, None
+        else:
+            raise InvalidRequest("acquire takes an ArtifactIdentity or a 64-hex key")
+        # ``timeout`` is kept for compatibility: the exchange is bounded by the peer socket's
+        # timeout (``connect(timeout=)``); on expiry the connection is replaced (see _peer_exchange).
+        peer = self._peer
         try:
-            manifest = _parse_manifest(bytes(response.manifest_json))
-            fds = self._peer_request({"op": "fds", "lease_id": response.lease_id,
-                                      "lease_token": response.lease_token}, want_fds=True)
-            files = tuple((st.st_dev, st.st_ino) for st in map(os.fstat, fds))
-        except BaseException:
-            self._release(response.lease_id)
-            raise
+            lease_id, key, manifest, fds = self._peer_acquire(key, identity)
+        except DaemonUnavailable:
+            # As ``_call`` does for gRPC: a daemon restart ends the session; reconnect once.
+            if not (self.auto_reconnect and not self._closed and os.getpid() == self._pid):
+                raise
+            self.reconnect(failed_peer=peer)
+            lease_id, key, manifest, fds = self._peer_acquire(key, identity)
         from hwr.client.lease import Lease
 
-        lease = Lease(lease_id=response.lease_id, key=response.key, manifest=manifest, fds=fds,
+        # Lease owns the descriptors from here (closes them, and releases the lease on failure).
+        lease = Lease(lease_id=lease_id, key=key, manifest=manifest, fds=fds,
                       release=self._release, copy_on_write=copy_on_write, populate=populate)
-        self._open_leases[lease] = files
+        self._open_leases[lease] = lease.file_ids
         self._start_watcher()
         return lease
 
     def _release(self, lease_id: str) -> None:
         if self._closed or os.getpid() != self._pid:
             return
-        self._call("Release", pb.ReleaseRequest(lease_id=lease_id))
+        self._peer_exchange({"op": "release", "lease_id": lease_id}, want_fds=False)
 
     # publication ----------------------------------------------------------------------------
     def publisher(self, identity: ArtifactIdentity, specs: Sequence[TensorSpec], *,
@@ -395,31 +472,21 @@ class Client:
         with self._reconnect_lock:
             if failed_peer is not None and failed_peer is not self._peer:
                 return {"reattached": 0, "detached": []}
-            peer = _open_peer(self.socket_path, self.timeout)
-            try:
-                hello, _ = recv_frame(peer)
-            except (ConnectionError, OSError) as exc:
-                peer.close()
-                raise DaemonUnavailable(f"hwrd at {self.socket_path} closed the connection: {exc}") from None
-            if not hello.get("ok"):
-                peer.close()
-                raise error_from_code(str(hello.get("code")), str(hello.get("message")), hello.get("details") or {})
-            old_peer, old_channel = self._peer, self._channel
-            with self._peer_lock:
+            peer, hello = _open_session(self.socket_path, self.timeout, self._hello_request())
+            old_peer = self._peer
+            with self._peer_lock, self._channel_lock:
+                old_channel = self._channel
                 self._peer = peer
                 self._token = str(hello["token"])
                 self.session_id = str(hello["session_id"])
                 self._metadata = ((SESSION_KEY, self._token),)
-                self._channel = grpc.insecure_channel(f"unix:{self.socket_path}")
-                self._stub = hwr_pb2_grpc.HostWeightRuntimeStub(self._channel)
+                # A fresh channel on next use: the old one may be stuck backing off to a dead socket.
+                self._channel, self._grpc_stub = None, None
             for closing in (old_peer, old_channel):
                 if closing is not None:
                     with contextlib.suppress(Exception):
                         closing.close()
             self.reconnects += 1
-            self._stub.OpenSession(pb.OpenSessionRequest(
-                client_name=(self._client_name or f"pid-{os.getpid()}")[:128], client_version=__version__),
-                metadata=self._metadata, timeout=self.timeout)
             return self._reattach()
 
     def _reattach(self) -> dict[str, Any]:
@@ -428,26 +495,21 @@ class Client:
             if lease.closed:
                 continue
             try:
-                response = self._stub.Acquire(pb.AcquireRequest(artifact=pb.ArtifactRef(key=lease.key)),
-                                              metadata=self._metadata, timeout=self.timeout)
-                fds = self._peer_request({"op": "fds", "lease_id": response.lease_id,
-                                          "lease_token": response.lease_token}, want_fds=True)
-            except grpc.RpcError:
+                lease_id, _key, _manifest, fds = self._peer_acquire(lease.key)
+            except HwrError:
                 detached.append(lease.key)
                 self._open_leases.pop(lease, None)
                 continue
             try:
                 same = tuple((st.st_dev, st.st_ino) for st in map(os.fstat, fds)) == files
             finally:
-                for fd in fds:
-                    os.close(fd)
+                _close_fds(fds)
             if same:
-                lease._lease_id = response.lease_id  # the client owns its leases' binding
+                lease._lease_id = lease_id  # the client owns its leases' binding
                 reattached += 1
             else:
-                with contextlib.suppress(grpc.RpcError):
-                    self._stub.Release(pb.ReleaseRequest(lease_id=response.lease_id), metadata=self._metadata,
-                                       timeout=self.timeout)
+                with contextlib.suppress(HwrError):
+                    self._peer_exchange({"op": "release", "lease_id": lease_id}, want_fds=False)
                 detached.append(lease.key)
                 self._open_leases.pop(lease, None)
         return {"reattached": reattached, "detached": detached}
@@ -492,7 +554,8 @@ class Client:
                 peer.shutdown(socket.SHUT_RDWR)
             with contextlib.suppress(OSError):
                 peer.close()
-        channel, self._channel = self._channel, None
+        with self._channel_lock:
+            channel, self._channel, self._grpc_stub = self._channel, None, None
         if channel is not None and os.getpid() == self._pid:
             channel.close()
 
@@ -525,6 +588,36 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _open_session(socket_path: Path, timeout: float,
+                  hello_request: dict[str, Any]) -> tuple[socket.socket, dict[str, Any]]:
+    """Connect the peer channel, read the daemon's greeting and name the session (``hello``)."""
+    peer = _open_peer(socket_path, timeout)
+    try:
+        hello, _ = recv_frame(peer)
+        if not hello.get("ok"):
+            raise error_from_code(str(hello.get("code")), str(hello.get("message")), hello.get("details") or {})
+        send_frame(peer, hello_request)
+        reply, _ = recv_frame(peer)
+        if not reply.get("ok"):
+            raise error_from_code(str(reply.get("code")), str(reply.get("message")), reply.get("details") or {})
+    except HwrError:  # typed errors subclass built-ins (PermissionDeniedError is an OSError)
+        peer.close()
+        raise
+    except (ConnectionError, OSError) as exc:
+        peer.close()
+        raise DaemonUnavailable(f"hwrd at {socket_path} closed the connection: {exc}") from None
+    except BaseException:
+        peer.close()
+        raise
+    return peer, hello
+
+
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
 def _open_peer(socket_path: Path, timeout: float) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
@@ -543,6 +636,79 @@ def _open_peer(socket_path: Path, timeout: float) -> socket.socket:
     return sock
 
 
+_LEN = struct.Struct(">I")
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder().decode
+#: Linux passes at most SCM_MAX_FD (253) descriptors in one message.
+_CMSG_SPACE = socket.CMSG_SPACE(253 * array.array("i").itemsize)
+
+
+def _frame(obj: dict[str, Any]) -> bytes:
+    body = _encode(obj)
+    if len(body) > MAX_FRAME:
+        raise InvalidRequest("request too large for a peer frame")
+    return _LEN.pack(len(body)) + body
+
+
+def _recv_reply(sock: socket.socket, want_fds: bool) -> tuple[dict[str, Any], list[int], bytes]:
+    """One reply frame (``hwr.client.wire`` framing) plus its raw tail (``manifest_bytes``),
+    read greedily: usually one ``recvmsg``. Raises ``ConnectionError`` on EOF or a malformed
+    reply, with any received descriptors closed."""
+    fds: list[int] = []
+    if want_fds:
+        data, ancdata, flags, _addr = sock.recvmsg(1 << 16, _CMSG_SPACE)
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                arr = array.array("i")
+                arr.frombytes(payload[: len(payload) - len(payload) % arr.itemsize])
+                fds.extend(arr)
+        if flags & socket.MSG_CTRUNC:
+            _close_fds(fds)
+            raise ConnectionError("hwrd sent more descriptors than one message can carry")
+    else:
+        data = sock.recv(1 << 16)
+    buf = bytearray(data)
+    try:
+        if not data:
+            raise ConnectionError("peer channel closed")
+        _fill(sock, buf, _LEN.size)
+        (length,) = _LEN.unpack_from(buf)
+        if length > MAX_FRAME:
+            raise ConnectionError("peer frame too large")
+        end = _LEN.size + length
+        _fill(sock, buf, end)
+        try:
+            reply = _decode(bytes(buf[_LEN.size:end]))
+        except (msgspec.DecodeError, ValueError) as exc:
+            raise ConnectionError("malformed peer frame") from exc
+        if not isinstance(reply, dict):
+            raise ConnectionError("malformed peer frame")
+        n = reply.get("manifest_bytes", 0) if reply.get("ok") else 0
+        if not isinstance(n, int) or n < 0 or n > MAX_MANIFEST:
+            raise ConnectionError("invalid manifest length in a peer reply")
+        _fill(sock, buf, end + n)
+        if len(buf) != end + n:
+            raise ConnectionError("unexpected bytes after a peer reply")
+    except BaseException:
+        _close_fds(fds)
+        raise
+    return reply, fds, bytes(buf[end:]) if n else b""
+
+
+def _fill(sock: socket.socket, buf: bytearray, n: int) -> None:
+    while len(buf) < n:
+        chunk = sock.recv(max(n - len(buf), 1 << 16))
+        if not chunk:
+            raise ConnectionError("peer channel closed")
+        buf += chunk
+
+
+#: key -> (sha256 of the manifest bytes the daemon sent, parsed manifest): lets ``acquire`` tell the
+#: daemon which manifest this process already holds, so the daemon sends it only once per process.
+_MANIFESTS: dict[str, tuple[str, Manifest]] = {}
+MAX_MANIFEST = 1 << 30
+
+
 @functools.lru_cache(maxsize=32)
 def _parse_manifest(data: bytes) -> Manifest:
     """Strictly parse a manifest once per process: a manifest is immutable, its bytes name it.
@@ -551,14 +717,6 @@ def _parse_manifest(data: bytes) -> Manifest:
     the latency benchmarks) then skip the O(tensors) validation. Errors are not cached.
     """
     return Manifest.from_json(data)
-
-
-def _ref(artifact: ArtifactIdentity | str) -> pb.ArtifactRef:
-    if isinstance(artifact, ArtifactIdentity):
-        return pb.ArtifactRef(identity_json=artifact.canonical_bytes)
-    if isinstance(artifact, str) and is_key(artifact):
-        return pb.ArtifactRef(key=artifact)
-    raise InvalidRequest("acquire takes an ArtifactIdentity or a 64-hex key")
 
 
 def _artifact_dict(a: pb.ArtifactInfo) -> dict[str, Any]:

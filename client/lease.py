@@ -5,6 +5,13 @@ lease maps each one (``PROT_READ``, ``MAP_SHARED``; or ``MAP_PRIVATE`` copy-on-w
 closes the descriptor, re-parses every safetensors header from the mapping's file and checks it
 against the manifest the daemon sent, then exposes zero-copy tensor views.
 
+Per-process cache (the acquire hot path): the header check's result, a *view plan* (per tensor:
+dtype, shape, stride, element offset), is kept per (device, inode, size, mtime, ctime) of the
+payload file and the manifest object it was checked against. Payloads are immutable files, and a
+write, truncate, chmod or replacement changes one of those ``fstat`` fields, so a hit proves the
+header bytes are the ones checked. Views are then built from one ``uint8`` base per file: one
+typed view of the whole file per dtype and one ``as_strided`` per tensor.
+
 Contract:
 - ``tensors``: name -> CPU tensor aliasing shared page-cache pages (no copy). With the default
   read-only mapping, writing into one faults (SIGSEGV) instead of corrupting other workers'
@@ -28,14 +35,15 @@ import threading
 import warnings
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
+from typing import NamedTuple
 
 import torch
 
-from hwr.client.artifact import tensor_views, validate_payload_header
+from hwr.client.artifact import validate_payload_header
 from hwr.client.carrier import MappedRegion
 from hwr.client.errors import HwrError, LeaseClosed, ManifestCorrupt
 from hwr.client.manifest import Manifest
-from hwr.client.safetensors_header import read_header
+from hwr.client.safetensors_header import dtype_by_torch_name, read_header
 
 __all__ = ["Lease", "MappedLease"]
 
@@ -177,25 +185,96 @@ class Lease(MappedLease):
     ) -> None:
         super().__init__(lease_id=lease_id, key=key, release=release)
         self.manifest = manifest
+        file_ids: list[tuple[int, int]] = []
 
         def map_one(index: int, fd: int) -> MappedRegion:
             file_record = manifest.files[index]
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size = st.st_size
             if size != file_record.size:
                 raise ManifestCorrupt(f"payload {file_record.name!r} has the wrong size",
                                       details={"file": file_record.name})
-            header = read_header(fd)
-            pairs = validate_payload_header(header, manifest, file_record)
+            plan = _view_plan(fd, st, manifest, file_record)
             mapped, region = self._attach(fd, size, file_record.name, copy_on_write=copy_on_write,
                                           populate=populate)
-            self._tensors.update(tensor_views(mapped, header, [record for record, _ in pairs]))
+            self._tensors.update(_views(plan, self._bases[-1], mapped))
+            file_ids.append((st.st_dev, st.st_ino))
             return region
 
         self._map_files(fds, len(manifest.files), map_one)
+        #: (device, inode) of each payload in manifest order (the client's reattach check).
+        self.file_ids = tuple(file_ids)
 
     @property
     def nbytes(self) -> int:
         return sum(f.size for f in self.manifest.files)
+
+
+class _Plan(NamedTuple):
+    """How to view one checked payload file: per dtype, (name, shape, stride, element offset);
+    zero-byte tensors (fresh empties); and unaligned tensors (byte offset, nbytes: slow path)."""
+
+    groups: tuple[tuple[torch.dtype, int, tuple[tuple[str, tuple[int, ...], tuple[int, ...], int], ...]], ...]
+    empty: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
+    unaligned: tuple[tuple[str, torch.dtype, int, tuple[int, ...], tuple[int, ...], int, int], ...]
+
+
+_PLANS: dict[tuple[int, int, int, int, int], tuple[Manifest, object, _Plan]] = {}
+_PLANS_LOCK = threading.Lock()
+
+
+def _view_plan(fd: int, st: os.stat_result, manifest: Manifest, file_record: object) -> _Plan:
+    """The checked view plan of one payload (see the module docstring's cache)."""
+    ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    cached = _PLANS.get(ident)
+    if cached is not None and cached[0] is manifest and cached[1] == file_record:
+        return cached[2]
+    header = read_header(fd)
+    pairs = validate_payload_header(header, manifest, file_record)  # type: ignore[arg-type]
+    groups: dict[torch.dtype, tuple[int, list[tuple[str, tuple[int, ...], tuple[int, ...], int]]]] = {}
+    empty, unaligned = [], []
+    for record, entry in pairs:
+        info = dtype_by_torch_name(record.dtype)
+        dtype, itemsize = info.torch_dtype, info.itemsize
+        offset = header.data_offset + entry.begin
+        shape, stride = tuple(record.shape), tuple(record.stride)
+        if record.nbytes == 0:
+            empty.append((record.name, shape, dtype))
+        elif offset + record.nbytes > st.st_size:
+            raise ManifestCorrupt(f"tensor {record.name!r} lies outside its payload file",
+                                  details={"tensor": record.name})
+        elif offset % itemsize:
+            unaligned.append((record.name, dtype, itemsize, shape, stride, offset, record.nbytes))
+        else:
+            groups.setdefault(dtype, (itemsize, []))[1].append((record.name, shape, stride, offset // itemsize))
+    plan = _Plan(tuple((dtype, itemsize, tuple(items)) for dtype, (itemsize, items) in groups.items()),
+                 tuple(empty), tuple(unaligned))
+    with _PLANS_LOCK:
+        if len(_PLANS) > 4096:
+            _PLANS.clear()
+        _PLANS[ident] = (manifest, file_record, plan)
+    return plan
+
+
+def _views(plan: _Plan, base: torch.Tensor, mapped: mmap.mmap) -> dict[str, torch.Tensor]:
+    """Tensors aliasing ``base`` (the uint8 view of the whole mapped file) per the plan: one
+    typed view of the file per dtype, then one ``as_strided`` per tensor (torch bounds-checks
+    each against the storage)."""
+    out: dict[str, torch.Tensor] = {}
+    total = base.numel()
+    for dtype, itemsize, items in plan.groups:
+        strided = (base[: total - total % itemsize].view(dtype) if itemsize > 1 else base.view(dtype)).as_strided
+        for name, shape, stride, offset in items:
+            out[name] = strided(shape, stride, offset)
+    for name, shape, dtype in plan.empty:
+        out[name] = torch.empty(shape, dtype=dtype)
+    for name, dtype, itemsize, shape, stride, offset, nbytes in plan.unaligned:
+        # Not produced by hwr's writer (read_header checks alignment): the slow, safe path.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*not writable.*", category=UserWarning)
+            flat = torch.frombuffer(memoryview(mapped), dtype=dtype, count=nbytes // itemsize, offset=offset)
+        out[name] = flat.as_strided(shape, stride)
+    return out
 
 
 def raise_closed() -> None:
@@ -216,4 +295,7 @@ def _map(fd: int, size: int, *, copy_on_write: bool, populate: bool) -> mmap.mma
 def _base_view(mapped: mmap.mmap) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*not writable.*", category=UserWarning)
-        return torch.frombuffer(mapped, dtype=torch.uint8)
+        # Through a memoryview: the tensor's storage then holds a buffer export of the mmap, so
+        # ``mmap.close()`` refuses (BufferError) while any view derived from this base lives.
+        # (``frombuffer(mapped)`` itself keeps only a reference: close() would unmap under views.)
+        return torch.frombuffer(memoryview(mapped), dtype=torch.uint8)

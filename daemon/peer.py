@@ -1,16 +1,36 @@
-"""The peer channel: authentication, session liveness and descriptor passing.
+"""The peer channel: authentication, session liveness, descriptor passing, and the lease hot path.
 
 One SOCK_STREAM Unix socket at ``<socket>.peer``. Per connection:
 
 1. The daemon reads SO_PEERCRED and applies the allow-list; a refused peer gets one error frame
    ``{"ok": false, "code": "PERMISSION_DENIED", ...}`` and the connection is closed.
 2. Otherwise it opens a session and sends ``{"ok": true, "session_id", "token", "pid", "uid"}``.
-3. Requests, one at a time, each answered by one frame:
-   - ``{"op": "fds", "lease_id", "lease_token"}`` -> the artifact's payload descriptors
-     (O_RDONLY) in manifest file order, sent with SCM_RIGHTS.
-   - ``{"op": "staging_fds", "publication_id", "publication_token"}`` -> writable descriptors of
-     the staging files of a publication of this session.
-   - ``{"op": "ping"}`` -> ``{"ok": true}``.
+3. Requests, one at a time, each answered by one frame (state table: any request is valid in
+   any order once the session is open; the session is the connection):
+
+   ====================  ======================================  ==================================
+   request op            fields                                  reply (``ok: true``)
+   ====================  ======================================  ==================================
+   ``hello``             ``client_name``, ``client_version``     ``session_id``, ``pid``, ``uid``,
+                         (strings <= 128 chars)                  ``daemon_version`` (= OpenSession)
+   ``acquire``           ``key`` (64 hex) or ``identity``        ``lease_id``, ``lease_token``,
+                         (canonical identity JSON as a string);  ``key``, ``manifest_sha256``,
+                         optional ``have`` (a manifest sha256    ``manifest_bytes`` (N), ``count``;
+                         the client holds: then N is 0)          descriptors + N raw manifest bytes
+   ``release``           ``lease_id``                            ``released`` (bool)
+   ``fds``               ``lease_id``, ``lease_token``           ``count``; descriptors
+   ``staging_fds``       ``publication_id``, ``publication_token`` ``count``; descriptors
+   ``ping``              -                                       -
+   ====================  ======================================  ==================================
+
+   ``acquire``/``release`` are the same operations as the gRPC ``Acquire``/``Release`` RPCs (one
+   implementation: ``hwr.daemon.leasing``), with typed errors as error frames
+   ``{"ok": false, "code", "message", "details"}`` carrying the same code, message and details
+   the RPC would put in its status and trailing metadata. An ``acquire`` reply carries the
+   payload descriptors (O_RDONLY, manifest file order, SCM_RIGHTS on the first byte) and, after
+   the JSON frame, ``manifest_bytes`` raw bytes of manifest JSON (never size-limited by
+   ``MAX_FRAME``). A request that is valid JSON but wrong (unknown op, missing or invalid field)
+   gets an error frame and the connection stays usable; bytes that are not a frame end it.
 4. EOF (or any protocol error) ends the session: its leases are released and its staged
    publications aborted, immediately (well within the 2 s liveness bound).
 
@@ -31,8 +51,11 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from hwr.client.errors import HwrError, PermissionDeniedError
-from hwr.client.wire import MAX_FRAME, encode_frame
+import msgspec
+
+from hwr import __version__
+from hwr.client.errors import HwrError, InvalidRequest, PermissionDeniedError
+from hwr.client.wire import MAX_FRAME
 from hwr.daemon.peercred import AllowList, peer_allowed, read_peercred
 from hwr.daemon.sessions import Registry, Session
 
@@ -40,9 +63,24 @@ __all__ = ["PeerServer"]
 
 log = logging.getLogger("hwrd.peer")
 _LEN = struct.Struct(">I")
+_decode = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode
+
+
+_LATER = object()  # a request that needs the event loop (awaits): handled by a task
 
 
 class PeerServer:
+    """The peer channel's server (see the module docstring).
+
+    Connections are ``asyncio.Protocol`` objects: a request whose work is synchronous (every
+    operation except an ``acquire`` that must wait for validation or an eviction round) is
+    parsed, served and answered inside ``data_received``, with the reply sent by one direct
+    ``sendmsg`` on the socket (descriptors and all) -- no task, future or reader registration per
+    request. Anything else pauses reading, runs in a task, and resumes; requests on one
+    connection are always answered in order.
+    """
+
     def __init__(
         self,
         path: Path,
@@ -54,6 +92,7 @@ class PeerServer:
         on_session_end: Callable[[Session], Awaitable[None]],
         mode: int = 0o660,
         listen_sock: socket.socket | None = None,
+        leasing: Any = None,
     ) -> None:
         self.path = path
         self._registry = registry
@@ -61,10 +100,11 @@ class PeerServer:
         self._open_lease_fds = open_lease_fds
         self._open_staging_fds = open_staging_fds
         self._on_session_end = on_session_end
+        self._leasing = leasing  # hwr.daemon.leasing.Leasing (acquire/release); None: refused
         self._mode = mode
         self._sock = listen_sock
         self._task: asyncio.Task[None] | None = None
-        self._conns: set[asyncio.Task[None]] = set()
+        self._conns: set[_Connection] = set()
 
     async def start(self) -> None:
         if self._sock is None:
@@ -90,50 +130,103 @@ class PeerServer:
 
     async def close(self) -> None:
         await self.stop_accepting()
-        for task in list(self._conns):
-            task.cancel()
-        if self._conns:
-            await asyncio.gather(*self._conns, return_exceptions=True)
+        conns = list(self._conns)
+        for conn in conns:
+            conn.abort()
+        if conns:
+            await asyncio.gather(*(conn.ended for conn in conns), return_exceptions=True)
 
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
         assert self._sock is not None
         while True:
-            conn, _ = await loop.sock_accept(self._sock)
-            task = loop.create_task(self._serve(conn))
-            self._conns.add(task)
-            task.add_done_callback(self._conns.discard)
+            sock, _ = await loop.sock_accept(self._sock)
+            sock.setblocking(False)
+            conn = _Connection(self, sock, loop)
+            self._conns.add(conn)
+            conn.ended.add_done_callback(lambda _f, c=conn: self._conns.discard(c))
+            try:
+                await loop.connect_accepted_socket(lambda c=conn: c, sock)
+            except OSError as exc:
+                log.debug("peer connection failed at setup: %s", exc)
+                sock.close()
+                conn.connection_lost(exc)
 
-    async def _serve(self, conn: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        conn.setblocking(False)
-        session: Session | None = None
+    # ---------------------------------------------------------------- request handling
+    def _greet(self, sock: socket.socket) -> tuple[Session | None, dict[str, Any]]:
+        cred = read_peercred(sock)
+        if not peer_allowed(cred, self._allow()):
+            log.warning("refused peer pid=%d uid=%d gid=%d", cred.pid, cred.uid, cred.gid)
+            return None, _error(PermissionDeniedError(f"uid {cred.uid} is not on hwrd's allow-list"))
+        session = self._registry.open_session(cred)
+        return session, {"ok": True, "session_id": session.session_id, "token": session.token,
+                         "pid": cred.pid, "uid": cred.uid}
+
+    def _handle_now(self, session: Session, req: dict[str, Any]) -> Any:
+        """(reply, fds, tail) for a request served synchronously, or ``_LATER``."""
+        op = req.get("op")
+        if op == "acquire":
+            try:
+                key = _acquire_key(req)
+                now = self._leasing.acquire_now(session, key) if self._leasing is not None else None
+                if now is None:
+                    return _LATER
+                return self._acquired(session, req, key, *now)
+            except HwrError as exc:
+                return _error(exc), [], b""
+            except Exception:
+                log.exception("internal error in peer operation %s", op)
+                return _error(HwrError(f"internal error in peer operation {op}")), [], b""
+        if op == "release" or op == "hello":
+            return self._lease_op_now(session, op, req)
+        reply, fds = self._dispatch(session, req)
+        return reply, fds, b""
+
+    async def _handle_later(self, session: Session, req: dict[str, Any]) -> tuple[dict[str, Any], list[int], bytes]:
         try:
-            cred = read_peercred(conn)
-            if not peer_allowed(cred, self._allow()):
-                log.warning("refused peer pid=%d uid=%d gid=%d", cred.pid, cred.uid, cred.gid)
-                await self._send(conn, _error(PermissionDeniedError(
-                    f"uid {cred.uid} is not on hwrd's allow-list")))
-                return
-            session = self._registry.open_session(cred)
-            await self._send(conn, {"ok": True, "session_id": session.session_id,
-                                    "token": session.token, "pid": cred.pid, "uid": cred.uid})
-            while True:
-                request = await _recv_frame(loop, conn)
-                if request is None:
-                    return
-                reply, fds = self._dispatch(session, request)
-                try:
-                    await self._send(conn, reply, fds)
-                finally:
-                    for fd in fds:
-                        os.close(fd)
-        except (ConnectionError, OSError) as exc:
-            log.debug("peer connection ended: %s", exc)
-        finally:
-            conn.close()
-            if session is not None:
-                await self._on_session_end(session)
+            key = _acquire_key(req)
+            if self._leasing is None:
+                raise PermissionDeniedError("peer operation 'acquire' is not served here")
+            record, lease = await self._leasing.acquire(session, key)
+            return self._acquired(session, req, key, record, lease)
+        except HwrError as exc:
+            return _error(exc), [], b""
+        except Exception:
+            log.exception("internal error in peer operation acquire")
+            return _error(HwrError("internal error in peer operation acquire")), [], b""
+
+    def _acquired(self, session: Session, req: dict[str, Any], key: str, record: Any,
+                  lease: Any) -> tuple[dict[str, Any], list[int], bytes]:
+        leasing = self._leasing
+        try:
+            data, digest = leasing.manifest(record)
+            fds = leasing.payload_fds(record)  # flushes the lease journal before they leave
+        except BaseException:
+            leasing.release(session, lease.lease_id)
+            raise
+        tail = b"" if req.get("have") == digest else data
+        return ({"ok": True, "lease_id": lease.lease_id, "lease_token": lease.token, "key": key,
+                 "manifest_sha256": digest, "manifest_bytes": len(tail), "count": len(fds)}, fds, tail)
+
+    def _lease_op_now(self, session: Session, op: str, req: dict[str, Any]) -> tuple[dict[str, Any], list[int], bytes]:
+        """``hello`` and ``release`` (module docstring); errors become error frames."""
+        try:
+            if op == "hello":
+                name, version = req.get("client_name", ""), req.get("client_version", "")
+                if not isinstance(name, str) or not isinstance(version, str) or len(name) > 128 \
+                        or len(version) > 128:
+                    raise InvalidRequest("client_name/client_version must be strings of at most 128 characters")
+                session.client_name, session.client_version = name, version
+                return {"ok": True, "session_id": session.session_id, "pid": session.cred.pid,
+                        "uid": session.cred.uid, "daemon_version": __version__}, [], b""
+            if self._leasing is None:
+                raise PermissionDeniedError(f"peer operation {op!r} is not served here")
+            lease_id = req.get("lease_id")
+            if not isinstance(lease_id, str):
+                raise InvalidRequest("lease_id is required")
+            return {"ok": True, "released": self._leasing.release(session, lease_id)}, [], b""
+        except HwrError as exc:
+            return _error(exc), [], b""
 
     def _dispatch(self, session: Session, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         op = req.get("op")
@@ -151,20 +244,202 @@ class PeerServer:
         except HwrError as exc:
             return _error(exc), []
 
-    async def _send(self, conn: socket.socket, obj: dict[str, Any], fds: list[int] = ()) -> None:  # type: ignore[assignment]
-        loop = asyncio.get_running_loop()
-        data = encode_frame(obj)
-        if fds:
-            # Descriptors ride on the first byte; a fresh request/response socket always has room
-            # for one byte, so this only loops if the client stopped reading (then we wait).
-            while True:
-                try:
-                    socket.send_fds(conn, [data[:1]], fds)
-                    break
-                except BlockingIOError:
-                    await asyncio.sleep(0.001)
-            data = data[1:]
-        await loop.sock_sendall(conn, data)
+
+class _Connection(asyncio.Protocol):
+    """One peer connection = one session (see ``PeerServer``)."""
+
+    def __init__(self, server: PeerServer, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+        self.server = server
+        self.sock = sock  # the transport's socket: replies with descriptors go out by sendmsg here
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.session: Session | None = None
+        self.buf = bytearray()
+        self.busy = False  # a request is in a task; reading is paused until it is answered
+        self.closed = False
+        self.ended: asyncio.Future[None] = loop.create_future()  # set once the session has ended
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # asyncio.Protocol --------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        try:
+            session, hello = self.server._greet(self.sock)
+        except OSError as exc:
+            log.debug("peer connection ended at greeting: %s", exc)
+            self.abort()
+            return
+        self.session = session
+        if not self._send_now(hello, [], b""):
+            self._later(self._send_later(hello, [], b""))
+        if session is None:
+            assert self.transport is not None
+            self.transport.close()  # after the refusal frame is flushed
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        self._pump()
+
+    def eof_received(self) -> bool:
+        return False  # close the transport: EOF ends the session
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.buf.clear()
+        if exc is not None:
+            log.debug("peer connection ended: %s", exc)
+        self.loop.create_task(self._end())
+
+    async def _end(self) -> None:
+        try:
+            if self._tasks:
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+            if self.session is not None:
+                await self.server._on_session_end(self.session)
+        finally:
+            if not self.ended.done():
+                self.ended.set_result(None)
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+        else:
+            self.connection_lost(None)
+
+    # requests ----------------------------------------------------------------------------
+    def _pump(self) -> None:
+        """Serve every complete frame in the buffer, in order, until one needs a task."""
+        while not self.busy and not self.closed and self.session is not None:
+            try:
+                request = self._next_frame()
+            except ConnectionError as exc:
+                log.debug("peer protocol error: %s", exc)
+                self.abort()
+                return
+            if request is None:
+                return
+            result = self.server._handle_now(self.session, request)
+            if result is _LATER:
+                self._later(self._serve_later(request))
+                return
+            reply, fds, tail = result
+            try:
+                sent = self._send_now(reply, fds, tail)
+            except BaseException:
+                _close_fds(fds)
+                raise
+            if sent:
+                _close_fds(fds)
+            else:  # no room for the descriptors: wait for the client to read (it owns them now)
+                self._later(self._send_later(reply, fds, tail))
+                return
+
+    def _next_frame(self) -> dict[str, Any] | None:
+        buf = self.buf
+        if len(buf) < _LEN.size:
+            return None
+        (length,) = _LEN.unpack_from(buf)
+        if length > MAX_FRAME:
+            raise ConnectionError("peer frame too large")
+        if len(buf) < _LEN.size + length:
+            return None
+        body = bytes(buf[_LEN.size:_LEN.size + length])
+        del buf[:_LEN.size + length]
+        try:
+            obj = _decode(body)  # msgspec: several times faster than json
+        except RecursionError as exc:  # nesting deeper than any request has
+            raise ConnectionError("malformed peer frame") from exc
+        except (msgspec.DecodeError, ValueError):
+            try:  # what msgspec refuses but json accepts (NaN, integers past 64 bits): json decides
+                obj = json.loads(body or b"")
+            except (ValueError, RecursionError) as exc:  # RecursionError: nesting too deep for json
+                raise ConnectionError("malformed peer frame") from exc
+        if not isinstance(obj, dict):
+            raise ConnectionError("malformed peer frame")
+        return obj
+
+    def _later(self, coro: Awaitable[None]) -> None:
+        self.busy = True
+        if self.transport is not None and not self.closed:
+            self.transport.pause_reading()
+        task = self.loop.create_task(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._resume)
+
+    def _resume(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("peer request failed: %r", task.exception())
+            self.abort()
+        self.busy = False
+        if not self.closed and self.transport is not None:
+            self.transport.resume_reading()
+            self._pump()
+
+    async def _serve_later(self, request: dict[str, Any]) -> None:
+        assert self.session is not None
+        reply, fds, tail = await self.server._handle_later(self.session, request)
+        await self._send_later(reply, fds, tail)
+
+    # replies -----------------------------------------------------------------------------
+    def _send_now(self, obj: dict[str, Any], fds: list[int], tail: bytes) -> bool:
+        """Send one reply without waiting; False when descriptors cannot go out yet (the caller
+        then uses ``_send_later``). Bytes that do not fit go through the transport's buffer."""
+        if self.closed or self.transport is None:
+            return True  # the session is over: nothing to answer
+        try:
+            body = _encode(obj)
+        except (TypeError, ValueError, OverflowError):  # details with an odd value: as text
+            body = json.dumps(obj, default=str, separators=(",", ":")).encode()
+        if len(body) > MAX_FRAME:
+            body = _encode(_error(HwrError("reply too large for a peer frame")))
+        data = b"".join((_LEN.pack(len(body)), body, tail))
+        if self.transport.get_write_buffer_size():
+            if fds:
+                return False
+            self.transport.write(data)
+            return True
+        try:
+            sent = socket.send_fds(self.sock, [data], fds) if fds else self.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            if fds:
+                return False
+            sent = 0
+        except OSError as exc:
+            log.debug("peer send failed: %s", exc)
+            self.abort()
+            return True
+        if sent < len(data):
+            self.transport.write(data[sent:])
+        return True
+
+    async def _send_later(self, obj: dict[str, Any], fds: list[int], tail: bytes) -> None:
+        try:
+            while not self._send_now(obj, fds, tail):
+                await asyncio.sleep(0.001)  # a client that stopped reading its replies
+        finally:
+            _close_fds(fds)
+
+
+def _acquire_key(req: dict[str, Any]) -> str:
+    from hwr.daemon.leasing import key_of
+
+    key, identity = req.get("key"), req.get("identity")
+    if identity is not None:
+        if not isinstance(identity, str) or len(identity) > MAX_FRAME:
+            raise InvalidRequest("identity must be canonical identity JSON text", details={"field": "identity"})
+        return key_of(identity_json=identity.encode())
+    if key is not None and not isinstance(key, str):
+        raise InvalidRequest("key must be 64 lowercase hex digits", details={"field": "artifact.key"})
+    return key_of(key=key)
+
+
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _str(req: dict[str, Any], name: str) -> str:
@@ -176,34 +451,3 @@ def _str(req: dict[str, Any], name: str) -> str:
 
 def _error(exc: HwrError) -> dict[str, Any]:
     return {"ok": False, "code": exc.code, "message": exc.message, "details": exc.details}
-
-
-async def _recv_frame(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> dict[str, Any] | None:
-    head = await _recv_exact(loop, conn, _LEN.size, eof_ok=True)
-    if head is None:
-        return None
-    (length,) = _LEN.unpack(head)
-    if length > MAX_FRAME:
-        raise ConnectionError("peer frame too large")
-    body = await _recv_exact(loop, conn, length, eof_ok=False)
-    try:
-        obj = json.loads(body or b"")
-    except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than json allows
-        raise ConnectionError("malformed peer frame") from exc
-    if not isinstance(obj, dict):
-        raise ConnectionError("malformed peer frame")
-    return obj
-
-
-async def _recv_exact(
-    loop: asyncio.AbstractEventLoop, conn: socket.socket, n: int, *, eof_ok: bool
-) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = await loop.sock_recv(conn, n - len(buf))
-        if not chunk:
-            if eof_ok and not buf:
-                return None
-            raise ConnectionError("peer closed mid-frame")
-        buf += chunk
-    return bytes(buf)

@@ -71,6 +71,9 @@ class Daemon:
         self.checkpoints: Any = None  # hwr.daemon.checkpoints.Checkpoints, opened in start()
         self._allow: AllowList = daemon_allow_list(config.allow_uids, config.allow_gids)
         self._manifest_cache: dict[str, tuple[Any, bytes]] = {}
+        from hwr.daemon.leasing import Leasing
+
+        self.leasing = Leasing(self)  # acquire/release for gRPC and the peer channel
         self._grpc: grpc.aio.Server | None = None
         self._peer: PeerServer | None = None
         self._health = health.aio.HealthServicer()
@@ -107,7 +110,7 @@ class Daemon:
             peer_path(self.socket_path), registry=self.registry, allow=lambda: self._allow,
             open_lease_fds=self._open_lease_fds, open_staging_fds=self._open_staging_fds,
             on_session_end=self._on_session_end, mode=self.config.socket_mode,
-            listen_sock=self.inherited.peer,
+            listen_sock=self.inherited.peer, leasing=self.leasing,
         )
         await self._peer.start()
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
@@ -250,8 +253,8 @@ class Daemon:
         lease = self.registry.lease_for_fds(session, lease_id, token)
         if lease.key.startswith(CHECKPOINT_LEASE_PREFIX):
             return self.checkpoints.open_fds(self.checkpoints.get(lease.key[len(CHECKPOINT_LEASE_PREFIX):]))
-        record = self.store.lookup(lease.key)
-        return [fd for _name, fd in self.store.open_payloads(record)]
+        record = self.store_service.lookup_now(lease.key) or self.store.lookup(lease.key)
+        return self.leasing.payload_fds(record)
 
     def _open_staging_fds(self, session: Session, publication_id: str, token: str) -> list[int]:
         fds: list[int] = []

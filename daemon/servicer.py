@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
 from hwr import __version__
 from hwr.client.errors import ArtifactNotFound, IdentityError, InvalidRequest
-from hwr.client.identity import ArtifactIdentity, is_key, parse_canonical
+from hwr.client.identity import ArtifactIdentity, parse_canonical
 from hwr.client.wire import MAX_WAIT_TIMEOUT_MS
+from hwr.daemon.leasing import key_of
 from hwr.daemon.rpc_checkpoints import CheckpointsMixin
 from hwr.daemon.rpc_store_admin import StoreAdminRpc
 from hwr.daemon.rpc_support import rpc, session_of
@@ -72,10 +72,7 @@ class Servicer(StoreAdminRpc, CheckpointsMixin, hwr_pb2_grpc.HostWeightRuntimeSe
             return await self.acquire_checkpoint(request, context)  # hwr.daemon.rpc_checkpoints
         session = self._session(context)
         key = _ref_key(request.artifact)
-        started = time.perf_counter()
-        record = await self.d.lookup(key)
-        lease = self.d.registry.add_lease(session, key)
-        self.d.metrics_acquire(time.perf_counter() - started)
+        record, lease = await self.d.leasing.acquire(session, key)  # shared with the peer channel
         return pb.AcquireResponse(
             lease_id=lease.lease_id, lease_token=lease.token, key=key,
             manifest_json=self.d.manifest_bytes(record),
@@ -85,9 +82,7 @@ class Servicer(StoreAdminRpc, CheckpointsMixin, hwr_pb2_grpc.HostWeightRuntimeSe
     @rpc
     async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
         session = self._session(context)
-        if not request.lease_id or len(request.lease_id) > 64:
-            raise InvalidRequest("lease_id is required")
-        return pb.ReleaseResponse(released=self.d.registry.release(session, request.lease_id))
+        return pb.ReleaseResponse(released=self.d.leasing.release(session, request.lease_id))
 
     @rpc
     async def BeginPublication(
@@ -189,12 +184,8 @@ def _format_metadata(data: bytes) -> dict[str, Any] | None:
 def _ref_key(ref: pb.ArtifactRef) -> str:
     which = ref.WhichOneof("ref")
     if which == "identity_json":
-        return _identity(bytes(ref.identity_json)).key
-    if which == "key":
-        if not is_key(ref.key):
-            raise InvalidRequest("key must be 64 lowercase hex digits", details={"field": "artifact.key"})
-        return ref.key
-    raise InvalidRequest("artifact reference is empty", details={"field": "artifact"})
+        return key_of(identity_json=bytes(ref.identity_json))
+    return key_of(key=ref.key if which == "key" else None)
 
 
 def _identity(data: bytes) -> ArtifactIdentity:

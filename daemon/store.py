@@ -16,8 +16,10 @@ payloads in ``tmp/`` [staged]; the writer fills them [payload_written]; ``commit
 headers, hashes every file and tensor [hashed], fsyncs the payloads [payloads_fsynced], writes
 ``manifest.json`` [manifest_written] and ``READY.json`` [marker_written], makes the files 0444,
 renames the directory into ``artifacts/`` [renamed], makes it 0555 and fsyncs ``artifacts/``
-[dir_fsynced]. A crash before the rename leaves only staging (wiped at the next start); after it
-a complete artifact (a directory still at its staging mode is finished at start).
+[dir_fsynced] (a group commit shared by concurrent commits: ``store_io.GroupSync``). A
+daemon-owned producer's digests (``ProducerDigests``) replace the re-hash at [hashed]. A crash
+before the rename leaves only staging (wiped at the next start); after it a complete artifact (a
+directory still at its staging mode is finished at start).
 
 Validation: full hashing once at publication and on ``verify``; metadata level
 (``store_validation``) at start and on the first lookup, then a warm lookup compares recorded
@@ -60,7 +62,7 @@ from hwr.client.manifest import MANIFEST_FILE, READY_FILE, FileRecord, Manifest,
 from hwr.client.safetensors_header import contiguous_stride, read_header
 from hwr.daemon import fsguard, store_io
 from hwr.daemon.store_domain import ensure_domain, read_deny_code
-from hwr.daemon.store_staging import Staging, TensorSpec, plan_payloads, write_tensor
+from hwr.daemon.store_staging import ProducerDigests, Staging, TensorSpec, plan_payloads, write_tensor
 from hwr.daemon.store_validation import ArtifactRecord, Fingerprint, inspect_artifact, same_fingerprints
 
 __all__ = [
@@ -114,8 +116,12 @@ class Store:
         self._lock_fd: int | None = lock_fd
         self._mutex = threading.RLock()
         self._records: dict[str, ArtifactRecord] = {}
+        # key -> (record, its non-payload fingerprints): the guard of ``cached``.
+        self._guards: dict[str, tuple[ArtifactRecord, tuple[Fingerprint, ...]]] = {}
         self._denied: dict[str, str] = {}  # key -> deny reason code
         self._stagings: dict[str, Staging] = {}
+        # Commits and retirements rename entries of artifacts/; they share its fsyncs (GroupSync).
+        self._artifacts_sync = store_io.GroupSync(root / "artifacts")
 
     # ----------------------------------------------------------------- lifecycle
     @classmethod
@@ -274,13 +280,16 @@ class Store:
             raise
         return self.commit(staging)
 
-    def commit(self, staging: Staging, *, expected_tensor_sha256: Mapping[str, str] | None = None) -> ArtifactRecord:
+    def commit(self, staging: Staging, *, expected_tensor_sha256: Mapping[str, str] | None = None,
+               trusted_digests: ProducerDigests | None = None) -> ArtifactRecord:
         """Validate, hash and atomically publish ``staging``; returns the committed (or joined) record.
 
         Raises ``ManifestCorrupt`` (a header was overwritten, a file resized), ``ChecksumMismatch``
         (``expected_tensor_sha256`` differs), ``IdentityCollision`` (the key exists with other
         content; it stays), ``ArtifactDenied`` (operator deny), ``NoSpace``/``PublicationFailed``.
-        The staging is gone afterwards in every case.
+        The staging is gone afterwards in every case. ``trusted_digests``: digests a daemon-owned
+        producer computed while writing (see ``ProducerDigests`` for why that is sound); when they
+        cover the staging exactly, the payloads are not re-read and re-hashed.
         """
         self._require_open()
         with self._mutex:
@@ -288,7 +297,7 @@ class Store:
                 raise InvalidRequest("unknown or finished staging", details={"staging": staging.id})
         try:
             _step("payload_written")
-            manifest = self._seal(staging, expected_tensor_sha256)
+            manifest = self._seal(staging, expected_tensor_sha256, trusted_digests)
             return self._install(staging, manifest)
         except HwrError:
             raise  # several typed errors are also OSError subclasses; keep their type
@@ -297,7 +306,8 @@ class Store:
         finally:
             store_io.remove_tree(staging.path)
 
-    def _seal(self, staging: Staging, expected: Mapping[str, str] | None) -> Manifest:
+    def _seal(self, staging: Staging, expected: Mapping[str, str] | None,
+              trusted: ProducerDigests | None = None) -> Manifest:
         fds: list[int] = []
         try:
             jobs = []
@@ -312,11 +322,16 @@ class Store:
                     )
                 ranges = [(e.name, len(plan.head) + e.begin, len(plan.head) + e.end) for e in plan.entries]
                 jobs.append((fd, plan.size, ranges))
-            before = [os.fstat(fd).st_mtime_ns for fd in fds]
-            file_sha, tensor_sha = store_io.hash_ranges(jobs)
+                store_io.start_writeback(fd)  # the disk works while we hash; the fsync below waits
+            if trusted is not None and trusted.covers(staging):
+                file_sha = [trusted.files[p.name] for p in staging.plans]
+                tensor_sha = dict(trusted.tensors)
+            else:
+                before = [os.fstat(fd).st_mtime_ns for fd in fds]
+                file_sha, tensor_sha = store_io.hash_ranges(jobs)
+                if [os.fstat(fd).st_mtime_ns for fd in fds] != before:
+                    raise ManifestCorrupt("a payload changed while it was hashed", details={"key": staging.key})
             _step("hashed")
-            if [os.fstat(fd).st_mtime_ns for fd in fds] != before:
-                raise ManifestCorrupt("a payload changed while it was hashed", details={"key": staging.key})
             if expected is not None:
                 bad = sorted(n for n in tensor_sha if expected.get(n) != tensor_sha[n])
                 if bad or set(expected) != set(tensor_sha):
@@ -376,7 +391,7 @@ class Store:
             store_io.rename(staging.path, target)
             _step("renamed")
             os.chmod(target, 0o555)
-            store_io.fsync_dir(target.parent)
+            self._artifacts_sync.sync()  # group commit: see store_io.GroupSync for the ordering
             _step("dir_fsynced")
             if code is not None:
                 self._clear_deny(key)
@@ -432,6 +447,37 @@ class Store:
         with self._mutex:
             self._records[key] = record
         return record
+
+    def cached(self, key: str) -> ArtifactRecord | None:
+        """The validated record of ``key`` when a cheap guard still holds, else None (not
+        validated yet, denied, removed, or changed): then call ``lookup``, which re-checks
+        everything and denies a changed artifact. The acquire hot path (``hwr.daemon.leasing``).
+
+        The guard is ``lookup``'s own ``lstat`` check minus the payload files: the directory,
+        ``READY.json`` and ``manifest.json`` (three ``lstat`` calls, whatever the file count).
+        Why skipping the payloads is sound: every acquire opens them through ``open_payloads``,
+        whose ``fstat`` re-check compares inode, device, size, mtime and ctime, and any change
+        that ``lstat`` would see in a 0444 file owned by the daemon's user (a write, truncate,
+        chmod, chown, new link or replacement) changes one of those; a mismatch denies the
+        artifact before any descriptor leaves. Only the daemon's user or root can change the
+        store at all (0444 files in 0555 directories), and every mutation made by the daemon
+        (deny, allow, retire/remove, quarantine, re-validation) drops the cached record first.
+        Limit (unchanged from ``lookup``): a change that preserves size, mtime and ctime is
+        found only by ``verify`` or the background scrub.
+        """
+        if key in self._denied:
+            return None
+        record = self._records.get(key)
+        if record is None:
+            return None
+        guard = self._guards.get(key)
+        if guard is None or guard[0] is not record:
+            payloads = set(record.files)
+            guard = (record, tuple(fp for fp in record.fingerprints if fp not in payloads))
+            if len(self._guards) > 2 * len(self._records) + 64:  # drop guards of removed records
+                self._guards = {k: g for k, g in self._guards.items() if self._records.get(k) is g[0]}
+            self._guards[key] = guard
+        return record if same_fingerprints(guard[1]) else None
 
     def open_payloads(self, record: ArtifactRecord) -> list[tuple[str, int]]:
         """Open each payload ``O_RDONLY|O_NOFOLLOW|O_CLOEXEC``, re-checked by ``fstat`` (caller closes)."""
@@ -590,7 +636,7 @@ class Store:
     def purge(self, trash: Path) -> None:
         """Make a ``retire`` durable (fsync ``artifacts/``), then delete the trash's files."""
         try:
-            store_io.fsync_dir(self.root / "artifacts")
+            self._artifacts_sync.sync()
         except OSError as exc:
             store_io.remove_tree(trash)  # the bytes go even so: only the rename's durability failed
             raise store_io.io_error(exc, "remove") from None
