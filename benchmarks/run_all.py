@@ -54,6 +54,7 @@ def sections(size_mib: int, quick: bool, out: Path) -> dict[str, list[str]]:
                             "--cycles", "5" if quick else "10", "--warmup", "2", "--workers", "1,4"],
         "demo": ["-m", "hwr.demo", "--size-mb", str(2 * s), "--workers", "4"],  # --workdir: added at run
         "startup": [f"{b}/startup.py", "--size-gib", f"{s / 1024:g}", "--workers", "1,2" if quick else "1,4"],
+        "publish": [f"{b}/publish.py", "--size-gib", f"{s / 1024:g}", "--repeats", "2" if quick else "3"],
         "prewarm": [f"{b}/prewarm.py", "--size-gib", f"{max(0.25, 4 * s / 1024):g}"],
         "churn": [f"{b}/churn.py", "--clients", "16" if quick else "64", "--ops", "50" if quick else "150",
                   "--processes", "2" if quick else "4"],
@@ -64,7 +65,7 @@ def sections(size_mib: int, quick: bool, out: Path) -> dict[str, list[str]]:
     }
 
 
-JSON_OUT = {"warm_start", "peers", "scaling", "vllm_omni_store", "startup", "prewarm", "churn", "load"}
+JSON_OUT = {"warm_start", "peers", "scaling", "vllm_omni_store", "startup", "publish", "prewarm", "churn", "load"}
 
 
 def machine() -> dict[str, Any]:

@@ -31,6 +31,7 @@ from hwr.client.errors import InvalidRequest, PublicationFailed
 from hwr.client.identity import ArtifactIdentity, canonical_json
 from hwr.client.safetensors_header import DTYPES
 from hwr.client.wire import MAX_WAIT_TIMEOUT_MS
+from hwr.client.writeback import start_writeback
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
 
 __all__ = ["Publisher", "TensorSpec", "specs_for"]
@@ -137,6 +138,8 @@ class Publisher:
             if digest is not None:
                 digest.update(chunk[:written])
             done += written
+        # The daemon fsyncs at commit; starting writeback now overlaps the disk with our writing.
+        start_writeback(fd, placement.offset, data.nbytes)
         if digest is not None:
             self._digests[name] = digest.hexdigest()
         self._written.add(name)

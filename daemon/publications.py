@@ -18,7 +18,9 @@ Limit: one daemon per store root (the store's lock), so "one publisher per ident
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import enum
+import functools
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +42,9 @@ __all__ = ["DAEMON_OWNER", "BeginResult", "PubState", "Publication", "Publicatio
 
 #: ``session_id`` of publications that daemon-side builds (prewarm producers) own.
 DAEMON_OWNER = "hwrd"
+#: Threads committing at once: mostly waiting in fsync, and concurrent commits share the
+#: ``artifacts/`` directory fsync (``store_io.GroupSync``), so a few more than the cores.
+COMMIT_THREADS = 4
 
 
 class PubState(enum.Enum):
@@ -81,6 +86,7 @@ class Publications:
         self._by_id: dict[str, Publication] = {}
         self._by_key: dict[str, Publication] = {}
         self._on_commit = on_commit
+        self._commit_pool = concurrent.futures.ThreadPoolExecutor(COMMIT_THREADS, thread_name_prefix="hwr-commit")
         self.committed = 0
         self.failed = 0
 
@@ -168,8 +174,13 @@ class Publications:
     ) -> tuple[Any, bool]:
         return await self.commit_publication(self.get(session, publication_id), expected)
 
-    async def commit_publication(self, pub: Publication, expected: Mapping[str, str]) -> tuple[Any, bool]:
-        """Commit ``pub`` (already authorised: its session's, or a daemon-side build's)."""
+    async def commit_publication(self, pub: Publication, expected: Mapping[str, str], *,
+                                 trusted_digests: Any = None) -> tuple[Any, bool]:
+        """Commit ``pub`` (already authorised: its session's, or a daemon-side build's).
+
+        ``trusted_digests`` (``ProducerDigests``) only ever comes from a daemon-owned producer
+        (``hwr.daemon.producers.build``); a client's commit never passes it.
+        """
         if pub.state is not PubState.STAGED:
             raise PublicationFailed(f"the publication is {pub.state.value}")
         for name, digest in expected.items():
@@ -177,18 +188,25 @@ class Publications:
                 raise InvalidRequest("expected_sha256 values must be 64 lowercase hex digits",
                                      details={"tensor": name[:200]})
         pub.state = PubState.COMMITTING
+        paths = [Path(path) for _n, path, _s in pub.staging.files]
+
+        def checks() -> bool:  # one thread hop for both quick checks
+            for path in paths:
+                ensure_sole_opener(path)
+            return self._exists(pub.key)
+
         try:
-            paths = [Path(path) for _n, path, _s in pub.staging.files]
-            await asyncio.to_thread(lambda: [ensure_sole_opener(p) for p in paths])
+            existed = await asyncio.to_thread(checks)
         except BaseException:
             # The writer may still close its descriptor and retry the commit.
             pub.state = PubState.STAGED
             raise
-        existed = await asyncio.to_thread(self._exists, pub.key)
         try:
-            record = await asyncio.to_thread(
-                self._store.commit, pub.staging, expected_tensor_sha256=dict(expected) or None
-            )
+            # Commits (hashing, fsyncs) run on their own threads: in the loop's default executor
+            # they would make every quick hop (acquire lookups, begin) queue behind an fsync.
+            record = await asyncio.get_running_loop().run_in_executor(self._commit_pool, functools.partial(
+                self._store.commit, pub.staging, expected_tensor_sha256=dict(expected) or None,
+                trusted_digests=trusted_digests))
         except BaseException:
             self._finish(pub, PubState.FAILED)
             raise

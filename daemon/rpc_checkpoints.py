@@ -48,6 +48,9 @@ class CheckpointsMixin:
             raise InvalidRequest("path must be an absolute path on the daemon's host", details={"field": "path"})
         from pathlib import Path
 
+        from hwr.daemon.producers.runner import ensure_spare
+
+        ensure_spare()  # a registration announces prewarms: their producer process starts now
         ckpt, added = await asyncio.to_thread(self.d.checkpoints.add, Path(request.path))
         return pb.AddCheckpointResponse(checkpoint=self._checkpoint_info(ckpt), added=added)
 
@@ -120,7 +123,7 @@ class CheckpointsMixin:
             built = await build_rank(
                 checkpoints=self.d.checkpoints, publications=self.d.publications, store=self.d.store,
                 ckpt=ckpt, producer=producer, rank=rank, timeout=max(0.001, timeout), wait_timeout=wait,
-                throttle_s=config.producer_throttle_s, on_progress=progress)
+                throttle_s=config.producer_throttle_s, on_progress=progress, prepare_next=rank != ranks[-1])
             results.append(built)
         return results
 

@@ -34,7 +34,7 @@ from hwr.daemon import store_io
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PayloadPlan", "Staging", "TensorSpec", "plan_payloads", "write_tensor"]
+__all__ = ["PayloadPlan", "ProducerDigests", "Staging", "TensorSpec", "plan_payloads", "write_tensor"]
 
 
 @dataclass(frozen=True)
@@ -160,6 +160,54 @@ class Staging:
             for entry in plan.entries
         }
         return cls(id, identity.key, identity, path, tuple(specs), plans, placements, dict(format_metadata or {}))
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def _is_digest(value: object) -> bool:
+    return isinstance(value, str) and len(value) == 64 and set(value) <= _HEX
+
+
+@dataclass(frozen=True)
+class ProducerDigests:
+    """SHA-256 digests that a daemon-owned producer computed while it wrote a staging.
+
+    ``files``: payload file name -> digest of the whole file; ``tensors``: tensor name -> digest
+    of its bytes. ``Store.commit(trusted_digests=...)`` then builds the manifest from them
+    instead of re-reading and re-hashing every payload byte.
+
+    Trust argument: only ``hwr.daemon.producers`` (code of this package, run by the daemon as the
+    daemon's own uid, started from the daemon's interpreter, fed descriptors the daemon opened)
+    reports these; no client can. Such a producer can already write any bytes it likes into the
+    staging, so lying about their digests gives it nothing it did not have: the manifest it
+    would produce describes bytes that a later ``verify`` or scrub re-hashes and, on mismatch,
+    quarantines (tested). A daemon re-hash at commit would not catch more anyway: it reads the
+    same page-cache pages the producer just wrote, so neither catches a corruption on the way to
+    the disk. Limits: a bug in the producer's hashing, or a page corrupted in memory between the
+    write and the commit, is caught only by ``verify``/scrub, not at commit; client
+    publications (untrusted writers) never use this path. The headers, sizes and file set are
+    still validated at commit as for any publication.
+    """
+
+    files: Mapping[str, str]
+    tensors: Mapping[str, str]
+
+    @classmethod
+    def parse(cls, document: object) -> ProducerDigests | None:
+        """From the producer's ``done`` event; None when absent or malformed (commit re-hashes)."""
+        if not isinstance(document, Mapping):
+            return None
+        files, tensors = document.get("files"), document.get("tensors")
+        if not isinstance(files, Mapping) or not isinstance(tensors, Mapping):
+            return None
+        if not all(isinstance(k, str) and _is_digest(v) for k, v in (*files.items(), *tensors.items())):
+            return None
+        return cls(dict(files), dict(tensors))
+
+    def covers(self, staging: Staging) -> bool:
+        """True when these digests name exactly the staging's files and tensors."""
+        return set(self.files) == {p.name for p in staging.plans} and set(self.tensors) == set(staging.placements)
 
 
 def write_tensor(staging: Staging, name: str, tensor: torch.Tensor, fd: int | None = None) -> None:

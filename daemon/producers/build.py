@@ -6,9 +6,11 @@ outputs, compute the identity, then ``Publications.begin`` with no session: the 
 identity's slot in the one-publisher-per-identity table, so a worker publishing the same identity
 meanwhile waits and joins it, and a build finding the identity committed (or finishing a wait on
 another publisher) reports ``already_present``/``joined`` without running anything. The producer
-process writes into the staging through passed descriptors; after its clean exit the daemon
-commits (validate, hash, fsync, rename). Every failure, timeout or cancellation kills the process
-first and then aborts the staging: no artifact, no staging left.
+process writes into the staging through passed descriptors and reports the SHA-256 digests of
+what it wrote; after its clean exit the daemon commits (validate headers, fsync, rename) with
+those digests instead of re-hashing every byte (``ProducerDigests`` states why that is sound).
+Every failure, timeout or cancellation kills the process first and then aborts the staging: no
+artifact, no staging left.
 
 States of one rank's build::
 
@@ -31,7 +33,7 @@ from hwr.client.identity import ArtifactIdentity, SourceIdentity
 from hwr.daemon.checkpoints import Checkpoint, Checkpoints
 from hwr.daemon.producers import Producer, SourceTensor
 from hwr.daemon.producers.runner import run_job
-from hwr.daemon.store_staging import TensorSpec
+from hwr.daemon.store_staging import ProducerDigests, TensorSpec
 
 __all__ = ["BuiltArtifact", "build_rank", "checkpoint_identity", "source_identity"]
 
@@ -72,7 +74,10 @@ async def build_rank(
     wait_timeout: float,
     throttle_s: float = 0.0,
     on_progress: Callable[[dict[str, Any]], None] | None = None,
+    prepare_next: bool = False,
 ) -> BuiltArtifact:
+    """Build one rank (see the module docstring); ``prepare_next``: another rank follows, so start
+    its producer process (``runner.ensure_spare``) while this one runs."""
     started = time.monotonic()
     checkpoints.check(ckpt)
     outputs = producer.plan(source_tensors(ckpt), rank)
@@ -88,11 +93,14 @@ async def build_rank(
     try:
         job, fds = _job(checkpoints, ckpt, producer, rank, pub.staging, throttle_s)
         try:
-            done = await run_job(job, fds, timeout=timeout, on_progress=on_progress)
+            done = await run_job(job, fds, timeout=timeout, on_progress=on_progress, then_spare=prepare_next)
         finally:
             _close(fds)
             fds = []
-        record, _existed = await publications.commit_publication(pub, {})
+        # The producer's digests (trusted: daemon-owned code, see ProducerDigests) spare the
+        # commit a second read and hash of every byte; without them the commit hashes.
+        record, _existed = await publications.commit_publication(
+            pub, {}, trusted_digests=ProducerDigests.parse(done.get("digests")))
     except BaseException:
         _close(fds)
         # shield: a cancelled build still removes its staging before the cancellation propagates.
@@ -119,6 +127,7 @@ def _job(checkpoints: Checkpoints, ckpt: Checkpoint, producer: Producer, rank: i
                         for fd, f in zip(source_fds, ckpt.files, strict=True)],
             "outputs": {name: [by_file[fname], offset, nbytes]
                         for name, (fname, offset, nbytes) in staging.placements.items()},
+            "files": [[by_file[name], name, size] for name, _path, size in staging.files],
         }
         return job, fds
     except BaseException:

@@ -21,7 +21,6 @@ from hwr.daemon.producers.base import (
     SourceReader,
     SourceTensor,
     TensorSink,
-    cast_block,
     dtype_code,
     row_blocks,
 )
@@ -48,7 +47,7 @@ def stream_tensor(output: OutputTensor, reader: SourceReader, sink: TensorSink, 
     for dim in source.shape[1:]:
         row *= dim
     for start, stop in row_blocks(source.shape, DTYPES[source.dtype].itemsize):
-        block = cast_block(reader.rows(source.name, start, stop), output.dtype)
+        block = reader.cast_rows(source.name, start, stop, output.dtype)
         sink.write(output.name, start * row * out_item, block)
 
 

@@ -9,6 +9,17 @@ event raises ``ProducerFailed`` (or the typed error the worker reported). In eve
 process is reaped before ``run_job`` returns, so no writer outlives it: the caller may then
 abort the staging knowing nobody still writes into it.
 
+Spare process: starting Python and importing torch takes 1.5-3 s, often more than the transform
+of a small checkpoint. ``ensure_spare()`` starts one worker ahead of time (when a checkpoint is
+registered, and between the ranks of a multi-rank build); it imports everything and then waits on
+a Unix socket, and ``run_job`` hands it the job and the descriptors (``SCM_RIGHTS``) instead of
+spawning. The spare serves ONE job and exits like any worker, so no state is carried from one
+build to the next, and kill, timeout and cancellation work on it exactly as on a fresh process.
+An idle spare exits after ``SPARE_IDLE_S`` (or when the daemon exits: its socket reaches EOF).
+At most one spare exists; its cost while idle is one interpreter with torch imported (~230 MiB
+RSS) for up to ``SPARE_IDLE_S``. A job with more than ``MAX_PASSED_FDS`` descriptors (the kernel's
+``SCM_MAX_FD`` is 253) or no live spare starts a fresh process as before.
+
 Limit: a producer that spawns children outside its process group (``setsid``) is not killed with
 it; ours never does.
 """
@@ -20,15 +31,132 @@ import contextlib
 import json
 import os
 import signal
+import socket
+import struct
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from hwr.client.errors import HwrError, ProducerFailed, ProducerTimeout, error_from_code
 
-__all__ = ["run_job"]
+__all__ = ["ensure_spare", "run_job"]
 
 STDERR_TAIL = 4000
+SPARE_IDLE_S = 300.0
+MAX_PASSED_FDS = 250
+_WORKER = ("-m", "hwr.daemon.producers.worker")
+
+
+class _Process:
+    """A started worker: its process, the tail of its stderr (drained from the start, so an idle
+    spare never blocks on a full pipe), and for a spare the parent end of its job socket."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, job_socket: socket.socket | None) -> None:
+        self.proc = proc
+        self.job_socket = job_socket
+        self.started = time.monotonic()
+        self.stderr_tail = bytearray()
+        self.stderr_task = asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        assert self.proc.stderr is not None
+        while chunk := await self.proc.stderr.read(65536):
+            self.stderr_tail.extend(chunk)
+            del self.stderr_tail[:-STDERR_TAIL]
+
+    def close_socket(self) -> None:
+        sock, self.job_socket = self.job_socket, None
+        if sock is not None:
+            sock.close()
+
+
+_spare: _Process | None = None
+_spare_starting: asyncio.Task[None] | None = None
+
+
+def ensure_spare() -> None:
+    """Start a spare worker in the background unless one is alive or starting (on the loop)."""
+    global _spare_starting
+    if (_spare is not None and _spare.proc.returncode is None) or (
+            _spare_starting is not None and not _spare_starting.done()):
+        return
+    _spare_starting = asyncio.get_running_loop().create_task(_start_spare())
+
+
+async def _start_spare() -> None:
+    global _spare
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, *_WORKER, "--spare", str(child.fileno()), str(SPARE_IDLE_S),
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            pass_fds=(child.fileno(),), start_new_session=True, limit=1 << 20,
+        )
+    except BaseException:
+        parent.close()
+        raise
+    finally:
+        child.close()
+    old, _spare = _spare, _Process(proc, parent)
+    if old is not None:
+        old.close_socket()  # an exited spare's leftovers
+
+
+def _take_spare(nfds: int) -> _Process | None:
+    global _spare
+    spare = _spare
+    if spare is None or nfds > MAX_PASSED_FDS:
+        return None
+    _spare = None
+    # Near its idle deadline the spare might exit while we hand it the job: retire it instead.
+    if spare.proc.returncode is not None or time.monotonic() - spare.started > SPARE_IDLE_S - 30:
+        spare.close_socket()
+        if spare.proc.returncode is None:
+            _kill_group(spare.proc.pid)
+        return None
+    return spare
+
+
+async def _hand_over(spare: _Process, job: dict[str, Any], fds: Sequence[int]) -> bool:
+    """Send the job to a spare; False (spare killed and reaped) when it cannot take it."""
+    try:
+        assert spare.job_socket is not None
+        await asyncio.to_thread(_send_job, spare.job_socket, job, fds)
+        return True
+    except OSError:
+        await _discard(spare)
+        return False
+    except BaseException:
+        await _discard(spare)
+        raise
+    finally:
+        spare.close_socket()
+
+
+async def _discard(worker: _Process) -> None:
+    worker.close_socket()
+    if worker.proc.returncode is None:
+        _kill_group(worker.proc.pid)
+        with contextlib.suppress(ProcessLookupError):
+            await asyncio.shield(worker.proc.wait())
+    worker.stderr_task.cancel()
+
+
+def _send_job(sock: socket.socket, job: dict[str, Any], fds: Sequence[int]) -> None:
+    payload = json.dumps({**job, "fd_map": list(fds)}).encode()
+    sock.setblocking(True)
+    socket.send_fds(sock, [struct.pack("<Q", len(payload))], list(fds))
+    sock.sendall(payload)
+
+
+async def _spawn(pass_fds: Sequence[int]) -> _Process:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, *_WORKER,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        pass_fds=tuple(pass_fds), start_new_session=True, limit=1 << 20,
+    )
+    return _Process(proc, None)
 
 
 async def run_job(
@@ -37,28 +165,25 @@ async def run_job(
     *,
     timeout: float,
     on_progress: Callable[[dict[str, Any]], None] | None = None,
+    then_spare: bool = False,
 ) -> dict[str, Any]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "hwr.daemon.producers.worker",
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        pass_fds=tuple(pass_fds), start_new_session=True, limit=1 << 20,
-    )
-    stderr_tail = bytearray()
-
-    async def drain_stderr() -> None:
-        assert proc.stderr is not None
-        while chunk := await proc.stderr.read(65536):
-            stderr_tail.extend(chunk)
-            del stderr_tail[:-STDERR_TAIL]
-
-    stderr_task = asyncio.get_running_loop().create_task(drain_stderr())
+    """Run ``job`` (see the module docstring); ``then_spare``: start the next job's spare now."""
+    worker = _take_spare(len(pass_fds))
+    if then_spare:
+        ensure_spare()
+    if worker is not None and not await _hand_over(worker, job, pass_fds):
+        worker = None
+    if worker is None:
+        worker = await _spawn(pass_fds)
+    proc, stderr_tail, stderr_task = worker.proc, worker.stderr_tail, worker.stderr_task
     final: dict[str, Any] | None = None
     try:
         async with asyncio.timeout(timeout):
-            assert proc.stdin is not None and proc.stdout is not None
-            proc.stdin.write(json.dumps(job).encode())
-            await proc.stdin.drain()
-            proc.stdin.close()
+            assert proc.stdout is not None
+            if proc.stdin is not None:  # a fresh process: the job goes to its stdin
+                proc.stdin.write(json.dumps(job).encode())
+                await proc.stdin.drain()
+                proc.stdin.close()
             async for line in proc.stdout:
                 event = _parse(line)
                 if event.get("event") == "progress":
@@ -72,6 +197,7 @@ async def run_job(
         raise ProducerTimeout(f"the producer ran past {timeout:.0f} s and was killed",
                               details={"timeout_s": timeout}) from None
     finally:
+        worker.close_socket()
         if proc.returncode is None:
             _kill_group(proc.pid)
             with contextlib.suppress(ProcessLookupError):

@@ -143,8 +143,8 @@ class TpSliceProducer(Producer):
         if output.op == "column":
             first = rank * output.shape[0]
             for start, stop in row_blocks(output.shape, DTYPES[source.dtype].itemsize):
-                block = reader.rows(source.name, first + start, first + stop)
-                sink.write(output.name, start * row_numel * out_item, cast_block(block, output.dtype))
+                block = reader.cast_rows(source.name, first + start, first + stop, output.dtype)
+                sink.write(output.name, start * row_numel * out_item, block)
             return
         width = output.shape[1]
         for start, stop in row_blocks(source.shape, DTYPES[source.dtype].itemsize):
