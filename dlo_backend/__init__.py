@@ -3,13 +3,16 @@
 ``apply_layerwise_offload(model, device=..., ...)`` streams a DiT's transformer blocks from host
 memory (the module's own tensors or an hwrd lease's read-only views) through exactly two device
 slots, prefetching block i+1 while block i computes, optionally sharding host weights across an
-AllGather group. It returns an ``OffloadHandle`` whose ``close()`` removes every hook, leaves the
-model usable and closes the lease. See ``backend`` for the transaction's state table.
+AllGather group. On a CPU device (rank-local) the blocks are bound to the host tensors instead
+of copied (``cpu_zero_copy``). It returns an ``OffloadHandle`` whose ``close()`` removes every
+hook, leaves the model usable and closes the lease. See ``backend`` for the transaction's state
+table.
 
 Modules, one concept each: ``discovery`` (block stacks), ``sources`` (host bytes), ``layout``
 (slot byte plan, shards, manifest digest), ``sharding`` (one rank's shard), ``ring`` (prefetch
 policy), ``hooks`` (hook registry), ``slots`` (device slots), ``lanes`` (streams and events),
-``transfer`` (direct, staged, AllGather copies), ``registration`` (``cudaHostRegister``),
+``transfer`` (direct, staged, AllGather copies; CPU zero-copy binding), ``paging`` (page-table
+population ahead of compute), ``registration`` (``cudaHostRegister``),
 ``group`` (AllGather group and manifest agreement), ``backend`` (transaction and runtime),
 ``offload`` (public entry), ``errors``.
 """

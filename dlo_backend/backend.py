@@ -23,7 +23,8 @@ group's timeout.
 
 Teardown order (``_teardown``, shared by failure rollback and ``disable``):
 
-1. drain the copy and communication lanes (every copy that may read mapped memory finishes);
+1. drain the copy and communication lanes (every copy, or zero-copy page population, that may
+   read mapped memory finishes);
 2. remove the hooks and unbind the running block;
 3. restore weights: before COMMIT the original tensors are reattached; after it, rank-local
    blocks get their originals (module source) or CPU copies of the lease views, and AllGather
@@ -71,7 +72,7 @@ from hwr.dlo_backend.sources import (
     unsupported_reason,
 )
 from hwr.dlo_backend.stream import BlockStream
-from hwr.dlo_backend.transfer import AllGatherTransfer, DirectTransfer, StagedTransfer, Transfer
+from hwr.dlo_backend.transfer import AllGatherTransfer, DirectTransfer, HostBindTransfer, StagedTransfer, Transfer
 
 __all__ = ["EnableStep", "LayerwiseOffloadBackend", "OffloadOptions", "OffloadStats", "State"]
 
@@ -115,6 +116,7 @@ class OffloadOptions:
     resident_layers: int = 0
     host_registration_limit_gib: float = 0.0
     quantization: str | None = None
+    cpu_zero_copy: bool = True
 
 
 @dataclass(frozen=True)
@@ -330,9 +332,16 @@ class LayerwiseOffloadBackend:
             self._lanes = [ThreadLane("copy"), ThreadLane("comm")]
             self._compute = InlineLane()
         copy_lane, comm_lane = self._lanes
-        self._slots = SlotPair(max(layout.nbytes for layout in self._layouts), device)
         hosts = [src.host for src in self._streamed]
-        if self._group is not None:
+        bind = device.type == "cpu" and self._group is None and self.options.cpu_zero_copy
+        # Bound host tensors need no slot bytes; every other transfer writes the largest block.
+        self._slots = SlotPair(0 if bind else max(layout.nbytes for layout in self._layouts), device)
+        if bind:
+            # The "device" is the host: copying a block into a slot would only duplicate bytes
+            # compute can read where they are. The ring, prefetch order and slot ownership stay.
+            self._transfer = HostBindTransfer(hosts, self._slots, copy_lane)
+        elif self._group is not None:
+            # Each rank holds only a shard, so even on a CPU device the block must be gathered.
             self._transfer = AllGatherTransfer(
                 self._shards, self._layouts, self._slots, copy_lane, comm_lane, self._group, device
             )

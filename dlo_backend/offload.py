@@ -67,6 +67,7 @@ def apply_layerwise_offload(
     resident_layers: int = 0,
     host_registration_limit_gib: float = 0.0,
     quantization: str | None = None,
+    cpu_zero_copy: bool = True,
 ) -> OffloadHandle:
     """Stream ``model``'s transformer blocks host -> ``device`` through two device slots.
 
@@ -85,6 +86,13 @@ def apply_layerwise_offload(
       (``cudaHostRegister``, read-only) if they fit (0 = unlimited), else copied through staging.
     - ``quantization``: the online quantization scheme in the weights (``None`` or
       ``"fp8_per_tensor"`` are accepted with AllGather).
+    - ``cpu_zero_copy``: with a CPU ``device`` and rank-local streaming, the "device slots"
+      would be host memory too, so by default each block's tensors are bound to the host
+      tensors themselves (the lease's mapped views or the module's own tensors) instead of
+      copied into a slot; the prefetch only pre-faults the next block's pages. Same ring, same
+      outputs, no slot bytes. ``False`` copies through two slots exactly as on CUDA (needed by a
+      model that writes into its weights: lease views are read-only). AllGather always gathers
+      (each rank holds only a shard); CUDA always copies.
 
     Non-block modules are left untouched: put them on ``device`` yourself. Inference only.
     Raises (after a complete rollback: model usable, lease closed) ``InvalidRequest``,
@@ -102,6 +110,7 @@ def apply_layerwise_offload(
         resident_layers=resident_layers,
         host_registration_limit_gib=host_registration_limit_gib,
         quantization=quantization,
+        cpu_zero_copy=cpu_zero_copy,
     )
     backend = LayerwiseOffloadBackend(model, options, host_source)
     backend.enable()

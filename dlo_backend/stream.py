@@ -2,8 +2,9 @@
 
 ``BlockStream.before(i)`` runs in block ``i``'s forward pre-hook: it asks the policy
 (``ring.plan_step``) where ``i`` is, fetches it on demand if it is not in a slot, makes the
-compute lane wait for that slot only, re-points ``i``'s tensors into the slot (zero copy, same
-shape and stride) and starts the prefetch of the next block into the other slot.
+compute lane wait for that slot only, re-points ``i``'s tensors at what the transfer says compute
+reads (views into the slot, or on a CPU device the host tensors themselves; zero copy either
+way, same shape and stride) and starts the prefetch of the next block into the other slot.
 ``after(i)`` runs in the forward hook: it records that compute is done with the slot and puts
 placeholders back, so no block's weights stay attached between calls.
 
@@ -79,9 +80,8 @@ class BlockStream:
         self._slots.free[slot] = self._compute.record()
 
     def _bind(self, block: int, slot: int) -> None:
-        layout = self._layouts[block]
         for index, ref in enumerate(self._sources[block].refs):
-            ref.current().data = self._slots.tensor_view(slot, layout, index)
+            ref.current().data = self._transfer.tensor(block, slot, index)
         self._bound = (block, slot)
 
     def unbind(self) -> None:

@@ -1,11 +1,19 @@
 """Transfers: how a block's bytes get from the host into a device slot, on which lane.
 
-Three strategies share one call, ``fill(block, slot)``, which submits the work and sets
-``slots.ready[slot]``; it never blocks on the device except where staging reuse requires it.
+Four strategies share two calls: ``fill(block, slot)`` submits the work and sets
+``slots.ready[slot]`` (it never blocks on the device except where staging reuse requires it),
+and ``tensor(block, slot, index)`` is what compute binds for tensor ``index`` of ``block`` once
+``slot`` is ready.
+
+- ``HostBindTransfer`` (CPU device, rank-local): the "device" is the host, so compute binds the
+  host tensors themselves (the lease's mapped views or the module's own tensors); nothing is
+  copied and the slots hold no bytes. ``fill`` only populates the block's page tables on the
+  copy lane (``paging.populate``) so a fresh lease's first-touch faults run ahead of compute.
+  The ring, prefetch order and slot ownership are those of the copying transfers.
 
 - ``DirectTransfer``: copy each tensor's storage span host -> slot on the copy lane. Used when
-  the device can read the host memory asynchronously (CPU device, pinned module tensors, or a
-  lease whose mappings are ``cudaHostRegister``-ed).
+  the device can read the host memory asynchronously (pinned module tensors, or a lease whose
+  mappings are ``cudaHostRegister``-ed; on a CPU device only when zero-copy is turned off).
 - ``StagedTransfer``: pack the block into one of two bounded host staging buffers (pinned on
   CUDA), then one H2D copy. A staging buffer is reused only after the copy that last read it
   finished (host wait on its signal).
@@ -15,7 +23,7 @@ Three strategies share one call, ``fill(block, slot)``, which submits the work a
 
 Every writer first waits on ``slots.free[slot]`` (compute may still read the slot's previous
 block) and, for AllGather, on the slot's previous ``ready`` (the last gather still reads the
-shard buffer of that slot).
+shard buffer of that slot). ``HostBindTransfer`` writes nothing, so it waits on neither.
 """
 
 from __future__ import annotations
@@ -28,10 +36,11 @@ import torch
 from hwr.dlo_backend.group import all_gather_bytes
 from hwr.dlo_backend.lanes import Lane, Signal, completed_signal
 from hwr.dlo_backend.layout import GROUP_ALIGN_BYTES, BlockLayout
+from hwr.dlo_backend.paging import populate
 from hwr.dlo_backend.sharding import flat_span
 from hwr.dlo_backend.slots import SlotPair
 
-__all__ = ["AllGatherTransfer", "DirectTransfer", "StagedTransfer", "Transfer"]
+__all__ = ["AllGatherTransfer", "DirectTransfer", "HostBindTransfer", "StagedTransfer", "Transfer"]
 
 
 class Transfer(Protocol):
@@ -39,10 +48,55 @@ class Transfer(Protocol):
 
     def fill(self, block: int, slot: int) -> None: ...
 
+    def tensor(self, block: int, slot: int, index: int) -> torch.Tensor: ...
+
     def close(self) -> None: ...
 
 
-class DirectTransfer:
+class _SlotViews:
+    """Compute reads the slot: tensor ``index`` rebuilt over the slot bytes (zero copy)."""
+
+    _slots: SlotPair
+    _layouts: Sequence[BlockLayout]
+
+    def tensor(self, block: int, slot: int, index: int) -> torch.Tensor:
+        return self._slots.tensor_view(slot, self._layouts[block], index)
+
+
+class HostBindTransfer:
+    """CPU device, rank-local: compute binds the host tensors; ``fill`` only pre-faults pages.
+
+    Same contract as the copying transfers from the stream's point of view (``fill`` sets
+    ``ready``; compute waits on it before binding), so the ring and its tests are unchanged.
+    Limits: the bound tensors are the lease's read-only mappings, so a model that writes into
+    its weights during forward faults (SIGSEGV) instead of writing a private slot copy; such a
+    model must use ``cpu_zero_copy=False``. The slots stay empty (``slot_bytes == 0``).
+    """
+
+    mode = "bind"
+
+    def __init__(self, hosts: Sequence[list[torch.Tensor]], slots: SlotPair, lane: Lane) -> None:
+        self._hosts, self._slots, self._lane = hosts, slots, lane
+
+    def _populate_block(self, block: int) -> None:
+        for host in self._hosts[block]:
+            populate(host)
+
+    def fill(self, block: int, slot: int) -> None:
+        # No wait on ``free``: nothing is written into the slot, so compute reading the slot's
+        # previous block cannot be disturbed. Compute still waits on ``ready`` (the pre-fault),
+        # which keeps every ordering rule of the copying transfers (and the lane's errors).
+        self._lane.submit(lambda: self._populate_block(block))
+        self._slots.ready[slot] = self._lane.record()
+
+    def tensor(self, block: int, slot: int, index: int) -> torch.Tensor:
+        return self._hosts[block][index]
+
+    def close(self) -> None:
+        return None
+
+
+class DirectTransfer(_SlotViews):
     """Host tensors -> slot, one copy per tensor span, on the copy lane."""
 
     mode = "direct"
@@ -68,7 +122,7 @@ class DirectTransfer:
         return None
 
 
-class StagedTransfer:
+class StagedTransfer(_SlotViews):
     """Host tensors -> bounded staging buffer (host memcpy) -> slot (one H2D copy)."""
 
     mode = "staged"
@@ -122,7 +176,7 @@ def _shard_offsets(layout: BlockLayout) -> list[int]:
     return offsets
 
 
-class AllGatherTransfer:
+class AllGatherTransfer(_SlotViews):
     """Local shard -> device shard buffer (copy lane) -> all_gather into the slot (comm lane)."""
 
     mode = "allgather"

@@ -12,12 +12,14 @@
    bit-identical to the cold start's;
 5. N warm workers vs N workers without hwrd (mode ``disabled``) run at the same time; their
    aggregate PSS (``/proc/PID/smaps_rollup``) is read while all of them hold their weights.
-   These run without offload: on a CPU-only machine DLO's two "device" slots are host memory
-   too, which would blur what the comparison is about (who holds a copy of the weights);
+   These run without offload, so the comparison is about the weights alone (who holds a copy);
+   on a CPU device DLO binds the lease views zero-copy and adds no weight memory either
+   (``benchmarks/startup.py`` measures both);
 6. prints a table and a JSON line, then stops hwrd.
 
-Limits: each worker's PSS includes its Python+torch interpreter (~220 MiB), shown separately
-("interpreter") so the weight memory is visible.
+Limits: each worker's PSS includes its Python+torch interpreter (~220 MiB, with every module the
+worker uses imported before it is read), shown separately ("interpreter") so the weight memory is
+visible; the rest ("weights") also holds the forward's activations and allocator caches.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["demo_identity", "main", "run_workers", "summarize"]
+__all__ = ["demo_identity", "main", "run_workers", "summarize", "worker_threads"]
 
 MiB = 1 << 20
 
@@ -52,9 +54,18 @@ def _pss_kib(pid: int) -> int:
 def _worker(args: argparse.Namespace) -> int:
     import torch
 
+    # Every module a worker runs is imported before the clock and the PSS baseline start, as in a
+    # serving process that imports its stack once at boot: hwr.client imports grpc lazily, which
+    # would otherwise put ~0.15 s of imports and ~10 MiB of interpreter memory into "startup"
+    # and "weights" of both the cold and the warm start.
+    import hwr.client.client  # noqa: F401
     from hwr.demo_model import DemoConfig, build_skeleton, load_canonical
     from hwr.dlo_backend.loader import start_worker
 
+    if args.threads:
+        # N workers on C cores: C // N compute threads each, so OpenMP threads don't spin against
+        # each other (the same setting for the cold and the warm start).
+        torch.set_num_threads(args.threads)
     cfg = DemoConfig(hidden=args.hidden, depth=args.depth, heads=args.heads)
     identity = demo_identity(cfg)
     checkpoint = Path(args.checkpoint)
@@ -75,10 +86,17 @@ def _worker(args: argparse.Namespace) -> int:
     if worker.publication is not None:
         report = worker.publication.result(600)
         publication = {"outcome": report.outcome.value, "elapsed_s": report.elapsed_s}
+    # The same forward again, once nothing else runs in this worker: the compute both starts pay.
+    again = time.perf_counter()
+    with torch.inference_mode():
+        second = worker.model(x, t)
+    second_forward = time.perf_counter() - again
     print("READY " + json.dumps({
         "outcome": worker.outcome.value, "startup_s": ready, "first_forward_s": first_forward,
+        "second_forward_s": second_forward, "threads": torch.get_num_threads(),
+        "offload_mode": worker.offload.stats.mode if hasattr(worker.offload, "stats") else "none",
         "baseline_kib": baseline, "output_sha256": hashlib.sha256(out.float().numpy().tobytes()).hexdigest(),
-        "publication": publication}), flush=True)
+        "repeatable": bool(torch.equal(out, second)), "publication": publication}), flush=True)
     sys.stdin.readline()  # hold the weights until the parent has read our PSS
     worker.close()
     return 0
@@ -91,11 +109,17 @@ def demo_identity(cfg: Any) -> Any:
     return ArtifactIdentity.simple("hwr-demo/dit", revision=tag, fingerprint=f"demo-seed0-{tag}", dtype="bfloat16")
 
 
+def worker_threads(n: int) -> int:
+    """Compute threads per worker when ``n`` workers share this machine's cores."""
+    return max(1, (os.cpu_count() or 1) // n)
+
+
 def run_workers(mode: str, n: int, args: argparse.Namespace, socket: Path, checkpoint: Path,
-                 cfg: Any, *, offload: bool = True) -> list[dict[str, Any]]:
+                 cfg: Any, *, offload: bool = True, threads: int | None = None) -> list[dict[str, Any]]:
+    threads = worker_threads(n) if threads is None else threads
     cmd = [sys.executable, "-m", "hwr.demo", "worker", "--mode", mode, "--socket", str(socket),
            "--checkpoint", str(checkpoint), "--hidden", str(cfg.hidden), "--depth", str(cfg.depth),
-           "--heads", str(cfg.heads), *([] if offload else ["--no-offload"])]
+           "--heads", str(cfg.heads), "--threads", str(threads), *([] if offload else ["--no-offload"])]
     procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(n)]
     reports: list[dict[str, Any]] = []
     try:
@@ -114,7 +138,14 @@ def run_workers(mode: str, n: int, args: argparse.Namespace, socket: Path, check
                     proc.stdin.write("\n")
                     proc.stdin.close()
         for proc in procs:
-            proc.wait(120)
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                # Its numbers are already read; a worker slow to exit (a loaded machine) must not
+                # lose the run. Killing it ends its hwrd session, which releases its lease.
+                print(f"worker {proc.pid} did not exit within 120 s; killed", file=sys.stderr)
+                proc.kill()
+                proc.wait()
     return reports
 
 
@@ -207,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--depth", type=int, required=True)
     w.add_argument("--heads", type=int, required=True)
     w.add_argument("--no-offload", action="store_true", help="serve from host tensors without DLO")
+    w.add_argument("--threads", type=int, default=0, help="torch compute threads (0: torch's default)")
     args = parser.parse_args(argv)
     return _worker(args) if args.cmd == "worker" else _demo(args)
 

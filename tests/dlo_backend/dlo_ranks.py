@@ -40,11 +40,23 @@ def parity(rank: int, world: int, rdzv: str, outdir: str, lease_path: str | None
         want_shared, want_mine = model(shared), model(mine)
     lease = SafetensorsLease(Path(lease_path)) if lease_path else None
     seen: list[int] = []
+    in_slots: list[bool] = []
     handle = apply_layerwise_offload(
         model, device="cpu", host_source=lease, use_allgather=True, group="auto", dp_group=dist.group.WORLD
     )
+
+    def slot_bound(block: torch.nn.Module) -> bool:
+        """Even on a CPU device each rank holds a shard: weights must be gathered into a slot."""
+        slots = handle.backend._slots.buffers
+        ranges = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in slots]
+        return all(any(lo <= p.data_ptr() < hi for lo, hi in ranges) for p in block.parameters())
+
+    def probe(block: torch.nn.Module, *_: object) -> None:  # returns None: the inputs stay as they are
+        seen.append(len(handle.backend.materialized_blocks()))
+        in_slots.append(slot_bound(block))
+
     probes = [
-        block.norm.register_forward_pre_hook(lambda *_: seen.append(len(handle.backend.materialized_blocks())))
+        block.norm.register_forward_pre_hook(lambda _module, _args, block=block: probe(block))
         for block in model.blocks
     ]
     stats = handle.stats
@@ -74,6 +86,8 @@ def parity(rank: int, world: int, rdzv: str, outdir: str, lease_path: str | None
             "block_bytes": stats.block_bytes,
             "payload_bytes": sum(layout.payload_nbytes for layout in layouts),
             "max_materialized": max(seen),
+            "bound_in_slots": bool(in_slots) and all(in_slots),
+            "slot_bytes": stats.slot_bytes,
             "originals_dropped": dropped,
             "lease_closed": None if lease is None else lease.close_calls,
         },

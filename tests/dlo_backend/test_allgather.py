@@ -52,6 +52,8 @@ def test_allgather_reproduces_outputs_with_one_shard_per_rank(tmp_path: Path, wo
         assert result["equal"] == [True] * 6  # 3 passes x (shared input, this rank's own input)
         assert result["after_close"]
         assert result["mode"] == "allgather" and result["world"] == world
+        # CPU zero-copy binding is rank-local only: a shard must be gathered into a real slot.
+        assert result["bound_in_slots"] and result["slot_bytes"] > 0
         # Each rank keeps ceil(1/world) of every block: about block_bytes / world on the host.
         assert result["shard_bytes"] == result["expected_shard_bytes"]
         assert result["shard_bytes"] * world - result["block_bytes"] < world * 64

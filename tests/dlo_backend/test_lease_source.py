@@ -12,7 +12,7 @@ from dlo_fixtures import SafetensorsLease, TinyDiT
 from hwr.client.carrier import LeaseCarrier
 from hwr.client.errors import LeaseClosed
 from hwr.dlo_backend import HostSourceMismatch, OffloadError, apply_layerwise_offload
-from hwr.dlo_backend.transfer import DirectTransfer
+from hwr.dlo_backend.transfer import DirectTransfer, HostBindTransfer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -90,22 +90,37 @@ def test_the_carrier_is_taken_exactly_once(tmp_path: Path) -> None:
     assert lease.close_calls == 1
 
 
+@pytest.mark.parametrize("zero_copy", [False, True])
 @pytest.mark.parametrize("fail", [False, True])
 def test_the_lease_is_never_closed_while_a_copy_from_it_is_pending(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail: bool, zero_copy: bool
 ) -> None:
+    """Copy lane work that reads the mapping (a slot copy, or the zero-copy path's page
+    population) finishes before the lease closes, whether enable fails or close runs."""
     log: list[str] = []
     model = TinyDiT(3, 0)
     lease = SafetensorsLease.write(tmp_path / "m.safetensors", model.state_dict(), log=log)
-    real_copy = DirectTransfer._copy_block
+    if zero_copy:
+        real_populate = HostBindTransfer._populate_block
 
-    def slow_copy(self: DirectTransfer, block: int, slot: int) -> None:
-        log.append(f"copy {block} start")
-        time.sleep(0.3)  # the initial prefetch is still running when enable fails / close starts
-        real_copy(self, block, slot)
-        log.append(f"copy {block} done")
+        def slow_populate(self: HostBindTransfer, block: int) -> None:
+            log.append(f"copy {block} start")
+            time.sleep(0.3)
+            real_populate(self, block)
+            log.append(f"copy {block} done")
 
-    monkeypatch.setattr(DirectTransfer, "_copy_block", slow_copy)
+        monkeypatch.setattr(HostBindTransfer, "_populate_block", slow_populate)
+    else:
+        real_copy = DirectTransfer._copy_block
+
+        def slow_copy(self: DirectTransfer, block: int, slot: int) -> None:
+            log.append(f"copy {block} start")
+            time.sleep(0.3)  # the initial prefetch is still running when enable fails / close starts
+            real_copy(self, block, slot)
+            log.append(f"copy {block} done")
+
+        monkeypatch.setattr(DirectTransfer, "_copy_block", slow_copy)
+    options = {"blocks_attr": "blocks", "host_source": lease, "cpu_zero_copy": zero_copy}
     if fail:
         from hwr.dlo_backend import EnableStep, LayerwiseOffloadBackend
 
@@ -118,8 +133,8 @@ def test_the_lease_is_never_closed_while_a_copy_from_it_is_pending(
 
         monkeypatch.setattr(LayerwiseOffloadBackend, "_enter", enter)
         with pytest.raises(OffloadError, match="commit") as failure:
-            apply_layerwise_offload(model, device="cpu", blocks_attr="blocks", host_source=lease)
+            apply_layerwise_offload(model, device="cpu", **options)
         assert isinstance(failure.value.__cause__, OSError)
     else:
-        apply_layerwise_offload(model, device="cpu", blocks_attr="blocks", host_source=lease).close()
+        apply_layerwise_offload(model, device="cpu", **options).close()
     assert log == ["copy 0 start", "copy 0 done", "close"]

@@ -27,13 +27,14 @@ def _probe_residency(model: TinyDiT, handle, seen: list[tuple[list[int], object]
         inner.register_forward_pre_hook(record)
 
 
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["bind", "copy"])
 @pytest.mark.parametrize(("depth", "single"), [(2, 0), (3, 2), (4, 3), (5, 2), (7, 0)])
-def test_outputs_bit_identical_and_at_most_two_blocks_materialized(depth: int, single: int) -> None:
+def test_outputs_bit_identical_and_at_most_two_blocks_materialized(depth: int, single: int, zero_copy: bool) -> None:
     model = TinyDiT(depth, single)
     inputs = [torch.randn(3, 16, generator=torch.Generator().manual_seed(i)) for i in range(3)]
     with torch.no_grad():
         expected = [model(x) for x in inputs]
-    handle = apply_layerwise_offload(model, device="cpu")
+    handle = apply_layerwise_offload(model, device="cpu", cpu_zero_copy=zero_copy)
     seen: list[tuple[list[int], object]] = []
     _probe_residency(model, handle, seen)
     count = depth + single
@@ -132,11 +133,14 @@ def test_a_block_that_raises_does_not_leave_its_weights_bound() -> None:
 
 def test_heterogeneous_blocks_share_slots_sized_to_the_largest() -> None:
     model = TinyDiT(3, 2)
-    handle = apply_layerwise_offload(model, device="cpu")
+    handle = apply_layerwise_offload(model, device="cpu", cpu_zero_copy=False)
     layouts = handle.backend._layouts
     assert len({layout.nbytes for layout in layouts}) > 1
     assert handle.stats.slot_bytes == max(layout.nbytes for layout in layouts)
     handle.close()
+    bound = apply_layerwise_offload(TinyDiT(3, 2), device="cpu")
+    assert bound.stats.mode == "bind" and bound.stats.slot_bytes == 0  # nothing is copied on a CPU device
+    bound.close()
 
 
 def test_staged_transfer_reuses_a_staging_buffer_only_after_its_copy_finished() -> None:

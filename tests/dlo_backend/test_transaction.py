@@ -12,7 +12,7 @@ from hwr.client.carrier import LeaseCarrier
 from hwr.client.errors import HwrError, InvalidRequest, Unsupported
 from hwr.dlo_backend import EnableStep, LayerwiseOffloadBackend, OffloadError, State, apply_layerwise_offload
 from hwr.dlo_backend.backend import OffloadOptions
-from hwr.dlo_backend.transfer import DirectTransfer
+from hwr.dlo_backend.transfer import DirectTransfer, HostBindTransfer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -114,22 +114,28 @@ def test_enable_runs_once_and_errors_are_hwr_errors() -> None:
         backend.enable()
 
 
-def test_a_failed_copy_poisons_the_backend_which_then_refuses_use(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_a_failed_copy_poisons_the_backend_which_then_refuses_use(
+    monkeypatch: pytest.MonkeyPatch, zero_copy: bool
+) -> None:
+    """A failure on the copy lane (a slot copy, or the zero-copy path's page population) poisons."""
     model = TinyDiT(3, 0)
     x = torch.randn(2, 16)
     with torch.no_grad():
         want = model(x)
     calls = {"n": 0}
-    real = DirectTransfer._copy_block
+    cls, method = (HostBindTransfer, "_populate_block") if zero_copy else (DirectTransfer, "_copy_block")
+    real = getattr(cls, method)
 
-    def flaky(self: DirectTransfer, block: int, slot: int) -> None:
+    def flaky(self: object, block: int, *slot: int) -> None:
         calls["n"] += 1
         if calls["n"] == 3:
             raise OSError("injected copy failure")
-        real(self, block, slot)
+        real(self, block, *slot)
 
-    monkeypatch.setattr(DirectTransfer, "_copy_block", flaky)
-    handle = apply_layerwise_offload(model, device="cpu", blocks_attr="blocks")
+    monkeypatch.setattr(cls, method, flaky)
+    handle = apply_layerwise_offload(model, device="cpu", blocks_attr="blocks", cpu_zero_copy=zero_copy)
+    assert handle.stats.mode == ("bind" if zero_copy else "direct")
     with torch.no_grad(), pytest.raises(OffloadError, match="block 2"):
         model(x)
     assert handle.backend.state is State.POISONED

@@ -69,7 +69,15 @@ def test_cold_then_warm_is_bit_identical_and_warm_loads_nothing(hwrd, checkpoint
     assert warm.states[-1] is LoaderState.IN_SERVICE and LoaderState.BACKEND_READY in warm.states
     assert canonical.calls == 1, "a warm start must not materialize canonical tensors"
     assert warm.publication is None
+    # On a CPU device the running block computes on the hwrd lease's mapped pages (zero copy).
+    regions = warm.offload.backend._lease.mapped_regions
+    assert warm.offload.stats.mode == "bind" and warm.offload.stats.slot_bytes == 0
+    bound: list[bool] = []
+    for block in warm.model.blocks:
+        block.attn.register_forward_pre_hook(lambda *_, block=block: bound.append(all(
+            any(r.address <= p.data_ptr() < r.address + r.length for r in regions) for p in block.parameters())))
     warm_out = [warm.model(X, T) for _ in range(3)]
+    assert bound == [True] * (3 * CFG.depth)
     for out in (*cold_out, *warm_out):
         assert torch.equal(out, reference)
     assert _lease_count(hwrd.socket) == 1
