@@ -67,20 +67,19 @@ class Leasing:
         record = self.d.store_service.lookup_now(key)
         if record is None:
             record = await self.d.lookup(key)
-        lease = self.d.registry.add_lease(session, key)
-        self.d.metrics_acquire(time.perf_counter() - started)
-        return record, lease
+        return record, self._lease(session, key, started)
 
     def acquire_now(self, session: Session, key: str) -> tuple[Any, LeaseRecord] | None:
         """``acquire`` without awaiting when the record is cached and the key is not being
         evicted; None when the caller must ``await acquire`` instead (nothing was done)."""
         started = time.perf_counter()
         record = self.d.store_service.lookup_now(key)
-        if record is None:
-            return None
+        return None if record is None else (record, self._lease(session, key, started))
+
+    def _lease(self, session: Session, key: str, started: float) -> LeaseRecord:
         lease = self.d.registry.add_lease(session, key)
         self.d.metrics_acquire(time.perf_counter() - started)
-        return record, lease
+        return lease
 
     def release(self, session: Session, lease_id: str) -> bool:
         if not lease_id or len(lease_id) > 64:

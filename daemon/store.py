@@ -116,8 +116,6 @@ class Store:
         self._lock_fd: int | None = lock_fd
         self._mutex = threading.RLock()
         self._records: dict[str, ArtifactRecord] = {}
-        # key -> (record, its non-payload fingerprints): the guard of ``cached``.
-        self._guards: dict[str, tuple[ArtifactRecord, tuple[Fingerprint, ...]]] = {}
         self._denied: dict[str, str] = {}  # key -> deny reason code
         self._stagings: dict[str, Staging] = {}
         # Commits and retirements rename entries of artifacts/; they share its fsyncs (GroupSync).
@@ -470,14 +468,7 @@ class Store:
         record = self._records.get(key)
         if record is None:
             return None
-        guard = self._guards.get(key)
-        if guard is None or guard[0] is not record:
-            payloads = set(record.files)
-            guard = (record, tuple(fp for fp in record.fingerprints if fp not in payloads))
-            if len(self._guards) > 2 * len(self._records) + 64:  # drop guards of removed records
-                self._guards = {k: g for k, g in self._guards.items() if self._records.get(k) is g[0]}
-            self._guards[key] = guard
-        return record if same_fingerprints(guard[1]) else None
+        return record if same_fingerprints(record.guard_fingerprints) else None
 
     def open_payloads(self, record: ArtifactRecord) -> list[tuple[str, int]]:
         """Open each payload ``O_RDONLY|O_NOFOLLOW|O_CLOEXEC``, re-checked by ``fstat`` (caller closes)."""

@@ -17,6 +17,7 @@ cannot be seen at this level.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import os
 import stat
@@ -78,6 +79,13 @@ class ArtifactRecord:
     created_at: float
     files: tuple[Fingerprint, ...]
     fingerprints: tuple[Fingerprint, ...]
+
+    @functools.cached_property
+    def guard_fingerprints(self) -> tuple[Fingerprint, ...]:
+        """``fingerprints`` minus the payload files: the directory, ``READY.json`` and
+        ``manifest.json`` (the cheap guard of ``Store.cached``; computed once per record)."""
+        payloads = set(self.files)
+        return tuple(fp for fp in self.fingerprints if fp not in payloads)
 
 
 def same_fingerprints(expected: tuple[Fingerprint, ...]) -> bool:
