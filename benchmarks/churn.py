@@ -1,17 +1,30 @@
 """Churn: 64 clients x 500 acquire/release/publish operations under eviction pressure (issue 6).
 
-    .venv/bin/python benchmarks/churn.py              # 64 clients x 500 ops, 8 worker processes
+    .venv/bin/python benchmarks/churn.py              # 64 clients x 500 ops: closed loop, then paced
     .venv/bin/python benchmarks/churn.py --quick      # 8 clients x 60 ops, 2 processes
 
 The engine is ``benchmarks/load.py`` (clients are sessions run as threads in a few worker
 processes: see its docstring for why 64 torch-importing processes do not fit). Here the daemon
 runs with a store limit that holds the 16 pinned base artifacts plus room for only 32 published
-ones, and 40 % of operations publish a new artifact, so most publications evict the least
-recently used unpinned, unleased artifact first. Goal (issue 6): >= 1,000 ops/s and p99 < 10 ms on
-2 cores. At the end it proves that nothing leaked: no lease, no publication, no staging file in
-``tmp/``, no descriptor of the daemon into the store, and the daemon's descriptor count back at
-its baseline (``/proc/<daemon pid>/fd``). Prints a markdown table, then one JSON line; exits 1
-when the end state is not clean.
+ones, and 40 % of the clients' choices publish a new artifact (25 % of operations: an acquire
+choice is two operations, acquire and release), so most publications evict the least recently
+used unpinned, unleased artifact first.
+
+Two phases, each on a fresh daemon and store:
+
+1. **capacity**, closed loop: every client starts its next operation when the last one ends;
+   ops/s is the throughput. Its latency is mostly queueing: with N clients always in flight the
+   mean latency is N / throughput (Little's law), so 64 closed-loop clients could only show a
+   p99 under 10 ms above 6,400 ops/s.
+2. **paced**, open loop at ``--rate`` operations per second offered in all (default 1,000, spread
+   evenly over the 64 clients, latency counted from each operation's scheduled start): the
+   latency a client sees when the node serves that rate.
+
+Goal (issue 6): capacity >= 1,000 ops/s, and at 1,000 ops/s offered the node keeps up (>= 98 %
+served) with p99 < 10 ms. At the end of each phase it proves that nothing leaked: no lease, no
+publication, no staging file in ``tmp/``, no descriptor of the daemon into the store, and the
+daemon's descriptor count back at its baseline (``/proc/<daemon pid>/fd``). Prints markdown
+tables, then one JSON line; exits 1 when an end state is not clean.
 """
 
 from __future__ import annotations
@@ -34,22 +47,39 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--ops", type=int, default=500, help="operations per client")
-    p.add_argument("--processes", type=int, default=8)
+    p.add_argument("--processes", type=int, default=4)
+    p.add_argument("--rate", type=float, default=1000.0, help="ops/s offered in the paced phase (0: skip it)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json-out")
     args = p.parse_args(argv)
     if args.quick:
-        args.clients, args.ops, args.processes = 8, 60, 2
+        args.clients, args.ops, args.processes, args.rate = 8, 60, 2, 200.0
     limit = (BASE + ROOM) * ARTIFACT_BYTES
-    result = run(clients=args.clients, ops=args.ops, processes=args.processes,
-                 mix={"acquire": 0.6, "publish": 0.4}, base=BASE, pin_base=True, label="churn",
-                 daemon_args=("--store-limit-bytes", str(limit)))
-    result["goal"] = {"ops_per_s": 1000, "p99_ms": 10.0,
-                      "met": result["ops_per_s"] >= 1000 and result["all_ms"]["p99"] < 10.0}
-    print(report(result, "hwrd churn under eviction pressure"))
-    print(f"\ngoal >= 1,000 ops/s and p99 < 10 ms: {'met' if result['goal']['met'] else 'NOT met'}")
-    json_line({"benchmark": "churn", "store_limit_bytes": limit, **result}, args.json_out)
-    return 0 if result["end_state"]["clean"] else 1
+    common = {"clients": args.clients, "ops": args.ops, "processes": args.processes,
+              "mix": {"acquire": 0.6, "publish": 0.4}, "base": BASE, "pin_base": True, "label": "churn",
+              "daemon_args": ("--store-limit-bytes", str(limit))}
+    capacity = run(**common)
+    print(report(capacity, "hwrd churn under eviction pressure, capacity"))
+    paced = None
+    if args.rate > 0:
+        paced = run(**common, rate=args.rate)
+        print()
+        print(report(paced, "hwrd churn under eviction pressure, paced"))
+    served = paced["ops_per_s"] / args.rate if paced else 0.0
+    goal = {"ops_per_s": 1000, "p99_ms": 10.0, "capacity_ops_per_s": capacity["ops_per_s"],
+            "paced_offered_ops_per_s": args.rate if paced else None,
+            "paced_served_fraction": served if paced else None,
+            "paced_p99_ms": paced["all_ms"]["p99"] if paced else None}
+    goal["met"] = bool(paced) and capacity["ops_per_s"] >= 1000 and args.rate >= 1000 and served >= 0.98 \
+        and paced["all_ms"]["p99"] < 10.0
+    print(f"\ncapacity {capacity['ops_per_s']:,.0f} ops/s (goal >= 1,000)"
+          + (f"; paced at {args.rate:,.0f} ops/s offered: {paced['ops_per_s']:,.0f} served, "
+             f"p99 {paced['all_ms']['p99']:.1f} ms (goal < 10 ms)" if paced else ""))
+    print(f"goal: {'met' if goal['met'] else 'NOT met'}")
+    clean = capacity["end_state"]["clean"] and (paced is None or paced["end_state"]["clean"])
+    json_line({"benchmark": "churn", "store_limit_bytes": limit, **capacity, "paced": paced, "goal": goal},
+              args.json_out)
+    return 0 if clean else 1
 
 
 if __name__ == "__main__":

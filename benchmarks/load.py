@@ -41,7 +41,11 @@ OPS = ("acquire", "release", "publish", "list")
 
 # ------------------------------------------------------------------------------ worker process
 def _client_loop(sock: str, seed: int, ops: int, keys: list[str], mix: dict[str, float], prefix: str,
-                 out: dict[str, Any], go: threading.Event) -> None:
+                 out: dict[str, Any], go: threading.Event, interval: float = 0.0) -> None:
+    """One client's operations. ``interval`` 0: closed loop (the next operation starts when the
+    last ended). ``interval`` > 0: open loop, one operation per ``interval`` seconds on a fixed
+    schedule (an acquire/release cycle takes two slots); latency then counts from the operation's
+    scheduled start, so a client that falls behind reports the wait too (no coordinated omission)."""
     import torch
 
     from hwr.client import ArtifactIdentity, connect
@@ -54,11 +58,16 @@ def _client_loop(sock: str, seed: int, ops: int, keys: list[str], mix: dict[str,
     client = connect(sock, timeout=60)
     go.wait()
     done = 0
+    # Open loop: a random phase spreads the clients' schedules over one interval.
+    slot = time.perf_counter() + rng.random() * interval
     while done < ops:
         op = rng.choices(names, weights)[0]
+        if interval:
+            wait_until_perf(slot)
         try:
             if op == "acquire":
-                t0 = time.perf_counter()
+                t0 = slot if interval else time.perf_counter()
+                slot += 2 * interval
                 lease = client.acquire(rng.choice(keys))
                 t1 = time.perf_counter()
                 w = lease.tensors["w"]
@@ -70,7 +79,8 @@ def _client_loop(sock: str, seed: int, ops: int, keys: list[str], mix: dict[str,
                 latencies["release"].append((t3 - t2) * 1e3)
                 done += 2
                 continue
-            t0 = time.perf_counter()
+            t0 = slot if interval else time.perf_counter()
+            slot += interval
             if op == "publish":
                 n = rng.randrange(1 << 40)
                 client.publish(ArtifactIdentity.simple(f"{prefix}-{n}"),
@@ -86,11 +96,20 @@ def _client_loop(sock: str, seed: int, ops: int, keys: list[str], mix: dict[str,
     out["errors"] = errors
 
 
-def worker(sock: str, seed: int, sessions: int, ops: int, keys: list[str], mix: dict[str, float]) -> None:
+def wait_until_perf(deadline: float) -> None:
+    """Sleep until ``time.perf_counter()`` reaches ``deadline`` (no busy spin)."""
+    left = deadline - time.perf_counter()
+    while left > 0:
+        time.sleep(left)
+        left = deadline - time.perf_counter()
+
+
+def worker(sock: str, seed: int, sessions: int, ops: int, keys: list[str], mix: dict[str, float],
+           interval: float = 0.0) -> None:
     go = threading.Event()
     outs: list[dict[str, Any]] = [{} for _ in range(sessions)]
     threads = [threading.Thread(target=_client_loop, args=(sock, seed * 1000 + i, ops, keys, mix,
-                                                           f"load-{seed}-{i}", outs[i], go))
+                                                           f"load-{seed}-{i}", outs[i], go, interval))
                for i in range(sessions)]
     for t in threads:
         t.start()
@@ -147,7 +166,10 @@ def _end_state(daemon: Any, baseline_fds: int) -> dict[str, Any]:
 
 
 def run(*, clients: int, ops: int, processes: int, mix: dict[str, float], base: int = 16,
-        daemon_args: tuple[str, ...] = (), pin_base: bool = False, label: str = "load") -> dict[str, Any]:
+        daemon_args: tuple[str, ...] = (), pin_base: bool = False, label: str = "load",
+        rate: float = 0.0) -> dict[str, Any]:
+    """Run the load; ``rate`` > 0 offers that many operations per second in all (open loop,
+    spread evenly over the clients), 0 runs every client closed loop (capacity)."""
     import torch
 
     from hwr.client import ArtifactIdentity, connect
@@ -163,7 +185,7 @@ def run(*, clients: int, ops: int, processes: int, mix: dict[str, float], base: 
                     client.pin(key)
         baseline_fds = len(os.listdir(f"/proc/{daemon.pid}/fd"))
         cmd = [sys.executable, __file__, "--worker", str(daemon.socket), "--mix", json.dumps(mix),
-               "--keys", ",".join(keys), "--ops", str(ops)]
+               "--keys", ",".join(keys), "--ops", str(ops), "--interval", repr(clients / rate if rate else 0.0)]
         procs = [subprocess.Popen([*cmd, "--seed", str(i + 1), "--sessions", str(n)], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True) for i, n in enumerate(per_process)]
         for p in procs:
@@ -192,6 +214,7 @@ def run(*, clients: int, ops: int, processes: int, mix: dict[str, float], base: 
     every = [v for values in latencies.values() for v in values]
     total = len(every) + sum(errors.values())
     return {"clients": clients, "processes": processes, "ops_per_client": ops, "ops": total, "wall_s": wall,
+            "offered_ops_per_s": rate or None,
             "ops_per_s": total / wall, "latency_ms": {op: summarize(v) for op, v in latencies.items() if v},
             "all_ms": summarize(every), "errors": errors, "evictions": evictions, "end_state": end,
             "worker_rss_mib": max(r["rss_kib"] for r in results) / 1024}
@@ -201,8 +224,10 @@ def report(result: dict[str, Any], title: str) -> str:
     rows = [[op, s["n"], fmt_ms(s["p50"]), fmt_ms(s["p90"]), fmt_ms(s["p99"]), fmt_ms(s["max"])]
             for op, s in [*result["latency_ms"].items(), ("all", result["all_ms"])]]
     end = result["end_state"]
+    pacing = (f", open loop at {result['offered_ops_per_s']:,.0f} ops/s offered (latency from each "
+              f"operation's scheduled start)") if result.get("offered_ops_per_s") else ", closed loop"
     lines = [f"### {title}: {result['clients']} clients ({result['processes']} processes) x "
-             f"{result['ops_per_client']} ops", "",
+             f"{result['ops_per_client']} ops{pacing}", "",
              md_table(["operation", "n", "p50", "p90", "p99", "max"], rows), "",
              f"**{result['ops_per_s']:,.0f} ops/s** ({result['ops']} ops in {result['wall_s']:.1f} s); "
              f"typed errors: {result['errors'] or 'none'}; evictions: {result['evictions']}; "
@@ -224,9 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keys", help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--sessions", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--interval", type=float, default=0.0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.seed, args.sessions, args.ops, args.keys.split(","), json.loads(args.mix))
+        worker(args.worker, args.seed, args.sessions, args.ops, args.keys.split(","), json.loads(args.mix),
+               args.interval)
         return 0
     if args.quick:
         args.clients, args.ops, args.processes = 4, 50, 2

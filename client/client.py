@@ -263,11 +263,27 @@ class Client:
             return self._peer_request({"op": "staging_fds", "publication_id": publication_id,
                                        "publication_token": token}, want_fds=True)
 
+        def peer(request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+            reply, fds, _tail = self._peer_exchange(request, want_fds=True)
+            return reply, fds
+
+        def peer_begin(request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+            if request.get("op") != "publish_begin":
+                return peer(request)  # commit/abort belong to this session: never retried
+            failed = self._peer
+            try:
+                return peer(request)
+            except DaemonUnavailable:  # as ``acquire`` does: a daemon restart ends the session
+                if not (self.auto_reconnect and not self._closed and os.getpid() == self._pid):
+                    raise
+                self.reconnect(failed_peer=failed)
+                return peer(request)
+
         from hwr.client.publisher import Publisher
 
         return Publisher(identity=identity, specs=specs, call=self._call, staging_fds=staging_fds,
                          wait_timeout=wait_timeout, verify=verify, call_timeout=self.timeout,
-                         format_metadata=format_metadata)
+                         format_metadata=format_metadata, peer=peer_begin)
 
     def publish(self, identity: ArtifactIdentity, tensors: Mapping[str, torch.Tensor], *,
                 buffers: Sequence[str] = (), wait_timeout: float = 600.0, verify: bool = False) -> str:

@@ -14,6 +14,7 @@ the 64-hex key is.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -369,11 +370,12 @@ class ArtifactIdentity:
             "producer": self.producer.to_dict(),
         }
 
-    @property
+    # Computed once per (immutable) identity: the publish and acquire paths ask for them often.
+    @functools.cached_property
     def canonical_bytes(self) -> bytes:
         return canonical_json(self.to_dict())
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
         return hashlib.sha256(self.canonical_bytes).hexdigest()
 
@@ -392,11 +394,13 @@ class ArtifactIdentity:
 
     @classmethod
     def from_canonical_bytes(cls, data: bytes) -> ArtifactIdentity:
-        """Parse wire/stored bytes, which must already be canonical (rejected, not re-encoded)."""
-        identity = cls.from_dict(parse_canonical(data))
-        if identity.canonical_bytes != data:
-            raise IdentityError("identity bytes do not round-trip canonically")
-        return identity
+        """Parse wire/stored bytes, which must already be canonical (rejected, not re-encoded).
+
+        Results are memoised by the exact bytes (identities are immutable; a bounded LRU), so
+        the manifests, records and requests that carry one identity parse it once."""
+        if not isinstance(data, bytes):
+            data = bytes(data)
+        return _identity_from_bytes(data)
 
     @classmethod
     def simple(
@@ -419,3 +423,11 @@ class ArtifactIdentity:
             representation=WeightRepresentation("final-layout", dtype),
             layout=RuntimeLayout(layout, tp_size, tp_rank),
         )
+
+
+@functools.lru_cache(maxsize=4096)
+def _identity_from_bytes(data: bytes) -> ArtifactIdentity:
+    identity = ArtifactIdentity.from_dict(parse_canonical(data))
+    if identity.canonical_bytes != data:
+        raise IdentityError("identity bytes do not round-trip canonically")
+    return identity

@@ -214,7 +214,7 @@ class Manifest:
         if content_digest(self.tensors) != self.artifact_content_sha256:
             raise _bad("artifact_content_sha256 does not match the tensor records")
         try:
-            if not isinstance(parse_canonical(self.format_metadata), dict):
+            if self.format_metadata != b"{}" and not isinstance(parse_canonical(self.format_metadata), dict):
                 raise _bad("format_metadata must be an object")
         except IdentityError:
             raise _bad("format_metadata is not canonical JSON") from None

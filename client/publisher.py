@@ -20,14 +20,22 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from hwr.client.errors import InvalidRequest, PublicationFailed
+from hwr.client.errors import (
+    ActiveBuildTimeout,
+    InsufficientCapacity,
+    InvalidRequest,
+    PublicationFailed,
+    StoreLimitExceeded,
+)
 from hwr.client.identity import ArtifactIdentity, canonical_json
 from hwr.client.safetensors_header import DTYPES
 from hwr.client.wire import MAX_WAIT_TIMEOUT_MS
@@ -56,12 +64,53 @@ class TensorSpec:
         kind = pb.TENSOR_KIND_BUFFER if self.kind == "buffer" else pb.TENSOR_KIND_PARAMETER
         return pb.TensorSpec(name=self.name, dtype=code, shape=list(self.shape), kind=kind, role=self.role)
 
+    def to_wire(self) -> list[Any]:
+        """The peer channel's form: [name, dtype code, shape, kind, role]."""
+        code = _CODE_BY_DTYPE.get(self.dtype)
+        if code is None:
+            raise InvalidRequest(f"dtype {self.dtype} cannot be published", details={"tensor": self.name})
+        return [self.name, code, list(self.shape), "buffer" if self.kind == "buffer" else "parameter", self.role]
+
+
+@dataclass(frozen=True)
+class _Placement:
+    name: str
+    file_index: int
+    offset: int
+    nbytes: int
+
+
+def _checked_fds(fds: list[int], count: int) -> list[int]:
+    if len(fds) != count:
+        _close(fds)
+        raise PublicationFailed(f"hwrd sent {len(fds)} staging descriptors, expected {count}")
+    return fds
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
 
 def specs_for(tensors: dict[str, torch.Tensor], buffers: Sequence[str] = ()) -> list[TensorSpec]:
     """Specs for a mapping of CPU tensors (names in ``buffers`` are marked as buffers)."""
     marked = set(buffers)
     return [TensorSpec(name, t.dtype, tuple(t.shape), "buffer" if name in marked else "parameter")
             for name, t in tensors.items()]
+
+
+#: Publications at most this large (and with at most ``PEER_MAX_TENSORS`` tensors) go over the
+#: peer channel (``hwr.daemon.peer_publish``): one round trip to stage, with the staging
+#: descriptors in the reply, and one to commit, instead of two gRPC calls plus a descriptor fetch.
+#: Larger ones use the RPCs: their commit hashes and fsyncs for longer than a peer exchange should
+#: hold up this client's other peer operations (leases), and their request may not fit a frame.
+PEER_MAX_BYTES = 64 << 20
+PEER_MAX_TENSORS = 2048
+#: The longest a peer ``publish_begin`` waits (another publisher of the identity building, or
+#: room in the store): it holds up this client's other peer operations meanwhile. A longer
+#: ``wait_timeout`` continues through the RPC.
+PEER_MAX_WAIT_S = 2.0
 
 
 class Publisher:
@@ -76,6 +125,7 @@ class Publisher:
         verify: bool,
         call_timeout: float = 30.0,
         format_metadata: Mapping[str, Any] | None = None,
+        peer: Callable[[dict[str, Any]], tuple[dict[str, Any], list[int]]] | None = None,
     ) -> None:
         self._call = call
         self._call_timeout = call_timeout
@@ -86,28 +136,74 @@ class Publisher:
         wait_timeout = max(0.0, wait_timeout)
         if wait_timeout > MAX_WAIT_TIMEOUT_MS / 1000:
             raise InvalidRequest(f"wait_timeout must be at most {MAX_WAIT_TIMEOUT_MS // 1000} seconds")
+        total = sum(math.prod(s.shape) * s.dtype.itemsize for s in specs)
+        self._peer = peer if peer is not None and total <= PEER_MAX_BYTES and len(specs) <= PEER_MAX_TENSORS \
+            else None
+        self._written: set[str] = set()
+        self._digests: dict[str, str] = {}
+        self._verify = verify
+        started = time.monotonic()
+        peer_wait = min(wait_timeout, PEER_MAX_WAIT_S, call_timeout / 4)
+        begun = self._begin_peer(identity, specs, format_metadata, peer_wait) if self._peer is not None else None
+        if begun is not None and begun[0] == "busy":
+            remaining = wait_timeout - (time.monotonic() - started)
+            if remaining <= 0:
+                raise begun[1]
+            begun = None  # wait out the rest through the RPC, which may hold the call that long
+        if begun is None:
+            begun = self._begin_rpc(identity, specs, max(0.0, wait_timeout - (time.monotonic() - started)),
+                                    format_metadata, staging_fds)
+        self.outcome, self.key, self._publication_id, self._placements, self._fds = begun  # type: ignore[misc]
+        self._done = not self.staged
+        self.joined = self.outcome == "joined"
+
+    def _begin_peer(self, identity: ArtifactIdentity, specs: Sequence[TensorSpec],
+                    format_metadata: Mapping[str, Any] | None, wait: float) -> tuple[Any, ...]:
+        """``publish_begin`` waiting at most ``wait`` seconds (for another publisher of this
+        identity, or for room in the store): ("busy", error) when that was not enough (the caller
+        waits out the rest through the RPC), else the begin result."""
+        assert self._peer is not None
+        request: dict[str, Any] = {
+            "op": "publish_begin", "identity": identity.canonical_bytes.decode(),
+            "tensors": [s.to_wire() for s in specs], "wait_timeout_ms": int(wait * 1000)}
+        if format_metadata:
+            request["format_metadata"] = canonical_json(dict(format_metadata)).decode()
+        try:
+            reply, fds = self._peer(request)
+        except (ActiveBuildTimeout, StoreLimitExceeded, InsufficientCapacity) as exc:
+            return "busy", exc
+        outcome = str(reply.get("outcome"))
+        try:
+            if outcome != "staged":
+                return outcome, str(reply["key"]), "", {}, _checked_fds(fds, 0)
+            placements = {str(n): _Placement(str(n), int(i), int(o), int(b)) for n, i, o, b in reply["placements"]}
+            return (outcome, str(reply["key"]), str(reply["publication_id"]), placements,
+                    _checked_fds(fds, len(reply["files"])))
+        except (KeyError, TypeError, ValueError):
+            _close(fds)
+            raise PublicationFailed("malformed publish_begin reply from hwrd") from None
+
+    def _begin_rpc(self, identity: ArtifactIdentity, specs: Sequence[TensorSpec], wait_timeout: float,
+                   format_metadata: Mapping[str, Any] | None,
+                   staging_fds: Callable[[str, str], list[int]]) -> tuple[Any, ...]:
         request = pb.BeginPublicationRequest(
             identity_json=identity.canonical_bytes, tensors=[s.to_proto() for s in specs],
             wait_timeout_ms=int(wait_timeout * 1000),
             format_metadata_json=canonical_json(dict(format_metadata)) if format_metadata else b"")
         # The daemon may rightly hold this call for the whole wait (another publisher is building).
-        response = call("BeginPublication", request, call_timeout + wait_timeout)
-        self.key: str = response.key
-        self.outcome = {pb.BEGIN_OUTCOME_STAGED: "staged", pb.BEGIN_OUTCOME_JOINED: "joined",
-                        pb.BEGIN_OUTCOME_ALREADY_PRESENT: "already_present"}.get(response.outcome, "unknown")
-        self._publication_id = response.publication_id
-        self._placements = {p.name: p for p in response.placements}
-        self._written: set[str] = set()
-        self._digests: dict[str, str] = {}
-        self._verify = verify
-        self._done = not self.staged
-        self.joined = self.outcome == "joined"
-        if self.staged:
+        response = self._call("BeginPublication", request, self._call_timeout + wait_timeout)
+        outcome = {pb.BEGIN_OUTCOME_STAGED: "staged", pb.BEGIN_OUTCOME_JOINED: "joined",
+                   pb.BEGIN_OUTCOME_ALREADY_PRESENT: "already_present"}.get(response.outcome, "unknown")
+        placements = {p.name: _Placement(p.name, p.file_index, p.offset, p.nbytes) for p in response.placements}
+        fds: list[int] = []
+        if outcome == "staged":
+            self._publication_id, self._done = response.publication_id, False
             try:
-                self._fds = staging_fds(response.publication_id, response.publication_token)
+                fds = staging_fds(response.publication_id, response.publication_token)
             except BaseException:
                 self.abort()
                 raise
+        return outcome, response.key, response.publication_id, placements, fds
 
     @property
     def staged(self) -> bool:
@@ -155,15 +251,21 @@ class Publisher:
         # Commit hashes and fsyncs every byte: its deadline grows with the artifact's size.
         nbytes = sum(p.nbytes for p in self._placements.values())
         try:
-            response = self._call("CommitPublication", pb.CommitPublicationRequest(
-                publication_id=self._publication_id, expected_sha256=self._digests),
-                self._call_timeout + nbytes / _COMMIT_BYTES_PER_S)
+            if self._peer is not None:
+                reply, _fds = self._peer({"op": "publish_commit", "publication_id": self._publication_id,
+                                          "expected_sha256": self._digests})
+                key, joined = str(reply.get("key")), bool(reply.get("joined"))
+            else:
+                response = self._call("CommitPublication", pb.CommitPublicationRequest(
+                    publication_id=self._publication_id, expected_sha256=self._digests),
+                    self._call_timeout + nbytes / _COMMIT_BYTES_PER_S)
+                key, joined = response.key, response.joined
         except BaseException:
             self.abort()
             raise
         self._done = True
-        self.joined = response.joined
-        return response.key
+        self.joined = joined
+        return key
 
     def abort(self) -> None:
         """Abandon the publication; idempotent, never raises for a finished one."""
@@ -172,7 +274,10 @@ class Publisher:
             return
         self._done = True
         with contextlib.suppress(Exception):
-            self._call("AbortPublication", pb.AbortPublicationRequest(publication_id=self._publication_id))
+            if self._peer is not None:
+                self._peer({"op": "publish_abort", "publication_id": self._publication_id})
+            else:
+                self._call("AbortPublication", pb.AbortPublicationRequest(publication_id=self._publication_id))
 
     def _close_fds(self) -> None:
         fds, self._fds = self._fds, []

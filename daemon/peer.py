@@ -20,6 +20,9 @@ One SOCK_STREAM Unix socket at ``<socket>.peer``. Per connection:
    ``release``           ``lease_id``                            ``released`` (bool)
    ``fds``               ``lease_id``, ``lease_token``           ``count``; descriptors
    ``staging_fds``       ``publication_id``, ``publication_token`` ``count``; descriptors
+   ``publish_begin``     see ``hwr.daemon.peer_publish``          ``outcome``, ``key``, placements;
+   ``publish_commit``    (the publication RPCs on this channel)   staging descriptors when staged
+   ``publish_abort``
    ``ping``              -                                       -
    ====================  ======================================  ==================================
 
@@ -68,6 +71,7 @@ _encode = msgspec.json.Encoder().encode
 
 
 _LATER = object()  # a request that needs the event loop (awaits): handled by a task
+_PUBLISH_OPS = {"publish_begin": "begin", "publish_commit": "commit", "publish_abort": "abort"}
 
 
 class PeerServer:
@@ -93,6 +97,7 @@ class PeerServer:
         mode: int = 0o660,
         listen_sock: socket.socket | None = None,
         leasing: Any = None,
+        publishing: Any = None,
     ) -> None:
         self.path = path
         self._registry = registry
@@ -101,6 +106,7 @@ class PeerServer:
         self._open_staging_fds = open_staging_fds
         self._on_session_end = on_session_end
         self._leasing = leasing  # hwr.daemon.leasing.Leasing (acquire/release); None: refused
+        self._publishing = publishing  # hwr.daemon.peer_publish.PeerPublishing; None: refused
         self._mode = mode
         self._sock = listen_sock
         self._task: asyncio.Task[None] | None = None
@@ -179,10 +185,24 @@ class PeerServer:
                 return _error(HwrError(f"internal error in peer operation {op}")), [], b""
         if op == "release" or op == "hello":
             return self._lease_op_now(session, op, req)
+        if op in _PUBLISH_OPS:
+            return _LATER
         reply, fds = self._dispatch(session, req)
         return reply, fds, b""
 
     async def _handle_later(self, session: Session, req: dict[str, Any]) -> tuple[dict[str, Any], list[int], bytes]:
+        op = req.get("op")
+        if op in _PUBLISH_OPS:
+            try:
+                if self._publishing is None:
+                    raise PermissionDeniedError(f"peer operation {op!r} is not served here")
+                reply, fds = await getattr(self._publishing, _PUBLISH_OPS[op])(session, req)
+                return reply, fds, b""
+            except HwrError as exc:
+                return _error(exc), [], b""
+            except Exception:
+                log.exception("internal error in peer operation %s", op)
+                return _error(HwrError(f"internal error in peer operation {op}")), [], b""
         try:
             key = _acquire_key(req)
             if self._leasing is None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import enum
-import functools
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -114,7 +113,9 @@ class Publications:
         deadline = loop.time() + max(0.0, wait_timeout)
         waited = False
         while True:
-            if await asyncio.to_thread(self._exists, key):
+            # Provably absent (not validated, not denied, no directory): no thread hop.
+            absent = self._store.absent_now(key)
+            if not absent and await asyncio.to_thread(self._exists, key):
                 return BeginResult("joined" if waited else "already_present", key)
             current = self._by_key.get(key)
             if current is None:
@@ -140,8 +141,16 @@ class Publications:
         try:
             if self._gate is not None:
                 pub.ticket = await self._gate.admit(key, specs, deadline - loop.time())
-            pub.staging = await asyncio.to_thread(self._store.begin, identity, specs,
-                                                  format_metadata=format_metadata)
+            trash, purge = (pub.ticket.trash, self._gate.purge_sync) if pub.ticket is not None else ([], None)
+
+            def stage() -> Any:  # one worker hop: free the evicted bytes, then stage
+                if trash and purge is not None:
+                    trash_now = list(trash)
+                    trash.clear()
+                    purge(trash_now)
+                return self._store.begin(identity, specs, format_metadata=format_metadata)
+
+            pub.staging = await loop.run_in_executor(self._commit_pool, stage)
             if self._gate is not None:
                 self._gate.allocated(pub.ticket)
         except BaseException:
@@ -190,26 +199,30 @@ class Publications:
         pub.state = PubState.COMMITTING
         paths = [Path(path) for _n, path, _s in pub.staging.files]
 
-        def checks() -> bool:  # one thread hop for both quick checks
-            for path in paths:
-                ensure_sole_opener(path)
-            return self._exists(pub.key)
+        def checks_and_commit() -> tuple[bool, Any]:
+            """One worker hop: the quick checks, then the commit. A failed check leaves the
+            publication STAGED (the writer may close its descriptor and retry); a failed commit
+            fails it. Commits (hashing, fsyncs) run on their own threads: in the loop's default
+            executor they would make every quick hop (acquire lookups) queue behind an fsync."""
+            try:
+                for path in paths:
+                    ensure_sole_opener(path)
+                existed = self._exists(pub.key)
+            except BaseException as exc:
+                return False, exc
+            return True, (existed, self._store.commit(
+                pub.staging, expected_tensor_sha256=dict(expected) or None, trusted_digests=trusted_digests))
 
         try:
-            existed = await asyncio.to_thread(checks)
-        except BaseException:
-            # The writer may still close its descriptor and retry the commit.
-            pub.state = PubState.STAGED
-            raise
-        try:
-            # Commits (hashing, fsyncs) run on their own threads: in the loop's default executor
-            # they would make every quick hop (acquire lookups, begin) queue behind an fsync.
-            record = await asyncio.get_running_loop().run_in_executor(self._commit_pool, functools.partial(
-                self._store.commit, pub.staging, expected_tensor_sha256=dict(expected) or None,
-                trusted_digests=trusted_digests))
+            checked, outcome = await asyncio.get_running_loop().run_in_executor(
+                self._commit_pool, checks_and_commit)
         except BaseException:
             self._finish(pub, PubState.FAILED)
             raise
+        if not checked:
+            pub.state = PubState.STAGED
+            raise outcome
+        existed, record = outcome
         self._finish(pub, PubState.COMMITTED)
         if self._on_commit is not None:
             self._on_commit(pub.key)

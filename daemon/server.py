@@ -41,6 +41,7 @@ from hwr.daemon.activation import Assignment, GrpcRelay, private_grpc_path
 from hwr.daemon.config import DaemonConfig
 from hwr.daemon.metrics import Instruments, MetricsServer, exposition
 from hwr.daemon.peer import PeerServer
+from hwr.daemon.peer_publish import PeerPublishing
 from hwr.daemon.peercred import AllowList, daemon_allow_list
 from hwr.daemon.publications import Publications
 from hwr.daemon.servicer import Servicer, prefix_match
@@ -111,6 +112,7 @@ class Daemon:
             open_lease_fds=self._open_lease_fds, open_staging_fds=self._open_staging_fds,
             on_session_end=self._on_session_end, mode=self.config.socket_mode,
             listen_sock=self.inherited.peer, leasing=self.leasing,
+            publishing=PeerPublishing(self.publications, self._open_staging_fds),
         )
         await self._peer.start()
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])

@@ -13,8 +13,9 @@ Layout (the same names as vLLM-Omni 0.30, so one of its roots can be adopted)::
 
 Publication order (``FAULT_HOOK`` step names in brackets): ``begin`` plans and preallocates
 payloads in ``tmp/`` [staged]; the writer fills them [payload_written]; ``commit`` re-reads the
-headers, hashes every file and tensor [hashed], fsyncs the payloads [payloads_fsynced], writes
-``manifest.json`` [manifest_written] and ``READY.json`` [marker_written], makes the files 0444,
+headers, hashes every file and tensor [hashed], writes ``manifest.json`` [manifest_written] and
+``READY.json`` [marker_written], makes the files 0444, fsyncs the payloads [payloads_fsynced],
+the two documents and the staging directory (every write before any fsync: see ``_seal``),
 renames the directory into ``artifacts/`` [renamed], makes it 0555 and fsyncs ``artifacts/``
 [dir_fsynced] (a group commit shared by concurrent commits: ``store_io.GroupSync``). A
 daemon-owned producer's digests (``ProducerDigests``) replace the re-hash at [hashed]. A crash
@@ -63,7 +64,13 @@ from hwr.client.safetensors_header import contiguous_stride, read_header
 from hwr.daemon import fsguard, store_io
 from hwr.daemon.store_domain import ensure_domain, read_deny_code
 from hwr.daemon.store_staging import ProducerDigests, Staging, TensorSpec, plan_payloads, write_tensor
-from hwr.daemon.store_validation import ArtifactRecord, Fingerprint, inspect_artifact, same_fingerprints
+from hwr.daemon.store_validation import (
+    ArtifactRecord,
+    Fingerprint,
+    inspect_artifact,
+    record_for_commit,
+    same_fingerprints,
+)
 
 __all__ = [
     "FAULT_HOOK",
@@ -81,9 +88,9 @@ PUBLICATION_STEPS = (
     "staged",
     "payload_written",
     "hashed",
-    "payloads_fsynced",
     "manifest_written",
     "marker_written",
+    "payloads_fsynced",
     "renamed",
     "dir_fsynced",
 )
@@ -295,8 +302,8 @@ class Store:
                 raise InvalidRequest("unknown or finished staging", details={"staging": staging.id})
         try:
             _step("payload_written")
-            manifest = self._seal(staging, expected_tensor_sha256, trusted_digests)
-            return self._install(staging, manifest)
+            manifest, marker = self._seal(staging, expected_tensor_sha256, trusted_digests)
+            return self._install(staging, manifest, marker)
         except HwrError:
             raise  # several typed errors are also OSError subclasses; keep their type
         except OSError as exc:
@@ -305,8 +312,9 @@ class Store:
             store_io.remove_tree(staging.path)
 
     def _seal(self, staging: Staging, expected: Mapping[str, str] | None,
-              trusted: ProducerDigests | None = None) -> Manifest:
+              trusted: ProducerDigests | None = None) -> tuple[Manifest, ReadyMarker]:
         fds: list[int] = []
+        documents: list[int] = []  # manifest.json, READY.json
         try:
             jobs = []
             for plan in staging.plans:
@@ -337,42 +345,49 @@ class Store:
                         "tensor bytes differ from the writer's hashes",
                         details={"key": staging.key, "tensors": ",".join(bad[:20])},
                     )
+            files = [FileRecord(name=p.name, size=p.size, sha256=h)
+                     for p, h in zip(staging.plans, file_sha, strict=True)]
+            where = {e.name: p.name for p in staging.plans for e in p.entries}
+            tensors = [
+                TensorRecord(
+                    s.name,
+                    s.kind,
+                    s.role,
+                    file=where[s.name],
+                    storage_key=s.name,
+                    shape=tuple(s.shape),
+                    dtype=s.info.torch_name,
+                    stride=contiguous_stride(s.shape),
+                    nbytes=staging.placements[s.name][2],
+                    sha256=tensor_sha[s.name],
+                )
+                for s in staging.specs
+            ]
+            manifest = Manifest.build(staging.identity, tensors, files, dict(staging.format_metadata) or None)
+            manifest_bytes = manifest.to_json()
+            documents.append(store_io.create_file(staging.path / MANIFEST_FILE, manifest_bytes))
+            _step("manifest_written")
+            marker = ReadyMarker.for_manifest(manifest_bytes, manifest, uuid.uuid4().hex)
+            documents.append(store_io.create_file(staging.path / READY_FILE, marker.to_json()))
+            _step("marker_written")
+            for fd in fds:
+                os.fchmod(fd, 0o444)
+            # Every write first, then every fsync: each file is still fsynced on its own (what
+            # POSIX asks for), but on a journaling filesystem (ext4, xfs) the first fsync commits
+            # the one transaction holding all of them and the others return without waiting for
+            # another journal commit. Nothing is visible before the rename, which follows.
             for fd in fds:
                 store_io.fsync(fd)
             _step("payloads_fsynced")
+            for fd in documents:
+                store_io.fsync(fd)
         finally:
-            for fd in fds:
+            for fd in fds + documents:
                 os.close(fd)
-        files = [FileRecord(name=p.name, size=p.size, sha256=h) for p, h in zip(staging.plans, file_sha, strict=True)]
-        where = {e.name: p.name for p in staging.plans for e in p.entries}
-        tensors = [
-            TensorRecord(
-                s.name,
-                s.kind,
-                s.role,
-                file=where[s.name],
-                storage_key=s.name,
-                shape=tuple(s.shape),
-                dtype=s.info.torch_name,
-                stride=contiguous_stride(s.shape),
-                nbytes=staging.placements[s.name][2],
-                sha256=tensor_sha[s.name],
-            )
-            for s in staging.specs
-        ]
-        manifest = Manifest.build(staging.identity, tensors, files, dict(staging.format_metadata) or None)
-        manifest_bytes = manifest.to_json()
-        store_io.write_new_file(staging.path / MANIFEST_FILE, manifest_bytes)
-        _step("manifest_written")
-        marker = ReadyMarker.for_manifest(manifest_bytes, manifest, uuid.uuid4().hex)
-        store_io.write_new_file(staging.path / READY_FILE, marker.to_json())
-        _step("marker_written")
-        for plan in staging.plans:
-            os.chmod(staging.path / plan.name, 0o444, follow_symlinks=False)
         store_io.fsync_dir(staging.path)
-        return manifest
+        return manifest, marker
 
-    def _install(self, staging: Staging, manifest: Manifest) -> ArtifactRecord:
+    def _install(self, staging: Staging, manifest: Manifest, marker: ReadyMarker) -> ArtifactRecord:
         key = staging.key
         target = self.root / "artifacts" / key
         with self._key_lock(key):
@@ -393,7 +408,9 @@ class Store:
             _step("dir_fsynced")
             if code is not None:
                 self._clear_deny(key)
-            record = inspect_artifact(target, key, self.euid)
+            # The bytes are the ones just sealed in a private staging directory whose writer was
+            # proven gone: fingerprint them (lstat) instead of re-reading and re-parsing them.
+            record = record_for_commit(target, key, manifest, marker)
             with self._mutex:
                 self._records[key] = record
             return record
@@ -420,6 +437,13 @@ class Store:
             os.close(fd)
 
     # ----------------------------------------------------------------- lookup
+    def absent_now(self, key: str) -> bool:
+        """True when ``key`` provably has no artifact (not validated, not denied, no directory):
+        one ``lstat``, safe on the event loop. False means "ask ``lookup``" (it may exist)."""
+        if key in self._records or key in self._denied:
+            return False
+        return not os.path.lexists(self.root / "artifacts" / key)
+
     def lookup(self, key: str) -> ArtifactRecord:
         """The validated record of ``key`` (see the module docstring for the errors)."""
         _check_key(key)

@@ -38,6 +38,7 @@ from hwr.client.errors import NoSpace, PublicationFailed, StoreIOError
 
 __all__ = [
     "GroupSync",
+    "create_file",
     "fallocate",
     "fsync",
     "fsync_dir",
@@ -183,6 +184,19 @@ def write_new_file(path: Path, data: bytes, *, mode: int = 0o444) -> None:
         os.fchmod(fd, mode)
     finally:
         os.close(fd)
+
+
+def create_file(path: Path, data: bytes, *, mode: int = 0o444) -> int:
+    """Create ``path`` exclusively, write ``data``, drop write permission; returns the open
+    descriptor, NOT fsynced: the caller fsyncs it (``write_new_file`` is the synced form)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        pwrite_all(fd, data, 0)
+        os.fchmod(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def read_small(fd: int, limit: int) -> bytes:

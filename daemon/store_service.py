@@ -105,6 +105,9 @@ class Ticket:
     key: str
     took_slot: bool
     reservation: Reservation
+    #: Artifacts retired to make room, still on disk: the publication must ``purge_sync`` them
+    #: before it creates its staging (``hwr.daemon.publications`` does both in one worker hop).
+    trash: list[Path] = field(default_factory=list)
 
 
 @dataclass
@@ -266,11 +269,16 @@ class StoreService:
         need = sum(p.size for p in plan_payloads(list(specs)))
         took = await self.admission.enter(key, wait_timeout)
         try:
-            reservation = await self.reserve(key, need, wait_timeout)
+            reservation, trash = await self.reserve(key, need, wait_timeout, defer_purge=True)
         except BaseException:
             self.admission.leave(took)
             raise
-        return Ticket(key, took, reservation)
+        return Ticket(key, took, reservation, trash)
+
+    def purge_sync(self, trash: list[Path]) -> None:
+        """Delete retired artifacts' bytes now, in the calling (worker) thread."""
+        for path in trash:
+            self.store.purge(path)
 
     def allocated(self, ticket: Ticket) -> None:
         self.reservations.mark_allocated(ticket.reservation)
@@ -312,8 +320,12 @@ class StoreService:
         st = os.statvfs(self.store.root)
         return committed, st.f_bavail * st.f_frsize
 
-    async def reserve(self, key: str, need: int, wait_timeout: float = 0.0) -> Reservation:
-        """Reserve ``need`` bytes for a publication of ``key``, evicting LRU artifacts if needed.
+    async def reserve(self, key: str, need: int, wait_timeout: float = 0.0, *,
+                      defer_purge: bool = False) -> tuple[Reservation, list[Path]]:
+        """Reserve ``need`` bytes for a publication of ``key``, evicting LRU artifacts if needed:
+        (reservation, trash). ``defer_purge``: the evicted artifacts are only retired and their
+        trash returned; the caller must ``purge_sync`` it before it writes anything (saves a
+        thread hop per publication); otherwise it is purged here and the trash list is empty.
 
         When the request does not fit even after eviction but publications in flight hold
         reservations (their bytes will be committed, and become evictable once unused, or be
@@ -345,7 +357,7 @@ class StoreService:
                         reservation = self.reservations.add(key, need)
                         break
                 else:
-                    return self.reservations.add(key, need)
+                    return self.reservations.add(key, need), []
             remaining = deadline - loop.time()
             if not in_flight or remaining <= 0:
                 raise error
@@ -357,18 +369,26 @@ class StoreService:
         # taken out of the committed count), and the staging is created only after they are gone,
         # so the disk never holds more than committed + reserved bytes; meanwhile other
         # publications take the lock instead of queueing behind this directory fsync.
+        if defer_purge:
+            return reservation, report.trash
         try:
             await self._purge(report.trash)
         except BaseException:
             self.reservations.drop(reservation)
             self._signal_room()
             raise
-        return reservation
+        return reservation, []
 
     # ------------------------------------------------------------------ eviction
-    def _flags(self, key: str, size: int, default_access: float) -> Candidate:
-        busy = key in self.evicting or key in self.reservations.reserved_keys() or (
-            self.publications is not None and any(p.key == key for p in self.publications.active()))
+    def _busy_keys(self) -> set[str]:
+        """Keys being evicted, reserved or published: never eviction candidates."""
+        busy = set(self.evicting) | set(self.reservations.reserved_keys())
+        if self.publications is not None:
+            busy.update(p.key for p in self.publications.active())
+        return busy
+
+    def _flags(self, key: str, size: int, default_access: float, busy_keys: set[str] | None = None) -> Candidate:
+        busy = key in (self._busy_keys() if busy_keys is None else busy_keys)
         return Candidate(key=key, size_bytes=size, last_access=self.access.get(key, default_access),
                          leased=self.registry.lease_count(key) > 0, pinned=key in self.pins,
                          held=bool(self.held_pids(key)), busy=busy)
@@ -436,14 +456,36 @@ class StoreService:
         artifacts (renamed out of ``artifacts/``, bytes still on disk) and return their trash in
         the report; the caller must ``_purge`` it before anything else uses those bytes."""
         report = EvictionReport()
-        records = [r for r in self.store.artifacts() if r.key not in exclude]  # in memory: no thread hop
-        candidates = [self._flags(r.key, r.size_bytes, r.created_at) for r in records]
-        free = {c.key for c in candidates if not any((c.leased, c.pinned, c.held, c.busy))}
-        self.evicting |= free
+        # Walk the artifacts in LRU order and flag only the prefix that can matter: ``plan``
+        # stops at the first prefix of evictable bytes covering the shortfall, so nothing past
+        # it is chosen or reported. Cost per round: one sort plus flags for a few artifacts,
+        # not flags (and Candidate objects) for every artifact in the store.
+        busy = self._busy_keys()
+        access = self.access
+        records = {r.key: r for r in self.store.artifacts() if r.key not in exclude}  # in memory: no hop
+        order = sorted((access.get(r.key, r.created_at), r.key, r.size_bytes) for r in records.values())
+        candidates: list[Candidate] = []
+        free: set[str] = set()
+        mapped: dict[str, set[int]] = {}
+        walked = 0
         try:
-            mapped = await self._mapped([r for r in records if r.key in free]) if free else {}
-            flagged = [Candidate(**{**c.__dict__, "mapped": c.key in mapped}) if c.key in free else c
-                       for c in candidates]
+            while True:
+                batch: list[str] = []
+                covered = sum(c.size_bytes for c in candidates if c.key in free and c.key not in mapped)
+                while walked < len(order) and covered < shortfall:
+                    last, key, size = order[walked]
+                    walked += 1
+                    c = self._flags(key, size, last, busy)
+                    candidates.append(c)
+                    if not any((c.leased, c.pinned, c.held, c.busy)):
+                        free.add(key)
+                        batch.append(key)
+                        covered += size
+                if not batch:
+                    break
+                self.evicting |= set(batch)
+                mapped.update(await self._mapped([records[key] for key in batch]))
+            flagged = [replace(c, mapped=True) if c.key in mapped else c for c in candidates]
             chosen: Plan = plan(flagged, shortfall)
             report.skipped = list(chosen.skipped)
             if require_fit and not chosen.fits:

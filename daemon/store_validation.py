@@ -137,6 +137,22 @@ def _read_document(path: Path, key: str, euid: int) -> tuple[bytes, os.stat_resu
     return data, st
 
 
+def record_for_commit(path: Path, key: str, manifest: Manifest, marker: ReadyMarker) -> ArtifactRecord:
+    """The record of an artifact this daemon has just committed at ``path`` from ``manifest``
+    and ``marker`` (no re-read: ``lstat`` fingerprints only). Only for the store's own commit,
+    where the bytes were sealed in a private staging directory whose writer was proven gone;
+    anything found on disk goes through ``inspect_artifact``."""
+    dir_st = os.lstat(path)
+    marker_st = os.lstat(path / READY_FILE)
+    documents = (fingerprint(str(path / READY_FILE), marker_st),
+                 fingerprint(str(path / MANIFEST_FILE), os.lstat(path / MANIFEST_FILE)))
+    payloads = tuple(fingerprint(str(path / f.name), os.lstat(path / f.name)) for f in manifest.files)
+    return ArtifactRecord(key=key, identity_bytes=manifest.identity_bytes, manifest=manifest, marker=marker,
+                          path=path, size_bytes=sum(f.size for f in manifest.files),
+                          created_at=marker_st.st_mtime, files=payloads,
+                          fingerprints=(fingerprint(str(path), dir_st), *documents, *payloads))
+
+
 def inspect_artifact(path: Path, key: str, euid: int) -> ArtifactRecord:
     """Validate ``path`` (``artifacts/<key>``) at metadata level; see the module docstring."""
     try:

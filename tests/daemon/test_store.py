@@ -79,6 +79,17 @@ def test_publish_then_lookup_returns_identical_bytes(store: Store) -> None:
     assert not list((store.root / "tmp").iterdir())
 
 
+def test_the_record_built_at_commit_equals_a_full_inspection(store: Store) -> None:
+    """``record_for_commit`` (no re-read) must describe exactly what ``inspect_artifact`` finds."""
+    from hwr.daemon.store_validation import inspect_artifact
+
+    record = store.publish(IDENTITY, _tensors(), max_file_bytes=4096)
+    inspected = inspect_artifact(store.root / "artifacts" / IDENTITY.key, IDENTITY.key, os.geteuid())
+    assert record == inspected
+    assert record.fingerprints == inspected.fingerprints and record.files == inspected.files
+    assert store.cached(IDENTITY.key) is record  # the cheap guard holds for the commit-time record
+
+
 def test_content_digest_is_independent_of_file_split(tmp_path: Path) -> None:
     with Store.open(tmp_path / "a") as a, Store.open(tmp_path / "b") as b:
         one = a.publish(IDENTITY, _tensors())

@@ -35,9 +35,11 @@ from hwr.daemon.launcher import DaemonProcess
 from .fuzzkit import count
 
 EXAMPLES = max(1, int(os.environ.get("HWR_FUZZ_EXAMPLES", "150")))
-OPS = ["acquire", "release", "hello", "fds", "staging_fds", "ping", "", "ACQUIRE", None, 7]
+OPS = ["acquire", "release", "hello", "fds", "staging_fds", "ping", "publish_begin", "publish_commit",
+       "publish_abort", "", "ACQUIRE", None, 7]
 FIELDS = ["op", "key", "identity", "have", "lease_id", "lease_token", "client_name", "client_version",
-          "publication_id", "publication_token", "count", "manifest_bytes"]
+          "publication_id", "publication_token", "count", "manifest_bytes", "tensors", "wait_timeout_ms",
+          "format_metadata", "expected_sha256"]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +62,7 @@ def peer_target() -> Iterator[tuple[DaemonProcess, Any, str, str]]:
 def _values(key: str, lease_id: str) -> st.SearchStrategy[Any]:
     hostile = ["", "\x00", "../../etc/passwd", "0" * 64, key, key.upper(), key[:8], lease_id, "x" * 5000,
                ArtifactIdentity.simple("peer-fuzz-target").canonical_bytes.decode(), '{"a":1}', "{",
-               "\ud7ff", "é" * 100]
+               "\ud7ff", "é" * 100, [["w", "F32", [4], "parameter", "weight"]], [["w", "F32", [1 << 39]]]]
     scalars = st.one_of(st.sampled_from(hostile), st.text(max_size=80), st.integers(-(1 << 70), 1 << 70),
                         st.floats(allow_nan=True), st.booleans(), st.none())
     return st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
