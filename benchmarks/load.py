@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import fmt_ms, hwrd, json_line, md_table, summarize
+from benchmarks.common import fmt_ms, freeze_startup_heap, hwrd, json_line, md_table, summarize
 
 ELEMENTS = 1 << 14  # float32 elements per artifact (64 KiB)
 OPS = ("acquire", "release", "publish", "list")
@@ -114,6 +114,7 @@ def worker(sock: str, seed: int, sessions: int, ops: int, keys: list[str], mix: 
     for t in threads:
         t.start()
     time.sleep(0.5)  # sessions connect before the barrier
+    freeze_startup_heap()  # as a vLLM worker does after start-up (see the function)
     print("ready", flush=True)
     sys.stdin.readline()
     started = time.perf_counter()

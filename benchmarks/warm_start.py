@@ -405,11 +405,8 @@ WORKERS = {"hwr": worker_hwr, "hwr-breakdown": worker_hwr_breakdown, "load_file"
 
 
 def settle() -> None:
-    """Collect and freeze the startup garbage (importing torch leaves ~10^5 objects) so that a
-    full collection, which takes ~100+ ms in a fresh process, does not land inside one timer
-    by chance; every mode gets the same treatment."""
-    gc.collect()
-    gc.freeze()
+    """``common.freeze_startup_heap``; every mode gets the same treatment."""
+    common.freeze_startup_heap()
 
 
 def worker_main(spec_json: str) -> None:

@@ -141,7 +141,9 @@ class Publications:
         try:
             if self._gate is not None:
                 pub.ticket = await self._gate.admit(key, specs, deadline - loop.time())
-            trash, purge = (pub.ticket.trash, self._gate.purge_sync) if pub.ticket is not None else ([], None)
+            ticket = pub.ticket
+            trash = ticket.trash if ticket is not None and not ticket.purge_after_commit else []
+            purge = self._gate.purge_sync if self._gate is not None else None
 
             def stage() -> Any:  # one worker hop: free the evicted bytes, then stage
                 if trash and purge is not None:
@@ -210,8 +212,14 @@ class Publications:
                 existed = self._exists(pub.key)
             except BaseException as exc:
                 return False, exc
-            return True, (existed, self._store.commit(
-                pub.staging, expected_tensor_sha256=dict(expected) or None, trusted_digests=trusted_digests))
+            record = self._store.commit(
+                pub.staging, expected_tensor_sha256=dict(expected) or None, trusted_digests=trusted_digests)
+            ticket = pub.ticket
+            if ticket is not None and ticket.purge_after_commit and ticket.trash:
+                # The commit's artifacts/ fsync started after these were retired: delete now.
+                trash, ticket.trash = list(ticket.trash), []
+                self._store.delete_retired(trash)
+            return True, (existed, record)
 
         try:
             checked, outcome = await asyncio.get_running_loop().run_in_executor(

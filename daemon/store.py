@@ -127,6 +127,7 @@ class Store:
         self._stagings: dict[str, Staging] = {}
         # Commits and retirements rename entries of artifacts/; they share its fsyncs (GroupSync).
         self._artifacts_sync = store_io.GroupSync(root / "artifacts")
+        self._retired_marks: dict[Path, int] = {}  # trash -> GroupSync mark taken after its retire
 
     # ----------------------------------------------------------------- lifecycle
     @classmethod
@@ -646,10 +647,32 @@ class Store:
                 store_io.rename(path, trash)
             except OSError as exc:
                 raise store_io.io_error(exc, "remove") from None
+            mark = self._artifacts_sync.mark()  # after the rename: any round started later covers it
+            with self._mutex:
+                self._retired_marks[trash] = mark
             return trash
+
+    def delete_retired(self, trash: Sequence[Path]) -> None:
+        """``purge`` for several retirements, skipping the ``artifacts/`` fsync when one that
+        started after every retirement has already completed (typically the caller's own commit
+        ran it): deleting before the retirement is durable could let a crash bring back a
+        half-deleted artifact, so without such a round it runs one."""
+        with self._mutex:
+            marks = [self._retired_marks.pop(path, -1) for path in trash]
+        if trash and not all(mark >= 0 and self._artifacts_sync.covered(mark) for mark in marks):
+            try:
+                self._artifacts_sync.sync()
+            except OSError as exc:
+                for path in trash:
+                    store_io.remove_tree(path)
+                raise store_io.io_error(exc, "remove") from None
+        for path in trash:
+            store_io.remove_tree(path)
 
     def purge(self, trash: Path) -> None:
         """Make a ``retire`` durable (fsync ``artifacts/``), then delete the trash's files."""
+        with self._mutex:
+            self._retired_marks.pop(trash, None)
         try:
             self._artifacts_sync.sync()
         except OSError as exc:

@@ -121,6 +121,18 @@ class GroupSync:
         self.joined = 0  # callers that arrived while a round was in flight
         self._lock = threading.Lock()
         self._current: _Round | None = None
+        self._started = 0  # rounds started so far (each round's index is the count at its start)
+        self._durable = 0  # the highest index of a round that finished without error
+
+    def mark(self) -> int:
+        """A mark for "now": ``covered(mark)`` later tells whether a round that started after
+        this call has completed, i.e. whether renames made before it are durable."""
+        with self._lock:
+            return self._started
+
+    def covered(self, mark: int) -> bool:
+        with self._lock:
+            return self._durable > mark
 
     def sync(self) -> None:
         with self._lock:
@@ -149,6 +161,8 @@ class GroupSync:
                 with self._lock:
                     self.rounds += 1
                     round_.finished = True
+                    if round_.error is None:
+                        self._durable = max(self._durable, round_.index)
                 round_.done.set()
         else:
             round_.done.wait()
@@ -160,7 +174,8 @@ class GroupSync:
         raise OSError(error.errno, error.strerror, str(self.path)) from error  # one per thread
 
     def _start_round(self, previous: _Round | None) -> _Round:
-        round_ = _Round()
+        self._started += 1
+        round_ = _Round(self._started)
         if previous is not None:
             previous.next = round_
         self._current = round_
@@ -168,7 +183,8 @@ class GroupSync:
 
 
 class _Round:
-    def __init__(self) -> None:
+    def __init__(self, index: int) -> None:
+        self.index = index
         self.finished = False
         self.error: BaseException | None = None
         self.next: _Round | None = None  # the round started after this one finished

@@ -106,8 +106,10 @@ class Ticket:
     took_slot: bool
     reservation: Reservation
     #: Artifacts retired to make room, still on disk: the publication must ``purge_sync`` them
-    #: before it creates its staging (``hwr.daemon.publications`` does both in one worker hop).
+    #: before it creates its staging (``hwr.daemon.publications`` does both in one worker hop),
+    #: or, when ``purge_after_commit``, delete them after its commit (see ``reserve``).
     trash: list[Path] = field(default_factory=list)
+    purge_after_commit: bool = False
 
 
 @dataclass
@@ -269,21 +271,25 @@ class StoreService:
         need = sum(p.size for p in plan_payloads(list(specs)))
         took = await self.admission.enter(key, wait_timeout)
         try:
-            reservation, trash = await self.reserve(key, need, wait_timeout, defer_purge=True)
+            reservation, trash, late = await self.reserve(key, need, wait_timeout, defer_purge=True)
         except BaseException:
             self.admission.leave(took)
             raise
-        return Ticket(key, took, reservation, trash)
+        return Ticket(key, took, reservation, trash, late)
 
     def purge_sync(self, trash: list[Path]) -> None:
-        """Delete retired artifacts' bytes now, in the calling (worker) thread."""
-        for path in trash:
-            self.store.purge(path)
+        """Delete retired artifacts' bytes now, in the calling (worker) thread (one directory
+        fsync at most for the lot: ``Store.delete_retired``)."""
+        self.store.delete_retired(trash)
 
     def allocated(self, ticket: Ticket) -> None:
         self.reservations.mark_allocated(ticket.reservation)
 
     def finished(self, ticket: Ticket, committed: bool) -> None:
+        if ticket.trash:  # not deleted by the commit (it failed, or the publication was aborted)
+            trash, ticket.trash = list(ticket.trash), []
+            future = self._purge_pool.submit(self.purge_sync, trash)
+            future.add_done_callback(_log_purge_failure)
         self.reservations.drop(ticket.reservation)
         self.admission.leave(ticket.took_slot)
         ticket.took_slot = False
@@ -320,12 +326,21 @@ class StoreService:
         st = os.statvfs(self.store.root)
         return committed, st.f_bavail * st.f_frsize
 
+    #: Retired bytes a publication may leave on disk until its commit (``reserve``).
+    PURGE_AFTER_COMMIT_MAX_BYTES = 64 << 20
+
     async def reserve(self, key: str, need: int, wait_timeout: float = 0.0, *,
-                      defer_purge: bool = False) -> tuple[Reservation, list[Path]]:
+                      defer_purge: bool = False) -> tuple[Reservation, list[Path], bool]:
         """Reserve ``need`` bytes for a publication of ``key``, evicting LRU artifacts if needed:
-        (reservation, trash). ``defer_purge``: the evicted artifacts are only retired and their
-        trash returned; the caller must ``purge_sync`` it before it writes anything (saves a
-        thread hop per publication); otherwise it is purged here and the trash list is empty.
+        (reservation, trash, purge_after_commit). ``defer_purge``: the evicted artifacts are only
+        retired and their trash returned; the caller must ``purge_sync`` it before it writes
+        anything (saves a thread hop per publication), or, when ``purge_after_commit`` is True,
+        may instead delete it once its commit's ``artifacts/`` fsync made the retirement durable
+        (``Store.delete_retired``: saves a directory fsync). That is allowed only for at most
+        ``PURGE_AFTER_COMMIT_MAX_BYTES`` of trash and only when the filesystem keeps
+        ``min_free_bytes`` free with the trash still on it: the store limit counts committed and
+        reserved bytes (retired ones are neither), and the free-space floor then holds on the
+        disk itself. Without ``defer_purge`` the trash is purged here and the list is empty.
 
         When the request does not fit even after eviction but publications in flight hold
         reservations (their bytes will be committed, and become evictable once unused, or be
@@ -340,6 +355,7 @@ class StoreService:
                 usage = await self.usage()
                 shortfall = assess(self.policy, usage, need, key=key)
                 if shortfall:
+                    on_disk_free = usage.free_bytes  # with the retired bytes still on the disk
                     report = await self._evict_round(shortfall, exclude={key}, require_fit=True, defer=True)
                     # Sound without re-reading the disk: nothing but eviction (under this lock)
                     # takes bytes out of the snapshot, and the retired bytes are purged before
@@ -357,7 +373,7 @@ class StoreService:
                         reservation = self.reservations.add(key, need)
                         break
                 else:
-                    return self.reservations.add(key, need), []
+                    return self.reservations.add(key, need), [], False
             remaining = deadline - loop.time()
             if not in_flight or remaining <= 0:
                 raise error
@@ -370,14 +386,16 @@ class StoreService:
         # so the disk never holds more than committed + reserved bytes; meanwhile other
         # publications take the lock instead of queueing behind this directory fsync.
         if defer_purge:
-            return reservation, report.trash
+            late = bool(report.trash) and report.freed_bytes <= self.PURGE_AFTER_COMMIT_MAX_BYTES and (
+                on_disk_free - usage.unallocated_reserved_bytes - need >= self.policy.min_free_bytes)
+            return reservation, report.trash, late
         try:
             await self._purge(report.trash)
         except BaseException:
             self.reservations.drop(reservation)
             self._signal_room()
             raise
-        return reservation, []
+        return reservation, [], False
 
     # ------------------------------------------------------------------ eviction
     def _busy_keys(self) -> set[str]:
@@ -544,7 +562,7 @@ class StoreService:
         if not trash:
             return
         task = asyncio.get_running_loop().run_in_executor(
-            self._purge_pool, lambda: [self.store.purge(t) for t in trash])
+            self._purge_pool, self.store.delete_retired, list(trash))
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -717,3 +735,9 @@ class _FilesOnly:
                     st = os.lstat(path / name)
                     files.append(_FileId(st.st_dev, st.st_ino))
         self.files = tuple(files)
+
+
+def _log_purge_failure(future: concurrent.futures.Future[None]) -> None:
+    exc = future.exception()
+    if exc is not None:  # the bytes stay in tmp/ until the next start wipes it
+        log.error("deleting retired artifacts failed: %s", exc)

@@ -125,3 +125,46 @@ def test_concurrent_commits_share_directory_fsyncs_and_all_land(short_tmp: Path)
         assert 1 <= store._artifacts_sync.rounds <= 8
     with Store.open(short_tmp / "store") as reopened:  # every one validates after a restart
         assert len(reopened.artifacts()) == 8 and reopened.start_report == []
+
+
+def test_a_mark_is_covered_only_by_a_round_that_started_after_it_and_succeeded(
+        short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = GatedFsync(fail_call=2)
+    monkeypatch.setattr(store_io, "fsync", fake)
+    sync = GroupSync(short_tmp)
+    results: dict[str, object] = {}
+    first = _run(sync, results, "first")
+    assert fake.started.acquire(timeout=10)  # round 1 is in flight
+    mark = sync.mark()  # a rename made now may have missed round 1
+    fake.calls[0].set()
+    first.join(10)
+    assert not sync.covered(mark), "a round in flight at the mark must not cover it"
+    failing = _run(sync, results, "failing")
+    assert fake.started.acquire(timeout=10)
+    fake.calls[1].set()  # round 2 fails: still not covered
+    failing.join(10)
+    assert results["failing"] == errno.EIO and not sync.covered(mark)
+    ok = _run(sync, results, "ok")
+    assert fake.started.acquire(timeout=10)
+    fake.calls[2].set()
+    ok.join(10)
+    assert sync.covered(mark) and not sync.covered(sync.mark())
+
+
+def test_deleting_retired_artifacts_reuses_a_later_commits_fsync(short_tmp: Path) -> None:
+    spec = [TensorSpec("w", torch.float32, (64,))]
+    with Store.open(short_tmp / "store") as store:
+        for name in ("old-a", "old-b", "new"):
+            if name != "new":
+                store.commit(store.begin(ArtifactIdentity.simple(name), spec))
+        trash = [store.retire(ArtifactIdentity.simple(n).key) for n in ("old-a", "old-b")]
+        rounds = store._artifacts_sync.rounds
+        store.delete_retired(trash[:1])  # nothing synced since its retirement: one round here
+        assert store._artifacts_sync.rounds == rounds + 1 and not trash[0].exists()
+        store.commit(store.begin(ArtifactIdentity.simple("new"), spec))  # its install syncs artifacts/
+        rounds = store._artifacts_sync.rounds
+        store.delete_retired(trash[1:])  # covered by the commit's round: no fsync of its own
+        assert store._artifacts_sync.rounds == rounds and not trash[1].exists()
+        assert os.listdir(store.root / "tmp") == []
+    with Store.open(short_tmp / "store") as reopened:
+        assert [r.key for r in reopened.artifacts()] == [ArtifactIdentity.simple("new").key]
