@@ -382,14 +382,19 @@ def worker_lease_pool(spec: dict[str, Any]) -> dict[str, Any]:
         acquire_us: list[float] = []
         release_us: list[float] = []
         start = time.monotonic()
+        ping = phase.get("op") == "ping"
         for i in range(phase["cycles"]):
             if interval:  # paced (open loop): cycle i starts at its slot, or at once when late
                 common.wait_until(start + i * interval)
             t0 = clock()
-            lease = client.acquire(key)
-            t1 = clock()
-            lease.close()
-            t2 = clock()
+            if ping:  # the floor: one bare round trip on the same socket, answered inline
+                client._peer_exchange({"op": "ping"}, want_fds=False)
+                t1 = t2 = clock()
+            else:
+                lease = client.acquire(key)
+                t1 = clock()
+                lease.close()
+                t2 = clock()
             acquire_us.append(round((t1 - t0) / 1e3, 1))
             release_us.append(round((t2 - t1) / 1e3, 1))
         end = time.monotonic()
@@ -456,14 +461,18 @@ class ClientPool:
         proc.stdin.write(text + "\n")
         proc.stdin.flush()
 
-    def phase(self, key: str, clients: int, cycles: int, warmup: int, interval_ms: float = 0.0) -> dict[str, Any]:
+    def phase(self, key: str, clients: int, cycles: int, warmup: int, interval_ms: float = 0.0,
+              op: str = "lease") -> dict[str, Any]:
         """All of the first ``clients`` processes do ``cycles`` acquire+close cycles from one instant.
 
         Closed loop (back to back) by default; with ``interval_ms`` each client starts a cycle
-        every interval, the clients' phases spread evenly over it.
+        every interval, the clients' phases spread evenly over it. ``op="ping"``: a bare peer
+        round trip instead (no lease work on either side: the floor the machine sets for any
+        request/reply at that load; its "acquire" columns are the round trip).
         """
         procs = self.procs[:clients]
-        command = json.dumps({"key": key, "cycles": cycles, "warmup": warmup, "interval_ms": interval_ms})
+        command = json.dumps({"key": key, "cycles": cycles, "warmup": warmup, "interval_ms": interval_ms,
+                              "op": op})
         for proc in procs:
             self._send(proc, command)
         for proc in procs:
@@ -475,7 +484,7 @@ class ClientPool:
         acquire = [v / 1e3 for r in results for v in r["acquire_us"]]
         release = [v / 1e3 for r in results for v in r["release_us"]]
         span = max(r["end"] for r in results) - min(r["start"] for r in results)
-        return {"clients": clients, "cycles_per_client": cycles, "interval_ms": interval_ms,
+        return {"clients": clients, "cycles_per_client": cycles, "interval_ms": interval_ms, "op": op,
                 "acquire_ms": common.summarize(acquire), "release_ms": common.summarize(release),
                 "cycle_ms": common.summarize([a + b for a, b in zip(acquire, release, strict=True)]),
                 "cycles_per_s": len(acquire) / span if span > 0 else None, "span_s": span}
@@ -623,8 +632,13 @@ def run_all(args: argparse.Namespace, work: Path, results: dict[str, Any], clien
             for n in clients:
                 latency.append({"artifact": small, **pool.phase(small_key, n, cycles, warmup=5)})
             if args.paced_hz:
-                latency.append({"artifact": small, **pool.phase(small_key, max(clients), max(10, cycles // 2),
-                                                                 warmup=2, interval_ms=1e3 / args.paced_hz)})
+                # The paced lease phase between two paced bare round trips (the floor), so that
+                # the machine's wake-up and scheduling tail at this load is measured beside it.
+                paced = {"cycles": max(10, cycles // 2), "warmup": 2, "interval_ms": 1e3 / args.paced_hz}
+                floor = "bare round trip (peer ping)"
+                latency.append({"artifact": floor, **pool.phase(small_key, max(clients), **paced, op="ping")})
+                latency.append({"artifact": small, **pool.phase(small_key, max(clients), **paced)})
+                latency.append({"artifact": floor, **pool.phase(small_key, max(clients), **paced, op="ping")})
             if big_cycles:
                 for n in clients:
                     latency.append({"artifact": big, **pool.phase(key, n, big_cycles, warmup=2)})
@@ -771,6 +785,12 @@ def print_latency(results: dict[str, Any]) -> None:
                      f"{r['cycles_per_s']:,.0f}" if r["cycles_per_s"] else "-"])
     print(common.md_table(["artifact", "clients", "loop", "cycles", "acquire p50", "acquire p99", "acquire max",
                            "release p50", "release p99", "release max", "cycles/s"], rows))
+    floors = [r for r in results["lease_latency"] if r.get("op") == "ping"]
+    if floors:
+        worst = max(r["acquire_ms"]["p99"] for r in floors)
+        results["paced_floor_p99_ms"] = worst
+        print(f"\nFloor: a bare peer round trip (``ping``, no lease work) paced like the leases has p99 up to "
+              f"{worst:.2f} ms on this machine at this load; the lease p99 below is measured between them.")
     for r in results["lease_latency"]:
         if r["clients"] >= 32 and r["artifact"].startswith("small"):
             p99 = max(r["acquire_ms"]["p99"], r["release_ms"]["p99"])
