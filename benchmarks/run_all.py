@@ -56,7 +56,7 @@ def sections(size_mib: int, quick: bool, out: Path) -> dict[str, list[str]]:
         "startup": [f"{b}/startup.py", "--size-gib", f"{s / 1024:g}", "--workers", "1,2" if quick else "1,4"],
         "publish": [f"{b}/publish.py", "--size-gib", f"{s / 1024:g}", "--repeats", "2" if quick else "3"],
         "prewarm": [f"{b}/prewarm.py", "--size-gib", f"{max(0.25, 4 * s / 1024):g}"],
-        "churn": [f"{b}/churn.py", "--clients", "16" if quick else "64", "--ops", "50" if quick else "150",
+        "churn": [f"{b}/churn.py", "--clients", "16" if quick else "64", "--ops", "50" if quick else "100",
                   "--processes", "2" if quick else "4", "--rate", "200" if quick else "1000"],
         "load": [f"{b}/load.py", "--clients", "4" if quick else "16", "--ops", "50" if quick else "200",
                  "--processes", "2" if quick else "4"],
