@@ -45,7 +45,7 @@ def sections(size_mib: int, quick: bool, out: Path) -> dict[str, list[str]]:
     b = str(HERE)
     return {
         "warm_start": [f"{b}/warm_start.py", "--size-gib", f"{s / 1024:g}", "--tensors", "100",
-                       "--repeats", "2" if quick else "3", "--clients", "1,8" if quick else "1,32",
+                       "--repeats", "2", "--clients", "1,8" if quick else "1,32",
                        "--cycles", "30" if quick else "50", "--big-cycles", "3" if quick else "5"],
         "peers": [f"{b}/peers.py", "--size-mib", str(s), "--tensors", "100", "--repeats", "2" if quick else "3"],
         "scaling": [f"{b}/scaling.py", "--size-mib", str(s), "--tensors", "100",
