@@ -111,6 +111,33 @@ def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 
         time.sleep(interval)
 
 
+def rpc_error(daemon: DaemonProcess, token: str, method: str, request: Any) -> Any:
+    """The typed error (``HwrError``) that gRPC ``method`` answers ``request`` with in session ``token``."""
+    import grpc
+
+    from hwr.client.wire import SESSION_KEY, error_from_rpc
+    from hwr.protos.hwr.v1 import hwr_pb2_grpc
+
+    with grpc.insecure_channel(f"unix:{daemon.socket}") as channel:
+        try:
+            getattr(hwr_pb2_grpc.HostWeightRuntimeStub(channel), method)(
+                request, metadata=((SESSION_KEY, token),), timeout=20)
+        except grpc.RpcError as exc:
+            return error_from_rpc(exc)
+    raise AssertionError(f"{method} succeeded")
+
+
+def peer_error(client: Any, request: dict[str, Any]) -> Any:
+    """The typed error (``HwrError``) that the peer channel answers ``request`` with."""
+    import pytest
+
+    from hwr.client.errors import HwrError
+
+    with pytest.raises(HwrError) as caught:
+        client._peer_exchange(request, want_fds=True)
+    return caught.value
+
+
 def staging_entries(root: Path) -> list[str]:
     return sorted(os.listdir(root / "tmp"))
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Iterator
-from typing import Any
 
 import grpc
 import pytest
@@ -21,12 +20,12 @@ import torch
 
 from hwr.client import ArtifactIdentity, Client, connect
 from hwr.client.errors import ArtifactDenied, HwrError, ManifestCorrupt
-from hwr.client.wire import SESSION_KEY, error_from_rpc, recv_frame, send_frame
+from hwr.client.wire import recv_frame, send_frame
 from hwr.daemon.launcher import DaemonProcess
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
 from hwr.protos.hwr.v1 import hwr_pb2_grpc
 
-from .helpers import wait_until
+from .helpers import peer_error, rpc_error, wait_until
 
 TENSORS = {
     "w": torch.arange(4096, dtype=torch.float32).reshape(64, 64),
@@ -44,22 +43,6 @@ def leased(shared_hwrd: DaemonProcess) -> Iterator[tuple[DaemonProcess, Client, 
     with connect(shared_hwrd.socket, client_name="peer-lease-tests") as client:
         key = client.publish(ArtifactIdentity.simple("e2e/peer-leases"), TENSORS)
         yield shared_hwrd, client, key
-
-
-def _grpc_error(daemon: DaemonProcess, token: str, method: str, request: Any) -> HwrError:
-    with grpc.insecure_channel(f"unix:{daemon.socket}") as channel:
-        stub = hwr_pb2_grpc.HostWeightRuntimeStub(channel)
-        try:
-            getattr(stub, method)(request, metadata=((SESSION_KEY, token),), timeout=20)
-        except grpc.RpcError as exc:
-            return error_from_rpc(exc)
-    raise AssertionError(f"{method} succeeded")
-
-
-def _peer_error(client: Client, request: dict[str, Any]) -> HwrError:
-    with pytest.raises(HwrError) as caught:
-        client._peer_exchange(request, want_fds=True)
-    return caught.value
 
 
 def _assert_same(peer: HwrError, rpc: HwrError) -> None:
@@ -108,20 +91,20 @@ def test_typed_errors_on_the_peer_channel_equal_the_rpc_errors(leased) -> None:
              pb.AcquireRequest(artifact=pb.ArtifactRef(identity_json=b'{"not":"an identity"}'))),
         ]
         for peer_request, rpc_request in cases:
-            _assert_same(_peer_error(client, peer_request), _grpc_error(daemon, token, "Acquire", rpc_request))
+            _assert_same(peer_error(client, peer_request), rpc_error(daemon, token, "Acquire", rpc_request))
         # Releasing another session's lease: PERMISSION_DENIED on both paths.
         with publisher.acquire(key) as theirs:
-            _assert_same(_peer_error(client, {"op": "release", "lease_id": theirs.lease_id}),
-                         _grpc_error(daemon, token, "Release", pb.ReleaseRequest(lease_id=theirs.lease_id)))
+            _assert_same(peer_error(client, {"op": "release", "lease_id": theirs.lease_id}),
+                         rpc_error(daemon, token, "Release", pb.ReleaseRequest(lease_id=theirs.lease_id)))
         # A denied artifact: ARTIFACT_DENIED with the reason, on both paths, and from acquire().
         denied_key = publisher.publish(ArtifactIdentity.simple("e2e/peer-denied"), {"x": torch.ones(4)})
         with client.acquire(denied_key):
             pass  # cached as valid first: the deny must still win
         publisher.deny(denied_key, "peer test")
         try:
-            peer = _peer_error(client, {"op": "acquire", "key": denied_key})
+            peer = peer_error(client, {"op": "acquire", "key": denied_key})
             assert isinstance(peer, ArtifactDenied)
-            _assert_same(peer, _grpc_error(daemon, token, "Acquire",
+            _assert_same(peer, rpc_error(daemon, token, "Acquire",
                                            pb.AcquireRequest(artifact=pb.ArtifactRef(key=denied_key))))
             with pytest.raises(ArtifactDenied):
                 client.acquire(denied_key)

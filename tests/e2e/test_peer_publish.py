@@ -13,7 +13,6 @@ import threading
 import time
 from typing import Any
 
-import grpc
 import pytest
 import torch
 
@@ -21,34 +20,15 @@ from hwr.client import ArtifactIdentity, connect
 from hwr.client import publisher as publisher_mod
 from hwr.client.errors import ActiveBuildTimeout, HwrError, InvalidRequest, PermissionDeniedError
 from hwr.client.publisher import TensorSpec
-from hwr.client.wire import SESSION_KEY, error_from_rpc
-from hwr.daemon.launcher import DaemonProcess
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
-from hwr.protos.hwr.v1 import hwr_pb2_grpc
 
-from .helpers import wait_until
+from .helpers import peer_error, rpc_error, wait_until
 
 TENSORS = {"w": torch.arange(1024, dtype=torch.float32).reshape(32, 32), "b": torch.arange(9, dtype=torch.bfloat16)}
 
 
 def _identity(name: str) -> ArtifactIdentity:
     return ArtifactIdentity.simple(f"e2e/peer-publish/{name}")
-
-
-def _rpc_error(daemon: DaemonProcess, token: str, method: str, request: Any) -> HwrError:
-    with grpc.insecure_channel(f"unix:{daemon.socket}") as channel:
-        try:
-            getattr(hwr_pb2_grpc.HostWeightRuntimeStub(channel), method)(
-                request, metadata=((SESSION_KEY, token),), timeout=20)
-        except grpc.RpcError as exc:
-            return error_from_rpc(exc)
-    raise AssertionError(f"{method} succeeded")
-
-
-def _peer_error(client: Any, request: dict[str, Any]) -> HwrError:
-    with pytest.raises(HwrError) as caught:
-        client._peer_exchange(request, want_fds=True)
-    return caught.value
 
 
 @pytest.mark.timeout(60)
@@ -94,22 +74,22 @@ def test_peer_publication_errors_equal_the_rpc_errors_and_the_connection_stays_u
         token = client._token
         for fields, rpc_request in cases:
             request = {"op": "publish_begin", "identity": ident.decode(), **fields}
-            peer = _peer_error(client, request)
-            rpc = _rpc_error(shared_hwrd, token, "BeginPublication", rpc_request)
+            peer = peer_error(client, request)
+            rpc = rpc_error(shared_hwrd, token, "BeginPublication", rpc_request)
             assert (type(peer), peer.code, peer.message, peer.details) == \
                 (type(rpc), rpc.code, rpc.message, rpc.details), fields
         # Shapes JSON can carry but a proto cannot: typed errors, not a crash.
         for bad in ("not a list", [["w"]], [["w", "F32", [-1], "parameter", "weight"]],
                     [["w", "F32", [True], "parameter", "weight"]], [["w", "F32", [1], "weird", "weight"]],
                     [[7, "F32", [1], "parameter", "weight"]]):
-            assert isinstance(_peer_error(client, {"op": "publish_begin", "identity": ident.decode(),
+            assert isinstance(peer_error(client, {"op": "publish_begin", "identity": ident.decode(),
                                                    "tensors": bad}), InvalidRequest), bad
         # Commit or abort of a publication this session does not own: PERMISSION_DENIED on both.
-        peer = _peer_error(client, {"op": "publish_commit", "publication_id": "nope"})
-        rpc = _rpc_error(shared_hwrd, token, "CommitPublication", pb.CommitPublicationRequest(publication_id="nope"))
+        peer = peer_error(client, {"op": "publish_commit", "publication_id": "nope"})
+        rpc = rpc_error(shared_hwrd, token, "CommitPublication", pb.CommitPublicationRequest(publication_id="nope"))
         assert isinstance(peer, PermissionDeniedError) and (peer.code, peer.message) == (rpc.code, rpc.message)
-        assert isinstance(_peer_error(client, {"op": "publish_commit"}), InvalidRequest)
-        assert isinstance(_peer_error(client, {"op": "publish_commit", "publication_id": "x",
+        assert isinstance(peer_error(client, {"op": "publish_commit"}), InvalidRequest)
+        assert isinstance(peer_error(client, {"op": "publish_commit", "publication_id": "x",
                                                "expected_sha256": ["a"]}), InvalidRequest)
         # ... and the connection still serves.
         assert client._peer_exchange({"op": "ping"}, want_fds=False)[0] == {"ok": True}
