@@ -288,8 +288,12 @@ class StoreService:
     def finished(self, ticket: Ticket, committed: bool) -> None:
         if ticket.trash:  # not deleted by the commit (it failed, or the publication was aborted)
             trash, ticket.trash = list(ticket.trash), []
-            future = self._purge_pool.submit(self.purge_sync, trash)
-            future.add_done_callback(_log_purge_failure)
+            try:
+                future = self._purge_pool.submit(self.purge_sync, trash)
+            except RuntimeError:  # the pool is shut down (daemon stopping): the next start wipes tmp/
+                log.info("leaving %d retired artifacts in tmp/ for the next start", len(trash))
+            else:
+                future.add_done_callback(_log_purge_failure)
         self.reservations.drop(ticket.reservation)
         self.admission.leave(ticket.took_slot)
         ticket.took_slot = False

@@ -62,3 +62,42 @@ def test_a_commit_between_the_disk_read_and_the_reservation_drop_is_still_counte
     finally:
         store.close()
     assert size > 0 and counted >= size
+
+
+def test_retired_bytes_of_a_publication_that_never_commits_are_deleted_or_left_for_the_next_start(
+        tmp_path: Path) -> None:
+    """``finished`` deletes the trash a failed/aborted publication still holds (purge pool); once
+    the service is stopped it leaves it in ``tmp/`` (wiped at the next start) instead of raising."""
+    from hwr.daemon.capacity import Reservations
+    from hwr.daemon.store_service import Ticket
+
+    store = Store.open(tmp_path / "root")
+    config = SimpleNamespace(store_limit_bytes=0, artifact_limit_bytes=0, min_free_bytes=0,
+                             serialized_admission=False, mlock_budget_bytes=0, scrub_bandwidth_mib_s=0)
+    tensor = torch.ones(64)
+    for name in ("a", "b"):
+        staging = store.begin(ArtifactIdentity.simple(name), [TensorSpec("w", tensor.dtype, tuple(tensor.shape))])
+        write_tensor(staging, "w", tensor)
+        store.commit(staging)
+
+    async def scenario() -> tuple[list[str], list[str]]:
+        service = StoreService(config, store, Registry())
+        ledger = Reservations()
+        first = Ticket("k1", False, ledger.add("k1", 1), [store.retire(ArtifactIdentity.simple("a").key)], True)
+        service.reservations = ledger
+        service.finished(first, committed=False)
+        service._purge_pool.shutdown(wait=True)  # the deletion ran in the pool
+        after_first = sorted(p.name for p in (store.root / "tmp").iterdir())
+        second = Ticket("k2", False, ledger.add("k2", 1), [store.retire(ArtifactIdentity.simple("b").key)], True)
+        service.finished(second, committed=False)  # pool shut down: no exception, trash stays
+        service.journal.close()
+        return after_first, sorted(p.name for p in (store.root / "tmp").iterdir())
+
+    try:
+        after_first, after_second = asyncio.run(scenario())
+    finally:
+        store.close()
+    assert after_first == []
+    assert len(after_second) == 1 and ".removed." in after_second[0]
+    with Store.open(tmp_path / "root") as reopened:  # the next start wipes it
+        assert list((reopened.root / "tmp").iterdir()) == [] and reopened.artifacts() == []
