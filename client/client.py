@@ -154,20 +154,27 @@ class Client:
     def _peer_request(self, request: dict[str, Any], *, want_fds: bool) -> list[int]:
         return self._peer_exchange(request, want_fds=want_fds)[1]
 
-    def _peer_exchange(self, request: dict[str, Any], *, want_fds: bool) -> tuple[dict[str, Any], list[int], bytes]:
+    def _peer_exchange(self, request: dict[str, Any], *, want_fds: bool,
+                       timeout: float | None = None) -> tuple[dict[str, Any], list[int], bytes]:
         """One request/reply on the peer channel: (reply, descriptors, raw tail bytes).
 
         An error frame raises its typed error (descriptors closed); a broken channel raises
-        ``DaemonUnavailable``.
+        ``DaemonUnavailable``. ``timeout``: this exchange's bound instead of the connection's
+        (a timeout ends the connection, and with it the session: see below).
         """
         self._check_usable()
         with self._peer_lock:
             sock = self._peer
             if sock is None:
                 raise DaemonUnavailable("the client is closed")
+            usual = sock.gettimeout()
             try:
+                if timeout is not None:
+                    sock.settimeout(timeout)
                 sock.sendall(_frame(request))
                 reply, fds, tail = _recv_reply(sock, want_fds)
+                if timeout is not None:
+                    sock.settimeout(usual)
             except (ConnectionError, OSError) as exc:
                 # Half an exchange (a timeout, a reset) leaves the stream out of step: end this
                 # connection so no later request reads a stale reply (the watcher or the next
@@ -263,13 +270,13 @@ class Client:
             return self._peer_request({"op": "staging_fds", "publication_id": publication_id,
                                        "publication_token": token}, want_fds=True)
 
-        def peer(request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-            reply, fds, _tail = self._peer_exchange(request, want_fds=True)
+        def peer(request: dict[str, Any], timeout: float | None = None) -> tuple[dict[str, Any], list[int]]:
+            reply, fds, _tail = self._peer_exchange(request, want_fds=True, timeout=timeout)
             return reply, fds
 
-        def peer_begin(request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        def peer_begin(request: dict[str, Any], timeout: float | None = None) -> tuple[dict[str, Any], list[int]]:
             if request.get("op") != "publish_begin":
-                return peer(request)  # commit/abort belong to this session: never retried
+                return peer(request, timeout)  # commit/abort belong to this session: never retried
             failed = self._peer
             try:
                 return peer(request)

@@ -125,7 +125,7 @@ class Publisher:
         verify: bool,
         call_timeout: float = 30.0,
         format_metadata: Mapping[str, Any] | None = None,
-        peer: Callable[[dict[str, Any]], tuple[dict[str, Any], list[int]]] | None = None,
+        peer: Callable[..., tuple[dict[str, Any], list[int]]] | None = None,
     ) -> None:
         self._call = call
         self._call_timeout = call_timeout
@@ -252,8 +252,12 @@ class Publisher:
         nbytes = sum(p.nbytes for p in self._placements.values())
         try:
             if self._peer is not None:
+                # A peer exchange that times out ends the session (and with it this client's
+                # leases, until it reconnects): give the commit the RPC's deadline plus room to
+                # queue behind other commits in the daemon.
                 reply, _fds = self._peer({"op": "publish_commit", "publication_id": self._publication_id,
-                                          "expected_sha256": self._digests})
+                                          "expected_sha256": self._digests},
+                                         4 * self._call_timeout + nbytes / _COMMIT_BYTES_PER_S)
                 key, joined = str(reply.get("key")), bool(reply.get("joined"))
             else:
                 response = self._call("CommitPublication", pb.CommitPublicationRequest(

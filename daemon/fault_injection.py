@@ -9,13 +9,15 @@ store, publications and RPC layers see exactly the ``OSError`` the kernel would 
 
 The control file is JSON, re-read whenever it changes (the test rewrites it atomically)::
 
-    {"fail_at": N, "errno": "ENOSPC", "ops": ["fsync", ...], "clock_offset_s": 0.0, "log": PATH}
+    {"fail_at": N, "errno": "ENOSPC", "ops": ["fsync", ...], "clock_offset_s": 0.0, "slow_s": 0.0,
+     "log": PATH}
 
 - ``fail_at``: the N-th (1-based) wrapped call counted since the file last changed fails with
   ``errno`` (a name from ``errno``), once; 0 or absent: no failure. ``ops`` restricts which
   helpers count (default: all four).
 - ``log``: a file the daemon appends ``<n> <op> <FAILED|ok>`` lines to, one per counted call, so a
   test knows which step a fault hit and when the calls ran out (no fault fired).
+- ``slow_s``: every counted call sleeps that long first (a slow disk).
 - ``clock_offset_s``: added to ``time.time()`` (a wall-clock jump; ``time.monotonic`` and the event
   loop's clock are untouched, which is the point of the clock-jump tests).
 
@@ -84,6 +86,9 @@ class _Injector:
             if log:
                 with open(log, "a") as f:
                     f.write(f"{self._count} {op} {'FAILED' if fail else 'ok'}\n")
+        slow = float(rules.get("slow_s", 0.0) or 0.0)
+        if slow > 0:
+            time.sleep(slow)
         if fail:
             code = getattr(errno, str(rules.get("errno", "EIO")))
             raise OSError(code, f"{os.strerror(code)} (injected by {ENV})")

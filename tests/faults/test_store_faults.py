@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from hwr.client import ArtifactIdentity, connect
 from hwr.client.errors import HwrError, InsufficientCapacity, NoSpace, PublicationFailed, StoreIOError
@@ -234,3 +235,28 @@ def test_wall_clock_jumps_do_not_move_the_stalled_publication_deadline(spawn, fa
         staller.kill()
         staller.wait()
     tally("wall-clock jumps (+10 y, -10 y)", tried=2)
+
+
+def test_a_slow_disk_does_not_time_out_a_small_publication_on_the_peer_channel(spawn, fault_tmp: Path) -> None:
+    """A small publication commits over the peer channel; with every fsync slow its commit takes
+    longer than the client's connection timeout. The commit exchange has its own, longer bound,
+    so the publication lands and the session (with the client's other lease) survives: a timed-out
+    peer exchange would have ended the session and dropped that lease until a reconnect."""
+    control = Control(fault_tmp)
+    daemon = spawn(faults=control.path)
+    with connect(daemon.socket, timeout=1.0) as client:
+        held = client.acquire(publish(client, "slow-base", 1))
+        control.set(ops=["fsync"], slow_s=0.4)  # a commit runs about five fsyncs: ~2 s > 1 s
+        began = time.monotonic()
+        key = client.publish(ArtifactIdentity.simple("slow-disk"), {"w": torch.full((64,), 3.0)})
+        took = time.monotonic() - began
+        control.set()
+        assert took > 1.0, f"the fsyncs were not slowed ({took:.2f} s): the test proves nothing"
+        assert client._channel is None, "the publication must have used the peer channel"
+        assert client.reconnects == 0 and not held.closed
+        assert [x["lease_id"] for x in client.leases() if x["session_id"] == client.session_id] == [held.lease_id]
+        with client.acquire(key) as lease:
+            assert float(lease.tensors["w"][0]) == 3.0
+        held.close()
+    check_invariants(daemon)
+    tally("slow disk under a small peer publication", tried=1)
