@@ -36,17 +36,22 @@ if TYPE_CHECKING:
     from hwr.daemon.server import Daemon
     from hwr.daemon.sessions import LeaseRecord, Session
 
-__all__ = ["Leasing", "key_of"]
+__all__ = ["Leasing", "key_of", "parse_identity"]
+
+
+def parse_identity(data: bytes) -> ArtifactIdentity:
+    """Canonical identity JSON from a request -> the identity; ``IdentityError`` otherwise."""
+    try:
+        return ArtifactIdentity.from_canonical_bytes(data)
+    except RecursionError:
+        # json and the canonical walk recurse once per nesting level; a real identity has three.
+        raise IdentityError("identity JSON is nested too deeply") from None
 
 
 def key_of(*, key: str | None = None, identity_json: bytes | None = None) -> str:
     """The artifact key a reference names (a 64-hex key, or canonical identity JSON bytes)."""
     if identity_json is not None:
-        try:
-            return ArtifactIdentity.from_canonical_bytes(identity_json).key
-        except RecursionError:
-            # json and the canonical walk recurse once per nesting level; a real identity has three.
-            raise IdentityError("identity JSON is nested too deeply") from None
+        return parse_identity(identity_json).key
     if key is not None:
         if not is_key(key):
             raise InvalidRequest("key must be 64 lowercase hex digits", details={"field": "artifact.key"})
@@ -102,7 +107,7 @@ class Leasing:
         """The manifest's JSON bytes and their sha256 (hex), computed once per record."""
         cached = self._manifests.get(record.key)
         if cached is None or cached[0] is not record.manifest:
-            data = self.d.manifest_bytes(record)
+            data = record.manifest.to_json()
             cached = (record.manifest, data, hashlib.sha256(data).hexdigest())
             if len(self._manifests) > 4096:
                 self._manifests.clear()

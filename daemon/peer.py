@@ -58,7 +58,7 @@ import msgspec
 
 from hwr import __version__
 from hwr.client.errors import HwrError, InvalidRequest, PermissionDeniedError
-from hwr.client.wire import MAX_FRAME
+from hwr.client.wire import MAX_FRAME, close_fds
 from hwr.daemon.peercred import AllowList, peer_allowed, read_peercred
 from hwr.daemon.sessions import Registry, Session
 
@@ -191,19 +191,15 @@ class PeerServer:
         return reply, fds, b""
 
     async def _handle_later(self, session: Session, req: dict[str, Any]) -> tuple[dict[str, Any], list[int], bytes]:
+        """A request that awaits (a publication op, or an ``acquire`` that must validate or wait
+        out an eviction round); errors become error frames."""
         op = req.get("op")
-        if op in _PUBLISH_OPS:
-            try:
+        try:
+            if op in _PUBLISH_OPS:
                 if self._publishing is None:
                     raise PermissionDeniedError(f"peer operation {op!r} is not served here")
                 reply, fds = await getattr(self._publishing, _PUBLISH_OPS[op])(session, req)
                 return reply, fds, b""
-            except HwrError as exc:
-                return _error(exc), [], b""
-            except Exception:
-                log.exception("internal error in peer operation %s", op)
-                return _error(HwrError(f"internal error in peer operation {op}")), [], b""
-        try:
             key = _acquire_key(req)
             if self._leasing is None:
                 raise PermissionDeniedError("peer operation 'acquire' is not served here")
@@ -212,8 +208,8 @@ class PeerServer:
         except HwrError as exc:
             return _error(exc), [], b""
         except Exception:
-            log.exception("internal error in peer operation acquire")
-            return _error(HwrError("internal error in peer operation acquire")), [], b""
+            log.exception("internal error in peer operation %s", op)
+            return _error(HwrError(f"internal error in peer operation {op}")), [], b""
 
     def _acquired(self, session: Session, req: dict[str, Any], key: str, record: Any,
                   lease: Any) -> tuple[dict[str, Any], list[int], bytes]:
@@ -348,10 +344,10 @@ class _Connection(asyncio.Protocol):
             try:
                 sent = self._send_now(reply, fds, tail)
             except BaseException:
-                _close_fds(fds)
+                close_fds(fds)
                 raise
             if sent:
-                _close_fds(fds)
+                close_fds(fds)
             else:  # no room for the descriptors: wait for the client to read (it owns them now)
                 self._later(self._send_later(reply, fds, tail))
                 return
@@ -440,7 +436,7 @@ class _Connection(asyncio.Protocol):
             while not self._send_now(obj, fds, tail):
                 await asyncio.sleep(0.001)  # a client that stopped reading its replies
         finally:
-            _close_fds(fds)
+            close_fds(fds)
 
 
 def _acquire_key(req: dict[str, Any]) -> str:
@@ -454,12 +450,6 @@ def _acquire_key(req: dict[str, Any]) -> str:
     if key is not None and not isinstance(key, str):
         raise InvalidRequest("key must be 64 lowercase hex digits", details={"field": "artifact.key"})
     return key_of(key=key)
-
-
-def _close_fds(fds: list[int]) -> None:
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)
 
 
 def _str(req: dict[str, Any], name: str) -> str:

@@ -60,7 +60,8 @@ class PeerPublishing:
         self._open_staging_fds = open_staging_fds
 
     async def begin(self, session: Session, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        from hwr.daemon.servicer import _format_metadata, _identity, _specs
+        from hwr.daemon.leasing import parse_identity
+        from hwr.daemon.servicer import _format_metadata, _specs
 
         identity_text = req.get("identity")
         if not isinstance(identity_text, str):
@@ -72,7 +73,7 @@ class PeerPublishing:
         metadata = req.get("format_metadata", "")
         if not isinstance(metadata, str):
             raise InvalidRequest("format_metadata must be JSON text", details={"field": "format_metadata_json"})
-        identity = _identity(identity_text.encode())
+        identity = parse_identity(identity_text.encode())
         specs = _specs(_parse_tensors(req.get("tensors")))
         result = await self._publications.begin(
             session, identity, specs, wait_timeout=wait_ms / 1000.0,

@@ -71,7 +71,6 @@ class Daemon:
         self.publications: Publications
         self.checkpoints: Any = None  # hwr.daemon.checkpoints.Checkpoints, opened in start()
         self._allow: AllowList = daemon_allow_list(config.allow_uids, config.allow_gids)
-        self._manifest_cache: dict[str, tuple[Any, bytes]] = {}
         from hwr.daemon.leasing import Leasing
 
         self.leasing = Leasing(self)  # acquire/release for gRPC and the peer channel
@@ -202,11 +201,7 @@ class Daemon:
             raise
 
     def manifest_bytes(self, record: Any) -> bytes:
-        cached = self._manifest_cache.get(record.key)
-        if cached is None or cached[0] is not record.manifest:
-            cached = (record.manifest, record.manifest.to_json())
-            self._manifest_cache[record.key] = cached
-        return cached[1]
+        return self.leasing.manifest(record)[0]  # one cache for gRPC and the peer channel
 
     def metrics_acquire(self, seconds: float) -> None:
         self.acquire_count += 1

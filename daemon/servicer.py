@@ -16,9 +16,9 @@ import grpc
 
 from hwr import __version__
 from hwr.client.errors import ArtifactNotFound, IdentityError, InvalidRequest
-from hwr.client.identity import ArtifactIdentity, parse_canonical
+from hwr.client.identity import parse_canonical
 from hwr.client.wire import MAX_WAIT_TIMEOUT_MS
-from hwr.daemon.leasing import key_of
+from hwr.daemon.leasing import key_of, parse_identity
 from hwr.daemon.rpc_checkpoints import CheckpointsMixin
 from hwr.daemon.rpc_store_admin import StoreAdminRpc
 from hwr.daemon.rpc_support import rpc, session_of
@@ -89,7 +89,7 @@ class Servicer(StoreAdminRpc, CheckpointsMixin, hwr_pb2_grpc.HostWeightRuntimeSe
         self, request: pb.BeginPublicationRequest, context: Any
     ) -> pb.BeginPublicationResponse:
         session = self._session(context)
-        identity = _identity(bytes(request.identity_json))
+        identity = parse_identity(bytes(request.identity_json))
         specs = _specs(request.tensors)
         if request.wait_timeout_ms > MAX_WAIT_TIMEOUT_MS:
             raise InvalidRequest("wait_timeout_ms is out of range",
@@ -186,14 +186,6 @@ def _ref_key(ref: pb.ArtifactRef) -> str:
     if which == "identity_json":
         return key_of(identity_json=bytes(ref.identity_json))
     return key_of(key=ref.key if which == "key" else None)
-
-
-def _identity(data: bytes) -> ArtifactIdentity:
-    try:
-        return ArtifactIdentity.from_canonical_bytes(data)
-    except RecursionError:
-        # json and the canonical walk recurse once per nesting level; a real identity has three.
-        raise IdentityError("identity JSON is nested too deeply") from None
 
 
 def _specs(tensors: Any) -> list[Any]:

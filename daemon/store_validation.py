@@ -142,15 +142,29 @@ def record_for_commit(path: Path, key: str, manifest: Manifest, marker: ReadyMar
     and ``marker`` (no re-read: ``lstat`` fingerprints only). Only for the store's own commit,
     where the bytes were sealed in a private staging directory whose writer was proven gone;
     anything found on disk goes through ``inspect_artifact``."""
-    dir_st = os.lstat(path)
-    marker_st = os.lstat(path / READY_FILE)
-    documents = (fingerprint(str(path / READY_FILE), marker_st),
-                 fingerprint(str(path / MANIFEST_FILE), os.lstat(path / MANIFEST_FILE)))
-    payloads = tuple(fingerprint(str(path / f.name), os.lstat(path / f.name)) for f in manifest.files)
-    return ArtifactRecord(key=key, identity_bytes=manifest.identity_bytes, manifest=manifest, marker=marker,
-                          path=path, size_bytes=sum(f.size for f in manifest.files),
-                          created_at=marker_st.st_mtime, files=payloads,
-                          fingerprints=(fingerprint(str(path), dir_st), *documents, *payloads))
+    payloads = [fingerprint(str(path / f.name), os.lstat(path / f.name)) for f in manifest.files]
+    return _record(path, key, manifest, marker, os.lstat(path), os.lstat(path / READY_FILE),
+                   os.lstat(path / MANIFEST_FILE), payloads)
+
+
+def _record(path: Path, key: str, manifest: Manifest, marker: ReadyMarker, dir_st: os.stat_result,
+            marker_st: os.stat_result, manifest_st: os.stat_result, payloads: list[Fingerprint]) -> ArtifactRecord:
+    """The record of a validated artifact from its documents and the stats taken while checking."""
+    documents = (
+        fingerprint(str(path / READY_FILE), marker_st),
+        fingerprint(str(path / MANIFEST_FILE), manifest_st),
+    )
+    return ArtifactRecord(
+        key=key,
+        identity_bytes=manifest.identity_bytes,
+        manifest=manifest,
+        marker=marker,
+        path=path,
+        size_bytes=sum(f.size for f in manifest.files),
+        created_at=marker_st.st_mtime,
+        files=tuple(payloads),
+        fingerprints=(fingerprint(str(path), dir_st), *documents, *payloads),
+    )
 
 
 def inspect_artifact(path: Path, key: str, euid: int) -> ArtifactRecord:
@@ -203,18 +217,4 @@ def _inspect(path: Path, key: str, euid: int) -> ArtifactRecord:
         finally:
             os.close(fd)
         payloads.append(fingerprint(str(file_path), st))
-    documents = (
-        fingerprint(str(path / READY_FILE), marker_st),
-        fingerprint(str(path / MANIFEST_FILE), manifest_st),
-    )
-    return ArtifactRecord(
-        key=key,
-        identity_bytes=manifest.identity_bytes,
-        manifest=manifest,
-        marker=marker,
-        path=path,
-        size_bytes=sum(f.size for f in manifest.files),
-        created_at=marker_st.st_mtime,
-        files=tuple(payloads),
-        fingerprints=(fingerprint(str(path), dir_st), *documents, *payloads),
-    )
+    return _record(path, key, manifest, marker, dir_st, marker_st, manifest_st, payloads)
