@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -220,13 +220,13 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-def wait_until(deadline_monotonic: float) -> None:
-    """Sleep until ``time.monotonic()`` reaches the deadline (a barrier, or a paced loop's slot).
+def wait_until(deadline: float, clock: Callable[[], float] = time.monotonic) -> None:
+    """Sleep until ``clock()`` reaches the deadline (a barrier, or a paced loop's slot).
 
     No busy spin: with many clients on few cores spinning would steal the CPU being measured;
     the cost is the kernel's timer slack (tens of microseconds).
     """
-    left = deadline_monotonic - time.monotonic()
+    left = deadline - clock()
     while left > 0:
         time.sleep(left)
-        left = deadline_monotonic - time.monotonic()
+        left = deadline - clock()

@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import fmt_ms, freeze_startup_heap, hwrd, json_line, md_table, summarize
+from benchmarks.common import fmt_ms, freeze_startup_heap, hwrd, json_line, md_table, summarize, wait_until
 
 ELEMENTS = 1 << 14  # float32 elements per artifact (64 KiB)
 OPS = ("acquire", "release", "publish", "list")
@@ -63,7 +63,7 @@ def _client_loop(sock: str, seed: int, ops: int, keys: list[str], mix: dict[str,
     while done < ops:
         op = rng.choices(names, weights)[0]
         if interval:
-            wait_until_perf(slot)
+            wait_until(slot, time.perf_counter)
         try:
             if op == "acquire":
                 t0 = slot if interval else time.perf_counter()
@@ -94,14 +94,6 @@ def _client_loop(sock: str, seed: int, ops: int, keys: list[str], mix: dict[str,
     client.close()
     out["latencies"] = latencies
     out["errors"] = errors
-
-
-def wait_until_perf(deadline: float) -> None:
-    """Sleep until ``time.perf_counter()`` reaches ``deadline`` (no busy spin)."""
-    left = deadline - time.perf_counter()
-    while left > 0:
-        time.sleep(left)
-        left = deadline - time.perf_counter()
 
 
 def worker(sock: str, seed: int, sessions: int, ops: int, keys: list[str], mix: dict[str, float],

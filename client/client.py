@@ -34,7 +34,7 @@ import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 import msgspec
@@ -50,7 +50,7 @@ from hwr.client.errors import (
 from hwr.client.identity import ArtifactIdentity, is_key
 from hwr.client.manifest import Manifest
 from hwr.client.paths import default_socket, peer_path
-from hwr.client.wire import MAX_FRAME, SESSION_KEY, error_from_rpc, recv_frame, send_frame
+from hwr.client.wire import MAX_FRAME, SESSION_KEY, close_fds, error_from_rpc, recv_frame, send_frame
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
 from hwr.protos.hwr.v1 import hwr_pb2_grpc
 
@@ -62,6 +62,8 @@ if TYPE_CHECKING:  # torch is imported only by the calls that build tensors (hwr
     from hwr.client.publisher import Publisher, TensorSpec
 
 __all__ = ["Client", "connect"]
+
+R = TypeVar("R")
 
 _LIVE: weakref.WeakSet[Client] = weakref.WeakSet()
 STATE_NAMES = {pb.ARTIFACT_STATE_READY: "ready", pb.ARTIFACT_STATE_DENIED: "denied",
@@ -183,10 +185,23 @@ class Client:
                     sock.shutdown(socket.SHUT_RDWR)
                 raise DaemonUnavailable(f"peer channel to hwrd broke: {exc}") from None
         if not reply.get("ok"):
-            _close_fds(fds)
+            close_fds(fds)
             raise error_from_code(str(reply.get("code")), str(reply.get("message")),
                                   reply.get("details") or {})
         return reply, fds, tail
+
+    def _with_reconnect(self, exchange: Callable[[], R]) -> R:
+        """``exchange()`` on the peer channel; when the channel broke (a daemon restart ends the
+        session), reconnect once and run it again, as ``_call`` does for gRPC. Only for requests
+        that do not belong to the old session (acquire, publish_begin)."""
+        peer = self._peer
+        try:
+            return exchange()
+        except DaemonUnavailable:
+            if not (self.auto_reconnect and not self._closed and os.getpid() == self._pid):
+                raise
+            self.reconnect(failed_peer=peer)
+            return exchange()
 
     def _peer_acquire(self, key: str, identity: bytes | None = None) -> tuple[str, str, Manifest, list[int]]:
         """The peer channel's ``acquire`` of ``key`` (sent as ``identity``, its canonical bytes,
@@ -217,7 +232,7 @@ class Client:
                     raise DaemonUnavailable("hwrd omitted a manifest this process does not hold")
                 manifest = cached[1]
         except BaseException:
-            _close_fds(fds)
+            close_fds(fds)
             if "lease_id" in reply:
                 with contextlib.suppress(HwrError):
                     self._peer_exchange({"op": "release", "lease_id": str(reply["lease_id"])},
@@ -238,15 +253,7 @@ class Client:
             raise InvalidRequest("acquire takes an ArtifactIdentity or a 64-hex key")
         # ``timeout`` is kept for compatibility: the exchange is bounded by the peer socket's
         # timeout (``connect(timeout=)``); on expiry the connection is replaced (see _peer_exchange).
-        peer = self._peer
-        try:
-            lease_id, key, manifest, fds = self._peer_acquire(key, identity)
-        except DaemonUnavailable:
-            # As ``_call`` does for gRPC: a daemon restart ends the session; reconnect once.
-            if not (self.auto_reconnect and not self._closed and os.getpid() == self._pid):
-                raise
-            self.reconnect(failed_peer=peer)
-            lease_id, key, manifest, fds = self._peer_acquire(key, identity)
+        lease_id, key, manifest, fds = self._with_reconnect(lambda: self._peer_acquire(key, identity))
         from hwr.client.lease import Lease
 
         # Lease owns the descriptors from here (closes them, and releases the lease on failure).
@@ -277,14 +284,7 @@ class Client:
         def peer_begin(request: dict[str, Any], timeout: float | None = None) -> tuple[dict[str, Any], list[int]]:
             if request.get("op") != "publish_begin":
                 return peer(request, timeout)  # commit/abort belong to this session: never retried
-            failed = self._peer
-            try:
-                return peer(request)
-            except DaemonUnavailable:  # as ``acquire`` does: a daemon restart ends the session
-                if not (self.auto_reconnect and not self._closed and os.getpid() == self._pid):
-                    raise
-                self.reconnect(failed_peer=failed)
-                return peer(request)
+            return self._with_reconnect(lambda: peer(request))
 
         from hwr.client.publisher import Publisher
 
@@ -526,7 +526,7 @@ class Client:
             try:
                 same = tuple((st.st_dev, st.st_ino) for st in map(os.fstat, fds)) == files
             finally:
-                _close_fds(fds)
+                close_fds(fds)
             if same:
                 lease._lease_id = lease_id  # the client owns its leases' binding
                 reattached += 1
@@ -635,12 +635,6 @@ def _open_session(socket_path: Path, timeout: float,
     return peer, hello
 
 
-def _close_fds(fds: list[int]) -> None:
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-
-
 def _open_peer(socket_path: Path, timeout: float) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
@@ -686,7 +680,7 @@ def _recv_reply(sock: socket.socket, want_fds: bool) -> tuple[dict[str, Any], li
                 arr.frombytes(payload[: len(payload) - len(payload) % arr.itemsize])
                 fds.extend(arr)
         if flags & socket.MSG_CTRUNC:
-            _close_fds(fds)
+            close_fds(fds)
             raise ConnectionError("hwrd sent more descriptors than one message can carry")
     else:
         data = sock.recv(1 << 16)
@@ -713,7 +707,7 @@ def _recv_reply(sock: socket.socket, want_fds: bool) -> tuple[dict[str, Any], li
         if len(buf) != end + n:
             raise ConnectionError("unexpected bytes after a peer reply")
     except BaseException:
-        _close_fds(fds)
+        close_fds(fds)
         raise
     return reply, fds, bytes(buf[end:]) if n else b""
 

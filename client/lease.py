@@ -44,6 +44,7 @@ from hwr.client.carrier import MappedRegion
 from hwr.client.errors import HwrError, LeaseClosed, ManifestCorrupt
 from hwr.client.manifest import Manifest
 from hwr.client.safetensors_header import dtype_by_torch_name, read_header
+from hwr.client.wire import close_fds
 
 __all__ = ["Lease", "MappedLease"]
 
@@ -89,9 +90,7 @@ class MappedLease:
             self._tell_daemon()
             raise
         finally:
-            for fd in fds:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            close_fds(fds)
         self._regions = tuple(regions)
         self._view = MappingProxyType(self._tensors)
 

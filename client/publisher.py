@@ -38,7 +38,7 @@ from hwr.client.errors import (
 )
 from hwr.client.identity import ArtifactIdentity, canonical_json
 from hwr.client.safetensors_header import DTYPES
-from hwr.client.wire import MAX_WAIT_TIMEOUT_MS
+from hwr.client.wire import MAX_WAIT_TIMEOUT_MS, close_fds
 from hwr.client.writeback import start_writeback
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
 
@@ -82,15 +82,11 @@ class _Placement:
 
 def _checked_fds(fds: list[int], count: int) -> list[int]:
     if len(fds) != count:
-        _close(fds)
+        close_fds(fds)
         raise PublicationFailed(f"hwrd sent {len(fds)} staging descriptors, expected {count}")
     return fds
 
 
-def _close(fds: list[int]) -> None:
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)
 
 
 def specs_for(tensors: dict[str, torch.Tensor], buffers: Sequence[str] = ()) -> list[TensorSpec]:
@@ -180,7 +176,7 @@ class Publisher:
             return (outcome, str(reply["key"]), str(reply["publication_id"]), placements,
                     _checked_fds(fds, len(reply["files"])))
         except (KeyError, TypeError, ValueError):
-            _close(fds)
+            close_fds(fds)
             raise PublicationFailed("malformed publish_begin reply from hwrd") from None
 
     def _begin_rpc(self, identity: ArtifactIdentity, specs: Sequence[TensorSpec], wait_timeout: float,
@@ -285,9 +281,7 @@ class Publisher:
 
     def _close_fds(self) -> None:
         fds, self._fds = self._fds, []
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        close_fds(fds)
 
     def __enter__(self) -> Publisher:
         return self

@@ -23,6 +23,7 @@ import json
 import os
 import socket
 import struct
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -37,6 +38,7 @@ __all__ = [
     "MAX_WAIT_TIMEOUT_MS",
     "SESSION_KEY",
     "STATUS_BY_CODE",
+    "close_fds",
     "encode_frame",
     "error_from_rpc",
     "recv_frame",
@@ -149,23 +151,23 @@ def recv_frame(sock: socket.socket, *, want_fds: bool = False) -> tuple[dict[str
                 fdarr.frombytes(data[: len(data) - (len(data) % fdarr.itemsize)])
         fds = list(fdarr)
         if not msg:
-            _close_all(fds)
+            close_fds(fds)
             raise ConnectionError("peer channel closed")
         head = msg + _recv_exact(sock, _LEN.size - 1, fds)
     else:
         head = _recv_exact(sock, _LEN.size, fds)
     (length,) = _LEN.unpack(head)
     if length > MAX_FRAME:
-        _close_all(fds)
+        close_fds(fds)
         raise ConnectionError("peer frame too large")
     body = _recv_exact(sock, length, fds)
     try:
         obj = json.loads(body)
     except ValueError as exc:
-        _close_all(fds)
+        close_fds(fds)
         raise ConnectionError("malformed peer frame") from exc
     if not isinstance(obj, dict):
-        _close_all(fds)
+        close_fds(fds)
         raise ConnectionError("malformed peer frame")
     return obj, fds
 
@@ -175,14 +177,15 @@ def _recv_exact(sock: socket.socket, n: int, fds: list[int]) -> bytes:
     while n:
         chunk = sock.recv(n)
         if not chunk:
-            _close_all(fds)
+            close_fds(fds)
             raise ConnectionError("peer channel closed")
         chunks.append(chunk)
         n -= len(chunk)
     return b"".join(chunks)
 
 
-def _close_all(fds: list[int]) -> None:
+def close_fds(fds: Sequence[int]) -> None:
+    """Close every descriptor, ignoring ones already closed (error and cleanup paths)."""
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)

@@ -142,14 +142,10 @@ class Publications:
             if self._gate is not None:
                 pub.ticket = await self._gate.admit(key, specs, deadline - loop.time())
             ticket = pub.ticket
-            trash = ticket.trash if ticket is not None and not ticket.purge_after_commit else []
-            purge = self._gate.purge_sync if self._gate is not None else None
 
             def stage() -> Any:  # one worker hop: free the evicted bytes, then stage
-                if trash and purge is not None:
-                    trash_now = list(trash)
-                    trash.clear()
-                    purge(trash_now)
+                if ticket is not None and not ticket.purge_after_commit:
+                    self._gate.purge_sync(ticket.take_trash())
                 return self._store.begin(identity, specs, format_metadata=format_metadata)
 
             pub.staging = await loop.run_in_executor(self._commit_pool, stage)
@@ -215,10 +211,9 @@ class Publications:
             record = self._store.commit(
                 pub.staging, expected_tensor_sha256=dict(expected) or None, trusted_digests=trusted_digests)
             ticket = pub.ticket
-            if ticket is not None and ticket.purge_after_commit and ticket.trash:
+            if ticket is not None and ticket.purge_after_commit:
                 # The commit's artifacts/ fsync started after these were retired: delete now.
-                trash, ticket.trash = list(ticket.trash), []
-                self._store.delete_retired(trash)
+                self._gate.purge_sync(ticket.take_trash())
             return True, (existed, record)
 
         try:

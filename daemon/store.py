@@ -629,11 +629,11 @@ class Store:
 
     def remove(self, key: str) -> None:
         """Delete the artifact (moved into ``tmp/`` first, so a crash never leaves half of it)."""
-        self.purge(self.retire(key))
+        self.delete_retired([self.retire(key)])
 
     def retire(self, key: str) -> Path:
         """Move the artifact out of ``artifacts/`` into a trash directory in ``tmp/`` (fast, no
-        fsync); its bytes stay on disk until ``purge``. Trash left by a crash is wiped at start
+        fsync); its bytes stay on disk until ``delete_retired``. Trash left by a crash is wiped at start
         and by ``reclaim_stale_staging``."""
         _check_key(key)
         with self._key_lock(key):
@@ -653,32 +653,22 @@ class Store:
             return trash
 
     def delete_retired(self, trash: Sequence[Path]) -> None:
-        """``purge`` for several retirements, skipping the ``artifacts/`` fsync when one that
-        started after every retirement has already completed (typically the caller's own commit
-        ran it): deleting before the retirement is durable could let a crash bring back a
-        half-deleted artifact, so without such a round it runs one."""
+        """Make ``retire``s durable (fsync ``artifacts/``), then delete the trash's files. The
+        fsync is skipped when one that started after every retirement has already completed
+        (typically the caller's own commit ran it): deleting before the retirement is durable
+        could let a crash bring back a half-deleted artifact, so without such a round it runs one."""
         with self._mutex:
             marks = [self._retired_marks.pop(path, -1) for path in trash]
         if trash and not all(mark >= 0 and self._artifacts_sync.covered(mark) for mark in marks):
             try:
                 self._artifacts_sync.sync()
             except OSError as exc:
-                for path in trash:
+                for path in trash:  # the bytes go even so: only the renames' durability failed
                     store_io.remove_tree(path)
                 raise store_io.io_error(exc, "remove") from None
         for path in trash:
             store_io.remove_tree(path)
 
-    def purge(self, trash: Path) -> None:
-        """Make a ``retire`` durable (fsync ``artifacts/``), then delete the trash's files."""
-        with self._mutex:
-            self._retired_marks.pop(trash, None)
-        try:
-            self._artifacts_sync.sync()
-        except OSError as exc:
-            store_io.remove_tree(trash)  # the bytes go even so: only the rename's durability failed
-            raise store_io.io_error(exc, "remove") from None
-        store_io.remove_tree(trash)
 
     def _deny_for(self, key: str, exc: HwrError) -> None:
         with self._mutex:

@@ -108,7 +108,7 @@ class GroupSync:
     rename survives a crash is decided by the journal, not by who fsyncs: before the round it may
     or may not be durable, and either outcome is a complete artifact or none. Group commit only
     changes WHEN the caller learns it is durable; no caller is told before its own round ends.
-    The same holds for retirements (rename out of ``artifacts/``) that ``purge`` makes durable.
+    The same holds for retirements (rename out of ``artifacts/``) that ``Store.delete_retired`` makes durable.
 
     Limits: a failed round fails every caller it covered (none retries: after a failed fsync the
     page state is unknown, so a retry that "succeeds" would prove nothing); thread-safe, not
@@ -192,12 +192,10 @@ class _Round:
 
 
 def write_new_file(path: Path, data: bytes, *, mode: int = 0o444) -> None:
-    """Create ``path`` exclusively, write ``data``, fsync, then drop write permission."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    """Create ``path`` exclusively, write ``data``, drop write permission, fsync."""
+    fd = create_file(path, data, mode=mode)
     try:
-        pwrite_all(fd, data, 0)
         fsync(fd)
-        os.fchmod(fd, mode)
     finally:
         os.close(fd)
 

@@ -11,12 +11,13 @@ Eviction protocol (one round, under the capacity lock)::
        keys never leased (nobody can map them) and for keys a scan found unmapped that nobody
        acquired since (per-key lease generation, ``UNMAPPED_TTL_S``): see ``_needs_scan``
     4. plan = LRU candidates not mapped, until the shortfall is covered
-    5. remove the planned keys in one worker-thread batch (no lease can have appeared: step 2),
-       unmark everything. For a publication's reservation the keys are only *retired* (renamed
-       into tmp/ trash) under the lock; the reservation stands in for their bytes and the
-       publication purges them (directory fsync + delete) after the lock, before its staging
-       exists, so other publications do not queue behind that fsync and the disk never holds
-       more than committed + reserved bytes.
+    5. remove the planned keys (no lease can have appeared: step 2), unmark everything. For a
+       publication's reservation the keys are only *retired* (renamed into tmp/ trash, on the
+       loop) under the lock; the reservation stands in for their bytes and the publication
+       deletes them after the lock, so other publications do not queue behind a directory
+       fsync: before its staging exists (the disk then never holds more than committed +
+       reserved bytes), or, for a little trash on a disk that keeps its free-space floor with
+       it, after its own commit's ``artifacts/`` fsync (``StoreService.reserve``).
 
 Usage snapshots read the reservations before the disk (see ``usage``): the other order missed a
 commit landing in between and let concurrent publications overshoot the store limit.
@@ -110,6 +111,11 @@ class Ticket:
     #: or, when ``purge_after_commit``, delete them after its commit (see ``reserve``).
     trash: list[Path] = field(default_factory=list)
     purge_after_commit: bool = False
+
+    def take_trash(self) -> list[Path]:
+        """The trash not yet deleted, handed over once (the next call returns an empty list)."""
+        trash, self.trash = self.trash, []
+        return trash
 
 
 @dataclass
@@ -271,7 +277,7 @@ class StoreService:
         need = sum(p.size for p in plan_payloads(list(specs)))
         took = await self.admission.enter(key, wait_timeout)
         try:
-            reservation, trash, late = await self.reserve(key, need, wait_timeout, defer_purge=True)
+            reservation, trash, late = await self.reserve(key, need, wait_timeout)
         except BaseException:
             self.admission.leave(took)
             raise
@@ -286,8 +292,8 @@ class StoreService:
         self.reservations.mark_allocated(ticket.reservation)
 
     def finished(self, ticket: Ticket, committed: bool) -> None:
-        if ticket.trash:  # not deleted by the commit (it failed, or the publication was aborted)
-            trash, ticket.trash = list(ticket.trash), []
+        trash = ticket.take_trash()  # not deleted by the commit (it failed, or was aborted)
+        if trash:
             try:
                 future = self._purge_pool.submit(self.purge_sync, trash)
             except RuntimeError:  # the pool is shut down (daemon stopping): the next start wipes tmp/
@@ -333,18 +339,17 @@ class StoreService:
     #: Retired bytes a publication may leave on disk until its commit (``reserve``).
     PURGE_AFTER_COMMIT_MAX_BYTES = 64 << 20
 
-    async def reserve(self, key: str, need: int, wait_timeout: float = 0.0, *,
-                      defer_purge: bool = False) -> tuple[Reservation, list[Path], bool]:
+    async def reserve(self, key: str, need: int, wait_timeout: float = 0.0) -> tuple[Reservation, list[Path], bool]:
         """Reserve ``need`` bytes for a publication of ``key``, evicting LRU artifacts if needed:
-        (reservation, trash, purge_after_commit). ``defer_purge``: the evicted artifacts are only
-        retired and their trash returned; the caller must ``purge_sync`` it before it writes
-        anything (saves a thread hop per publication), or, when ``purge_after_commit`` is True,
-        may instead delete it once its commit's ``artifacts/`` fsync made the retirement durable
+        (reservation, trash, purge_after_commit). The evicted artifacts are only retired here and
+        their trash returned; the caller must ``purge_sync`` it before it writes anything (in the
+        same worker hop as its staging), or, when ``purge_after_commit`` is True, may instead
+        delete it once its commit's ``artifacts/`` fsync made the retirement durable
         (``Store.delete_retired``: saves a directory fsync). That is allowed only for at most
         ``PURGE_AFTER_COMMIT_MAX_BYTES`` of trash and only when the filesystem keeps
         ``min_free_bytes`` free with the trash still on it: the store limit counts committed and
         reserved bytes (retired ones are neither), and the free-space floor then holds on the
-        disk itself. Without ``defer_purge`` the trash is purged here and the list is empty.
+        disk itself.
 
         When the request does not fit even after eviction but publications in flight hold
         reservations (their bytes will be committed, and become evictable once unused, or be
@@ -385,21 +390,13 @@ class StoreService:
                 await asyncio.wait_for(room.wait(), remaining)
             except TimeoutError:
                 raise error from None
-        # Outside the lock: the reservation stands in for the retired artifacts' bytes (they were
-        # taken out of the committed count), and the staging is created only after they are gone,
-        # so the disk never holds more than committed + reserved bytes; meanwhile other
-        # publications take the lock instead of queueing behind this directory fsync.
-        if defer_purge:
-            late = bool(report.trash) and report.freed_bytes <= self.PURGE_AFTER_COMMIT_MAX_BYTES and (
-                on_disk_free - usage.unallocated_reserved_bytes - need >= self.policy.min_free_bytes)
-            return reservation, report.trash, late
-        try:
-            await self._purge(report.trash)
-        except BaseException:
-            self.reservations.drop(reservation)
-            self._signal_room()
-            raise
-        return reservation, [], False
+        # The reservation stands in for the retired artifacts' bytes (they were taken out of the
+        # committed count); the caller deletes them before its staging exists, or after its
+        # commit when the disk's floor holds with them on it (see the docstring), so other
+        # publications take the lock meanwhile instead of queueing behind a directory fsync.
+        late = bool(report.trash) and report.freed_bytes <= self.PURGE_AFTER_COMMIT_MAX_BYTES and (
+            on_disk_free - usage.unallocated_reserved_bytes - need >= self.policy.min_free_bytes)
+        return reservation, report.trash, late
 
     # ------------------------------------------------------------------ eviction
     def _busy_keys(self) -> set[str]:

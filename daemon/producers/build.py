@@ -22,14 +22,14 @@ States of one rank's build::
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from hwr.client.identity import ArtifactIdentity, SourceIdentity
+from hwr.client.wire import close_fds
 from hwr.daemon.checkpoints import Checkpoint, Checkpoints
 from hwr.daemon.producers import Producer, SourceTensor
 from hwr.daemon.producers.runner import run_job
@@ -95,14 +95,14 @@ async def build_rank(
         try:
             done = await run_job(job, fds, timeout=timeout, on_progress=on_progress, then_spare=prepare_next)
         finally:
-            _close(fds)
+            close_fds(fds)
             fds = []
         # The producer's digests (trusted: daemon-owned code, see ProducerDigests) spare the
         # commit a second read and hash of every byte; without them the commit hashes.
         record, _existed = await publications.commit_publication(
             pub, {}, trusted_digests=ProducerDigests.parse(done.get("digests")))
     except BaseException:
-        _close(fds)
+        close_fds(fds)
         # shield: a cancelled build still removes its staging before the cancellation propagates.
         await asyncio.shield(publications.abort_publication(pub))
         raise
@@ -131,7 +131,7 @@ def _job(checkpoints: Checkpoints, ckpt: Checkpoint, producer: Producer, rank: i
         }
         return job, fds
     except BaseException:
-        _close(fds)
+        close_fds(fds)
         raise
 
 
@@ -139,7 +139,3 @@ def _fp(fp: Any) -> list[int]:
     return [fp.size, fp.device, fp.inode, fp.mtime_ns, fp.ctime_ns]
 
 
-def _close(fds: Sequence[int]) -> None:
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)

@@ -339,7 +339,7 @@ def test_a_lookup_racing_a_removal_or_a_quarantine_reports_the_artifact_state(st
     answer with what the artifact is now (gone, or denied), never a raw I/O error."""
     store.publish(IDENTITY, _tensors())
     record = store.lookup(IDENTITY.key)
-    store.purge(store.retire(IDENTITY.key))  # evicted between lookup and open
+    store.delete_retired([store.retire(IDENTITY.key)])  # evicted between lookup and open
     with pytest.raises(ArtifactNotFound):
         store.open_payloads(record)
     store.publish(IDENTITY, _tensors())
