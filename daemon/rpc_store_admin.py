@@ -124,8 +124,8 @@ class StoreAdminRpc:
     async def GetStoreUsage(self, request: pb.GetStoreUsageRequest, context: Any) -> pb.GetStoreUsageResponse:
         session_of(self.d, context)
         svc = self.d.store_service
+        sizes = await asyncio.to_thread(self.d.store.rescan_usage)  # the disk's truth for an operator
         usage = await svc.usage()
-        sizes = await asyncio.to_thread(self.d.store.usage_by_key)
         pinned = svc.pins.keys()
         return pb.GetStoreUsageResponse(
             store_bytes=usage.committed_bytes, reserved_bytes=usage.reserved_bytes,

@@ -5,7 +5,6 @@ Layout (the same names as vLLM-Omni 0.30, so one of its roots can be adopted)::
     <root>/domain.json                 schema_version, domain_uuid, scope, domain_id, backend,
                                        storage_class, filesystem_type
     <root>/locks/daemon.lock           flock held for the Store's life (one daemon per root)
-    <root>/locks/<key>.artifact        flock serialising commits of one key
     <root>/artifacts/<key>/            READY.json, manifest.json, *.safetensors (dir 0555, files 0444)
     <root>/tmp/<key>.<pid>.<uuid>/     staging (and trash being deleted); wiped at every start
     <root>/quarantine/<key>.<reason>.<uuid>/   corrupt artifacts moved aside for inspection
@@ -32,6 +31,15 @@ Limits: a writer that keeps its ``O_RDWR`` descriptor after commit can still wri
 cannot revoke it); such a write changes mtime/ctime and is caught at the next lookup, to the
 filesystem's timestamp granularity, and always by ``verify``. Thread-safe; not fork-safe (a child
 must not use its parent's Store).
+
+Usage accounting: the payload bytes of every ``artifacts/`` entry are kept in memory
+(``usage_by_key``, ``committed_bytes``: no directory listing on the event loop, where a
+``listdir`` of ``artifacts/`` waits on the directory lock behind commits' renames). Every move
+into or out of ``artifacts/`` made here updates it right after the rename: an entry is counted
+from the end of its rename in (the publication's reservation covers it until its commit returns)
+until the end of its rename out. Changes made behind the daemon's back are found by
+``rescan_usage`` (the daemon runs it at every housekeeping tick, and before admin usage
+reports) and logged. No lock is held across a rename (see ``_moved``).
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import threading
 import uuid
@@ -81,6 +90,8 @@ __all__ = [
     "Store",
     "TensorSpec",
 ]
+
+log = logging.getLogger("hwrd.store")
 
 #: Test hook called with each publication step name (see the module docstring).
 FAULT_HOOK: Callable[[str], None] | None = None
@@ -128,6 +139,18 @@ class Store:
         # Commits and retirements rename entries of artifacts/; they share its fsyncs (GroupSync).
         self._artifacts_sync = store_io.GroupSync(root / "artifacts")
         self._retired_marks: dict[Path, int] = {}  # trash -> GroupSync mark taken after its retire
+        # Payload bytes per artifacts/ entry (see "Usage accounting"). Written under
+        # _usage_lock, held only for in-memory updates (never across a syscall: the event loop
+        # retires inline, and a lock whose holder waits for the GIL after a rename stalls it);
+        # read without it (a dict copy is atomic under the GIL). _moving: keys whose rename is
+        # under way; _touched: keys moved or moving since a rescan began listing (None between
+        # rescans), for which the rescan keeps the in-memory state (see ``_moved``).
+        self._usage_lock = threading.Lock()
+        self._scan_lock = threading.Lock()
+        self._moving: set[str] = set()
+        self._touched: set[str] | None = None
+        self._key_locks: dict[str, list[Any]] = {}  # key -> [lock, holders and waiters]
+        self._sizes: dict[str, int] = {}
 
     # ----------------------------------------------------------------- lifecycle
     @classmethod
@@ -167,6 +190,10 @@ class Store:
         os.ftruncate(self._lock_fd, 0)  # type: ignore[arg-type]
         os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)  # type: ignore[arg-type]
         ensure_domain(self.root, self.filesystem_type)
+        for entry in os.listdir(self.root / "locks"):  # per-key lock files of earlier versions
+            if entry.endswith(".artifact") and is_key(entry.removesuffix(".artifact")):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.root / "locks" / entry)
         for entry in os.listdir(self.root / "tmp"):
             store_io.remove_tree(self.root / "tmp" / entry)
         for entry in os.listdir(self.root / "deny"):
@@ -190,6 +217,7 @@ class Store:
                 self.start_report.append((entry, exc))
             except StoreIOError as exc:
                 self.start_report.append((entry, exc))
+        self._sizes = self._scan_sizes()
 
     def _finish_interrupted_publication(self, path: Path) -> None:
         # A crash between the rename and the chmod leaves a complete artifact at the staging
@@ -402,7 +430,8 @@ class Store:
                         return existing  # joined: another publisher committed the same bytes first
                     raise IdentityCollision(f"artifact {key} exists with different content", details={"key": key})
                 self._quarantine_path(target, "replaced", key)
-            store_io.rename(staging.path, target)
+            with self._moved(key, sum(f.size for f in manifest.files)):
+                store_io.rename(staging.path, target)
             _step("renamed")
             os.chmod(target, 0o555)
             self._artifacts_sync.sync()  # group commit: see store_io.GroupSync for the ordering
@@ -424,18 +453,22 @@ class Store:
 
     @contextlib.contextmanager
     def _key_lock(self, key: str):  # type: ignore[no-untyped-def]
-        # A fresh open file description per acquisition: flock then excludes other threads of
-        # this process as well as other processes.
-        fd = os.open(
-            self.root / "locks" / f"{key}.artifact",
-            os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-            0o600,
-        )
+        # In memory: one process owns the root (locks/daemon.lock), so only its threads can
+        # race on a key. (Earlier versions flocked a locks/<key>.artifact file: one inode
+        # created per key ever published, never removed; ``_start`` deletes those.)
+        with self._mutex:
+            entry = self._key_locks.get(key)
+            if entry is None:
+                entry = self._key_locks[key] = [threading.Lock(), 0]
+            entry[1] += 1
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
+            with entry[0]:
+                yield
         finally:
-            os.close(fd)
+            with self._mutex:
+                entry[1] -= 1
+                if not entry[1]:
+                    del self._key_locks[key]
 
     # ----------------------------------------------------------------- lookup
     def absent_now(self, key: str) -> bool:
@@ -469,6 +502,10 @@ class Store:
             raise
         with self._mutex:
             self._records[key] = record
+        if key not in self._sizes:  # put there behind the daemon's back since the last rescan
+            with self._moved(key, record.size_bytes, keep=True):
+                if not os.path.lexists(path):
+                    raise ArtifactNotFound(f"no artifact {key}", details={"key": key})
         return record
 
     def cached(self, key: str) -> ArtifactRecord | None:
@@ -575,9 +612,73 @@ class Store:
 
     # ----------------------------------------------------------------- service queries
     def usage_by_key(self) -> dict[str, int]:
-        """Payload bytes of every directory in ``artifacts/`` (denied ones included: they use disk)."""
+        """Payload bytes of every key directory in ``artifacts/`` (denied ones included: they use
+        disk), from memory (see "Usage accounting" in the module docstring)."""
+        return dict(self._sizes)
+
+    def committed_bytes(self) -> int:
+        """Sum of ``usage_by_key``: never less than what this daemon has in ``artifacts/``."""
+        return sum(dict(self._sizes).values())
+
+    def rescan_usage(self) -> dict[str, int]:
+        """Re-read ``artifacts/`` (sizes of validated artifacts from memory, others by ``lstat``)
+        into the accounting, logging entries added or removed behind the daemon's back; blocking
+        (a worker thread), one ``listdir`` plus ``lstat`` calls for unknown entries."""
+        with self._scan_lock:  # one rescan at a time (they share _touched)
+            with self._usage_lock:
+                self._touched = set(self._moving)
+            try:
+                sizes = self._scan_sizes()
+            finally:
+                with self._usage_lock:
+                    touched, self._touched = self._touched, None
+                    for key in touched:  # the listing may predate or straddle their renames
+                        if key in self._sizes:
+                            sizes[key] = self._sizes[key]
+                        else:
+                            sizes.pop(key, None)
+                    before, self._sizes = self._sizes, sizes
+        added, gone = sizes.keys() - before.keys(), before.keys() - sizes.keys()
+        if added or gone:
+            log.warning("artifacts/ changed behind the daemon: %d entries appeared (%s), %d vanished (%s)",
+                        len(added), ",".join(k[:12] for k in sorted(added)[:5]),
+                        len(gone), ",".join(k[:12] for k in sorted(gone)[:5]))
+        return dict(sizes)
+
+    @contextlib.contextmanager
+    def _moved(self, key: str | None, size: int | None, *, keep: bool = False):  # type: ignore[no-untyped-def]
+        """Account a rename of ``key`` into (``size``) or out of (None) ``artifacts/`` done in
+        the body: counted once the body returns (nothing changes when it raises). ``keep``:
+        only when not counted yet. A rescan listing while the body runs keeps this key's
+        in-memory state (``_moving``/``_touched``) instead of what its listing saw."""
+        if key is None:
+            yield
+            return
+        with self._usage_lock:
+            self._moving.add(key)
+            if self._touched is not None:
+                self._touched.add(key)
+        try:
+            yield
+        except BaseException:
+            with self._usage_lock:
+                self._moving.discard(key)
+            raise
+        with self._usage_lock:
+            self._moving.discard(key)
+            if self._touched is not None:
+                self._touched.add(key)
+            if size is None:
+                self._sizes.pop(key, None)
+            elif not keep or key not in self._sizes:
+                self._sizes[key] = size
+
+    def _scan_sizes(self) -> dict[str, int]:
+        """Sizes of the ``artifacts/`` entries: ours (accounted or validated) from memory, an
+        entry this daemon knows nothing of as the bytes of every file in it."""
         with self._mutex:
             known = {k: r.size_bytes for k, r in self._records.items()}
+        known.update(self._sizes)
         out: dict[str, int] = {}
         for entry in os.listdir(self.root / "artifacts"):
             if entry in known:
@@ -644,7 +745,8 @@ class Store:
                 raise ArtifactNotFound(f"no artifact {key}", details={"key": key})
             trash = self.root / "tmp" / f"{key}.removed.{uuid.uuid4().hex}"
             try:
-                store_io.rename(path, trash)
+                with self._moved(key, None):
+                    store_io.rename(path, trash)
             except OSError as exc:
                 raise store_io.io_error(exc, "remove") from None
             mark = self._artifacts_sync.mark()  # after the rename: any round started later covers it
@@ -705,7 +807,8 @@ class Store:
     def _quarantine_path(self, path: Path, reason: str, key: str) -> Path:
         target = self.root / "quarantine" / f"{key}.{reason}.{uuid.uuid4().hex}"
         try:
-            store_io.rename(path, target)
+            with self._moved(path.name if path.parent == self.root / "artifacts" else None, None):
+                store_io.rename(path, target)
             store_io.fsync_dir(path.parent)
         except OSError as exc:
             if exc.errno != errno.ENOENT:
