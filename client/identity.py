@@ -427,7 +427,15 @@ class ArtifactIdentity:
 
 @functools.lru_cache(maxsize=4096)
 def _identity_from_bytes(data: bytes) -> ArtifactIdentity:
-    identity = ArtifactIdentity.from_dict(parse_canonical(data))
+    # One canonical encoding, not two: bytes that are not the canonical encoding of the value
+    # they parse to can not equal the canonical bytes of the identity built from it.
+    try:
+        value = json.loads(data)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise IdentityError("identity is not valid JSON") from exc
+    except RecursionError:
+        raise IdentityError("identity JSON is nested too deeply") from None
+    identity = ArtifactIdentity.from_dict(value)
     if identity.canonical_bytes != data:
-        raise IdentityError("identity bytes do not round-trip canonically")
+        raise IdentityError("identity JSON is not in canonical form")
     return identity

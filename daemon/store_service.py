@@ -561,9 +561,9 @@ class StoreService:
             self.evicting -= free
             self._settled.set()
             self._settled = asyncio.Event()
-        if report.evicted:
-            log.info("evicted %d artifacts (%d bytes): %s", len(report.evicted), report.freed_bytes,
-                     ",".join(k[:12] for k in report.evicted))
+        if report.evicted:  # DEBUG: a round per publication under churn (counted in the metrics)
+            log.debug("evicted %d artifacts (%d bytes): %s", len(report.evicted), report.freed_bytes,
+                      ",".join(k[:12] for k in report.evicted))
         return report
 
     def _remove_files(self, keys: list[str], defer: bool) -> tuple[list[str], list[Path], BaseException | None]:

@@ -13,6 +13,7 @@ the next start, and everything commit needs is re-read from the files or held in
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -50,13 +51,24 @@ class TensorSpec:
 
     @property
     def info(self) -> DtypeInfo:
-        for info in DTYPES.values():
-            if isinstance(self.dtype, str):
-                if self.dtype in (info.code, info.torch_name):
-                    return info
-            elif self.dtype == info.torch_dtype:  # a torch dtype: torch is already imported
+        try:
+            return _dtype_info(self.dtype)
+        except (KeyError, TypeError):  # TypeError: an unhashable dtype value
+            raise InvalidRequest(f"tensor {self.name!r}: unsupported dtype {self.dtype!r}",
+                                 details={"tensor": self.name}) from None
+
+
+@functools.lru_cache(maxsize=64)
+def _dtype_info(dtype: object) -> DtypeInfo:
+    """The dtype's info by code (``"BF16"``), torch name (``"torch.bfloat16"``) or torch dtype
+    (then torch is already imported); KeyError when unknown."""
+    for info in DTYPES.values():
+        if isinstance(dtype, str):
+            if dtype in (info.code, info.torch_name):
                 return info
-        raise InvalidRequest(f"tensor {self.name!r}: unsupported dtype {self.dtype!r}", details={"tensor": self.name})
+        elif dtype == info.torch_dtype:
+            return info
+    raise KeyError(dtype)
 
 
 @dataclass(frozen=True)
@@ -94,6 +106,21 @@ def _check_specs(specs: Sequence[TensorSpec]) -> None:
 
 
 def plan_payloads(specs: Sequence[TensorSpec], max_file_bytes: int | None = None) -> tuple[PayloadPlan, ...]:
+    """Assign tensors to payload files and lay each one out (deterministic for the same specs;
+    memoised for hashable specs: admission and staging plan the same publication twice, and
+    a checkpoint's ranks or a churn of same-shaped artifacts repeat one plan)."""
+    try:
+        return _plan_cached(tuple(specs), max_file_bytes)
+    except TypeError:  # unhashable field values (a list shape): plan without the cache
+        return _plan(specs, max_file_bytes)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_cached(specs: tuple[TensorSpec, ...], max_file_bytes: int | None) -> tuple[PayloadPlan, ...]:
+    return _plan(specs, max_file_bytes)
+
+
+def _plan(specs: Sequence[TensorSpec], max_file_bytes: int | None) -> tuple[PayloadPlan, ...]:
     """Assign tensors to payload files and lay each one out (deterministic for the same specs).
 
     Tensors go, in layout order (larger item size first, then name), into
