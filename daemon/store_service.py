@@ -367,8 +367,8 @@ class StoreService:
         When the request does not fit even after eviction but publications in flight hold
         reservations (their bytes will be committed, and become evictable once unused, or be
         returned), it waits up to ``wait_timeout`` for a reservation to end or an artifact's last
-        lease to be released and tries again, in arrival order (``_signal_room``); then the typed
-        capacity error. Requests that can never fit
+        lease to be released and tries again, in arrival order (``_signal_room``; a request that
+        arrives while others wait queues behind them first); then the typed capacity error. Requests that can never fit
         (``ArtifactTooLarge``, larger than the whole store) fail at once.
         """
         loop = asyncio.get_running_loop()
@@ -376,6 +376,13 @@ class StoreService:
         turn = asyncio.Event()  # our place in the room queue (_signal_room), once a try failed
         queued = False
         try:
+            if self._room_waiters and len(self.reservations) and deadline > loop.time():
+                # Others wait for room already (and a reservation in flight will wake them):
+                # queue behind them instead of a try that would only find the room taken.
+                self._room_waiters.append(turn)
+                queued = True
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(turn.wait(), deadline - loop.time())
             while True:
                 turn.clear()  # before the try: a wake-up that lands during it is kept for the wait
                 async with self._capacity_lock:
