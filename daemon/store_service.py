@@ -390,7 +390,8 @@ class StoreService:
                     shortfall = assess(self.policy, usage, need, key=key)
                     if shortfall:
                         on_disk_free = usage.free_bytes  # with the retired bytes still on the disk
-                        report = await self._evict_round(shortfall, exclude={key}, require_fit=True, defer=True)
+                        report = await self._evict_round(shortfall, exclude={key}, require_fit=True, defer=True,
+                                                         explain=False)
                         # Sound without re-reading the disk: nothing but eviction (under this lock)
                         # takes bytes out of the snapshot, and the retired bytes are purged before
                         # this publication's staging is created (after the lock, below).
@@ -502,17 +503,21 @@ class StoreService:
         return out
 
     async def _evict_round(self, shortfall: int, exclude: set[str] = frozenset(),  # type: ignore[assignment]
-                           *, require_fit: bool = False, defer: bool = False) -> EvictionReport:
+                           *, require_fit: bool = False, defer: bool = False,
+                           explain: bool = True) -> EvictionReport:
         """One eviction round (see the module docstring). ``defer``: only retire the chosen
         artifacts (renamed out of ``artifacts/``, bytes still on disk) and return their trash in
-        the report; the caller must ``_purge`` it before anything else uses those bytes."""
+        the report; the caller must ``_purge`` it before anything else uses those bytes.
+        ``explain=False``: pinned, leased and busy artifacts are passed over without a
+        ``Candidate`` and left out of ``report.skipped`` (a publication's round needs no
+        report; under churn it walked past every pinned artifact at each try)."""
         report = EvictionReport()
         # Walk the artifacts in LRU order and flag only the prefix that can matter: ``plan``
         # stops at the first prefix of evictable bytes covering the shortfall, so nothing past
         # it is chosen or reported. Cost per round: one sort plus flags for a few artifacts,
         # not flags (and Candidate objects) for every artifact in the store.
         busy = self._busy_keys()
-        access = self.access
+        access, pins, lease_count = self.access, self.pins, self.registry.lease_count
         records = {r.key: r for r in self.store.artifacts() if r.key not in exclude}  # in memory: no hop
         order = sorted((access.get(r.key, r.created_at), r.key, r.size_bytes) for r in records.values())
         candidates: list[Candidate] = []
@@ -526,6 +531,8 @@ class StoreService:
                 while walked < len(order) and covered < shortfall:
                     last, key, size = order[walked]
                     walked += 1
+                    if not explain and (key in pins or key in busy or lease_count(key)):
+                        continue
                     c = self._flags(key, size, last, busy)
                     candidates.append(c)
                     if not any((c.leased, c.pinned, c.held, c.busy)):
