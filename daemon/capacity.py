@@ -100,10 +100,12 @@ class Reservations:
     def __init__(self) -> None:
         self._ids = itertools.count(1)
         self._live: dict[int, Reservation] = {}
+        self._per_key: dict[str, int] = {}
 
     def add(self, key: str, nbytes: int) -> Reservation:
         reservation = Reservation(next(self._ids), key, nbytes)
         self._live[reservation.reservation_id] = reservation
+        self._per_key[key] = self._per_key.get(key, 0) + 1
         return reservation
 
     def mark_allocated(self, reservation: Reservation) -> None:
@@ -111,8 +113,12 @@ class Reservations:
 
     def drop(self, reservation: Reservation | None) -> None:
         """End a reservation (idempotent)."""
-        if reservation is not None:
-            self._live.pop(reservation.reservation_id, None)
+        if reservation is not None and self._live.pop(reservation.reservation_id, None) is not None:
+            left = self._per_key[reservation.key] - 1
+            if left:
+                self._per_key[reservation.key] = left
+            else:
+                del self._per_key[reservation.key]
 
     @property
     def reserved_bytes(self) -> int:
@@ -123,7 +129,11 @@ class Reservations:
         return sum(r.nbytes for r in self._live.values() if not r.allocated)
 
     def reserved_keys(self) -> set[str]:
-        return {r.key for r in self._live.values()}
+        return set(self._per_key)
+
+    def holds(self, key: str) -> bool:
+        """Whether a reservation for ``key`` is live (O(1))."""
+        return key in self._per_key
 
     def __len__(self) -> int:
         return len(self._live)

@@ -92,6 +92,10 @@ class Publications:
     def active(self) -> list[Publication]:
         return list(self._by_id.values())
 
+    def building(self, key: str) -> bool:
+        """Whether a publication of ``key`` is in flight (O(1))."""
+        return key in self._by_key
+
     def _exists(self, key: str) -> bool:
         try:
             self._store.lookup(key)

@@ -45,7 +45,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -64,6 +64,19 @@ __all__ = ["AccessTimes", "EvictionReport", "StoreService", "Ticket"]
 
 log = logging.getLogger("hwrd.store")
 _HEX = frozenset("0123456789abcdef")
+
+
+class _BusyView:
+    """``key in view``: the key is being evicted, reserved or published, looked up live
+    (``StoreService._is_busy``) instead of a set built per eviction round."""
+
+    __slots__ = ("_service",)
+
+    def __init__(self, service: StoreService) -> None:
+        self._service = service
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self._service._is_busy(key)
 
 
 class AccessTimes:
@@ -439,7 +452,12 @@ class StoreService:
             busy.update(p.key for p in self.publications.active())
         return busy
 
-    def _flags(self, key: str, size: int, default_access: float, busy_keys: set[str] | None = None) -> Candidate:
+    def _is_busy(self, key: str) -> bool:
+        """``key in _busy_keys()`` without building the set."""
+        return key in self.evicting or self.reservations.holds(key) or (
+            self.publications is not None and self.publications.building(key))
+
+    def _flags(self, key: str, size: int, default_access: float, busy_keys: Container[str] | None = None) -> Candidate:
         busy = key in (self._busy_keys() if busy_keys is None else busy_keys)
         return Candidate(key=key, size_bytes=size, last_access=self.access.get(key, default_access),
                          leased=self.registry.lease_count(key) > 0, pinned=key in self.pins,
@@ -516,9 +534,9 @@ class StoreService:
         # stops at the first prefix of evictable bytes covering the shortfall, so nothing past
         # it is chosen or reported. Cost per round: one sort plus flags for a few artifacts,
         # not flags (and Candidate objects) for every artifact in the store.
-        busy = self._busy_keys()
+        busy = _BusyView(self)
         access, pins, lease_count = self.access, self.pins, self.registry.lease_count
-        records = {r.key: r for r in self.store.artifacts() if r.key not in exclude}  # in memory: no hop
+        records = {r.key: r for r in self.store.artifacts(ordered=False) if r.key not in exclude}  # no hop
         order = sorted((access.get(r.key, r.created_at), r.key, r.size_bytes) for r in records.values())
         candidates: list[Candidate] = []
         free: set[str] = set()
