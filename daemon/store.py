@@ -346,10 +346,12 @@ class Store:
         documents: list[int] = []  # manifest.json, READY.json
         try:
             jobs = []
+            before = []  # mtimes before hashing: a write since would change them
             for plan in staging.plans:
                 fd = os.open(staging.path / plan.name, store_io.OPEN_READ)
                 fds.append(fd)
                 st = os.fstat(fd)
+                before.append(st.st_mtime_ns)
                 if st.st_size != plan.size or os.pread(fd, len(plan.head), 0) != plan.head:
                     raise ManifestCorrupt(
                         f"{plan.name} was resized or its header overwritten",
@@ -362,7 +364,6 @@ class Store:
                 file_sha = [trusted.files[p.name] for p in staging.plans]
                 tensor_sha = dict(trusted.tensors)
             else:
-                before = [os.fstat(fd).st_mtime_ns for fd in fds]
                 file_sha, tensor_sha = store_io.hash_ranges(jobs)
                 if [os.fstat(fd).st_mtime_ns for fd in fds] != before:
                     raise ManifestCorrupt("a payload changed while it was hashed", details={"key": staging.key})

@@ -348,3 +348,58 @@ def test_a_lookup_racing_a_removal_or_a_quarantine_reports_the_artifact_state(st
     store.retire(IDENTITY.key)
     with pytest.raises(ArtifactDenied):
         store.open_payloads(record)
+
+
+@pytest.mark.parametrize("sizes", [[0, 1, 4097], [1 << 16, 3 << 20], [5 << 20]])
+def test_hash_ranges_small_reads_and_large_maps_agree_with_hashlib(tmp_path: Path, sizes: list[int]) -> None:
+    """Up to ``SMALL_READ_BYTES`` in all the files are read, above it mapped: same digests."""
+    jobs, want_files, want_ranges, fds = [], [], {}, []
+    try:
+        for i, size in enumerate(sizes):
+            data = os.urandom(size)
+            path = tmp_path / f"f{i}"
+            path.write_bytes(data)
+            fd = os.open(path, os.O_RDONLY)
+            fds.append(fd)
+            ranges = [(f"t{i}a", 0, size // 3), (f"t{i}b", size // 3, size)]
+            jobs.append((fd, size, ranges))
+            want_files.append(hashlib.sha256(data).hexdigest())
+            want_ranges.update({n: hashlib.sha256(data[b:e]).hexdigest() for n, b, e in ranges})
+        seen: list[tuple[int, int]] = []
+        got_files, got_ranges = store_io.hash_ranges(jobs, lambda done, total: seen.append((done, total)))
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert got_files == want_files and got_ranges == want_ranges
+    assert seen and seen[-1][0] == seen[-1][1]  # progress reaches the total
+
+
+def test_hash_ranges_refuses_a_file_shorter_than_its_plan(tmp_path: Path) -> None:
+    path = tmp_path / "short"
+    path.write_bytes(b"x" * 100)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError) as info:
+            store_io.hash_ranges([(fd, 200, [])])
+    finally:
+        os.close(fd)
+    assert info.value.errno == errno.EIO
+
+
+def test_remove_tree_deletes_read_only_flat_and_nested_directories(tmp_path: Path) -> None:
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for name in ("a.safetensors", "manifest.json", "READY.json"):
+        (flat / name).write_bytes(b"x")
+        (flat / name).chmod(0o444)
+    flat.chmod(0o555)  # as an artifact directory
+    nested = tmp_path / "nested"
+    (nested / "sub").mkdir(parents=True)
+    (nested / "file").write_bytes(b"x")
+    (nested / "sub" / "deep").write_bytes(b"y")
+    (nested / "sub").chmod(0o555)
+    nested.chmod(0o555)
+    store_io.remove_tree(flat)
+    store_io.remove_tree(nested)  # the general walk: the flat path gives up on a subdirectory
+    store_io.remove_tree(tmp_path / "missing")  # nothing there: no error
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
