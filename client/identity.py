@@ -78,14 +78,19 @@ def canonical_json(value: object) -> bytes:
     ).encode("ascii")
 
 
-def parse_canonical(data: bytes) -> Any:
-    """Decode bytes that must already be canonical JSON; non-canonical input is rejected, not fixed."""
+def _loads(data: bytes) -> Any:
+    """``json.loads`` with its failures as ``IdentityError``."""
     try:
-        value = json.loads(data)
+        return json.loads(data)
     except (UnicodeDecodeError, ValueError) as exc:
         raise IdentityError("identity is not valid JSON") from exc
     except RecursionError:
         raise IdentityError("identity JSON is nested too deeply") from None
+
+
+def parse_canonical(data: bytes) -> Any:
+    """Decode bytes that must already be canonical JSON; non-canonical input is rejected, not fixed."""
+    value = _loads(data)
     if canonical_json(value) != data:
         raise IdentityError("identity JSON is not in canonical form")
     return value
@@ -429,13 +434,7 @@ class ArtifactIdentity:
 def _identity_from_bytes(data: bytes) -> ArtifactIdentity:
     # One canonical encoding, not two: bytes that are not the canonical encoding of the value
     # they parse to can not equal the canonical bytes of the identity built from it.
-    try:
-        value = json.loads(data)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise IdentityError("identity is not valid JSON") from exc
-    except RecursionError:
-        raise IdentityError("identity JSON is nested too deeply") from None
-    identity = ArtifactIdentity.from_dict(value)
+    identity = ArtifactIdentity.from_dict(_loads(data))
     if identity.canonical_bytes != data:
         raise IdentityError("identity JSON is not in canonical form")
     return identity
