@@ -503,10 +503,13 @@ class Store:
             raise
         with self._mutex:
             self._records[key] = record
-        if key not in self._sizes:  # put there behind the daemon's back since the last rescan
+        if key not in self._sizes and os.path.lexists(path):
+            # Put there behind the daemon's back since the last rescan: count it now. (Gone by
+            # now, quarantined or removed meanwhile: the caller's open_payloads says which.
+            # Counted anyway when it went between the check and here: an overcount until the
+            # next rescan, never an undercount.)
             with self._moved(key, record.size_bytes, keep=True):
-                if not os.path.lexists(path):
-                    raise ArtifactNotFound(f"no artifact {key}", details={"key": key})
+                pass
         return record
 
     def cached(self, key: str) -> ArtifactRecord | None:

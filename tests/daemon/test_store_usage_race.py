@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from hwr.client.identity import ArtifactIdentity
@@ -265,3 +266,33 @@ def test_publications_waiting_for_room_are_woken_one_at_a_time_in_arrival_order(
     # at each release costs 7 + 6 + ... + 1 = 28 (measured with the earlier wake-all code, which
     # also tried each arrival: 8 before the first release).
     assert 7 <= tries <= 9, tries
+
+
+def test_a_lookup_that_races_a_quarantine_reports_the_deny_not_a_missing_artifact(tmp_path: Path, monkeypatch) -> None:
+    """Regression (seen once in CI under load): a lookup that passed the deny check while a
+    scrub was denying and quarantining the artifact found it gone and said ArtifactNotFound.
+    It must hand back the record and let ``open_payloads`` say what the artifact is now."""
+    import hwr.daemon.store as store_module
+    from hwr.client.errors import ArtifactDenied, ChecksumMismatch
+
+    store = Store.open(tmp_path / "root")
+    try:
+        key = _publish(store, "raced", 1024)
+        real = store_module.inspect_artifact
+
+        def inspect_then_quarantine(path, key_, euid):  # type: ignore[no-untyped-def]
+            record = real(path, key_, euid)
+            # The scrub's verify lands here: deny first, then move the directory aside.
+            store._deny_for(key_, ChecksumMismatch("flipped", details={"key": key_}))
+            store._quarantine_path(path, "checksum", key_)
+            return record
+
+        with store._mutex:
+            store._records.pop(key)  # as verify does first: the next lookup inspects the disk
+        monkeypatch.setattr(store_module, "inspect_artifact", inspect_then_quarantine)
+        record = store.lookup(key)
+        with pytest.raises(ArtifactDenied):
+            store.open_payloads(record)
+        assert key not in store.usage_by_key()
+    finally:
+        store.close()
