@@ -150,6 +150,7 @@ class Store:
         self._moving: set[str] = set()
         self._touched: set[str] | None = None
         self._key_locks: dict[str, list[Any]] = {}  # key -> [lock, holders and waiters]
+        self._key_locks_mutex = threading.Lock()
         self._sizes: dict[str, int] = {}
 
     # ----------------------------------------------------------------- lifecycle
@@ -457,7 +458,7 @@ class Store:
         # In memory: one process owns the root (locks/daemon.lock), so only its threads can
         # race on a key. (Earlier versions flocked a locks/<key>.artifact file: one inode
         # created per key ever published, never removed; ``_start`` deletes those.)
-        with self._mutex:
+        with self._key_locks_mutex:  # not _mutex: deny-marker writes hold it across an fsync
             entry = self._key_locks.get(key)
             if entry is None:
                 entry = self._key_locks[key] = [threading.Lock(), 0]
@@ -466,7 +467,7 @@ class Store:
             with entry[0]:
                 yield
         finally:
-            with self._mutex:
+            with self._key_locks_mutex:
                 entry[1] -= 1
                 if not entry[1]:
                     del self._key_locks[key]
@@ -634,15 +635,18 @@ class Store:
                 self._touched = set(self._moving)
             try:
                 sizes = self._scan_sizes()
-            finally:
+            except BaseException:
                 with self._usage_lock:
-                    touched, self._touched = self._touched, None
-                    for key in touched:  # the listing may predate or straddle their renames
-                        if key in self._sizes:
-                            sizes[key] = self._sizes[key]
-                        else:
-                            sizes.pop(key, None)
-                    before, self._sizes = self._sizes, sizes
+                    self._touched = None
+                raise
+            with self._usage_lock:
+                touched, self._touched = self._touched, None
+                for key in touched:  # the listing may predate or straddle their renames
+                    if key in self._sizes:
+                        sizes[key] = self._sizes[key]
+                    else:
+                        sizes.pop(key, None)
+                before, self._sizes = self._sizes, sizes
         added, gone = sizes.keys() - before.keys(), before.keys() - sizes.keys()
         if added or gone:
             log.warning("artifacts/ changed behind the daemon: %d entries appeared (%s), %d vanished (%s)",

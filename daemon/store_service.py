@@ -214,7 +214,6 @@ class StoreService:
             try:
                 self.prune_holds()
                 self.access.flush()
-                await asyncio.to_thread(self.store.rescan_usage)  # changes behind the daemon's back
                 if self.publications is not None:
                     from hwr.daemon.publications import PubState
 
@@ -225,6 +224,8 @@ class StoreService:
                                 pub_id, f"stalled past the {self.config.publication_deadline_s:g} s deadline"):
                             self.cancelled_publications += 1
                             log.warning("cancelled stalled publication %s", pub_id)
+                # Last, so a failing listing cannot skip the deadline checks above.
+                await asyncio.to_thread(self.store.rescan_usage)  # changes behind the daemon's back
             except Exception:
                 log.exception("housekeeping failed")
 

@@ -296,3 +296,23 @@ def test_a_lookup_that_races_a_quarantine_reports_the_deny_not_a_missing_artifac
         assert key not in store.usage_by_key()
     finally:
         store.close()
+
+
+def test_a_failed_rescan_keeps_the_accounting_and_the_next_one_works(tmp_path: Path, monkeypatch) -> None:
+    store = Store.open(tmp_path / "root")
+    try:
+        key = _publish(store, "kept", 256)
+        before = store.usage_by_key()
+        real = store._scan_sizes
+
+        def failing() -> dict[str, int]:
+            raise OSError(5, "EIO")
+
+        monkeypatch.setattr(store, "_scan_sizes", failing)
+        with pytest.raises(OSError):
+            store.rescan_usage()
+        monkeypatch.setattr(store, "_scan_sizes", real)
+        assert store.usage_by_key() == before and store._touched is None
+        assert store.rescan_usage() == before and key in before
+    finally:
+        store.close()
