@@ -19,10 +19,14 @@ from pathlib import Path
 
 from hwr.client.errors import PublicationFailed, Unsupported
 
-__all__ = ["ensure_sole_opener"]
+__all__ = ["open_sole"]
 
 
-def ensure_sole_opener(path: Path) -> None:
+def open_sole(path: Path) -> int:
+    """Open ``path`` read-only and prove (a write lease taken and dropped) that no other open
+    file description of it exists; returns that descriptor (the caller closes it: the commit
+    hashes through it instead of opening the file again). ``PublicationFailed`` when a writer
+    still holds it, ``Unsupported`` without lease support."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         try:
@@ -38,5 +42,7 @@ def ensure_sole_opener(path: Path) -> None:
                 f"the store filesystem does not support file leases ({errno.errorcode.get(exc.errno)})"
             ) from None
         fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    return fd

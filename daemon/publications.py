@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import enum
+import os
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from hwr.client.errors import (
     PublicationFailed,
 )
 from hwr.client.identity import ArtifactIdentity
-from hwr.daemon.exclusive import ensure_sole_opener
+from hwr.daemon.exclusive import open_sole
 from hwr.daemon.sessions import Session
 
 __all__ = ["DAEMON_OWNER", "BeginResult", "PubState", "Publication", "Publications"]
@@ -139,7 +140,8 @@ class Publications:
         # Reserve the key before the (slow) staging so a concurrent begin waits on us.
         # session None: a daemon-side build (prewarm); it is owned by its build task, not a session.
         owner = session.session_id if session is not None else DAEMON_OWNER
-        pub = Publication(secrets.token_hex(8), secrets.token_hex(24), key, owner, None)
+        raw = secrets.token_bytes(32)  # one getrandom for the id and the secret token
+        pub = Publication(raw[:8].hex(), raw[8:].hex(), key, owner, None)
         self._by_key[key] = pub
         self._by_id[pub.publication_id] = pub
         try:
@@ -206,14 +208,18 @@ class Publications:
             publication STAGED (the writer may close its descriptor and retry); a failed commit
             fails it. Commits (hashing, fsyncs) run on their own threads: in the loop's default
             executor they would make every quick hop (acquire lookups) queue behind an fsync."""
+            opened: dict[str, int] = {}  # checked descriptors, hashed through by the commit
             try:
                 for path in paths:
-                    ensure_sole_opener(path)
+                    opened[path.name] = open_sole(path)
                 existed = self._exists(pub.key)
             except BaseException as exc:
+                for fd in opened.values():
+                    os.close(fd)
                 return False, exc
-            record = self._store.commit(
-                pub.staging, expected_tensor_sha256=dict(expected) or None, trusted_digests=trusted_digests)
+            record = self._store.commit(  # closes ``opened``
+                pub.staging, expected_tensor_sha256=dict(expected) or None, trusted_digests=trusted_digests,
+                opened=opened)
             ticket = pub.ticket
             if ticket is not None and ticket.purge_after_commit:
                 # The commit's artifacts/ fsync started after these were retired: delete now.

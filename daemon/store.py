@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import itertools
 import logging
 import os
 import threading
@@ -151,6 +152,12 @@ class Store:
         self._touched: set[str] | None = None
         self._key_locks: dict[str, list[Any]] = {}  # key -> [lock, holders and waiters]
         self._key_locks_mutex = threading.Lock()
+        # Unique names for staging and trash directories (tmp/ is wiped at every start, so
+        # unique within this run suffices): a random run prefix and a counter, not a uuid4
+        # (a getrandom call) each time. The pid is the staging name's, as vLLM-Omni names them.
+        self._pid = os.getpid()
+        self._run = uuid.uuid4().hex[:24]
+        self._seq = itertools.count()
         self._sizes: dict[str, int] = {}
 
     # ----------------------------------------------------------------- lifecycle
@@ -267,7 +274,7 @@ class Store:
         if not isinstance(identity, ArtifactIdentity):
             raise InvalidRequest("identity must be an ArtifactIdentity")
         plans = plan_payloads(list(specs), max_file_bytes)
-        staging_id = f"{identity.key}.{os.getpid()}.{uuid.uuid4().hex}"
+        staging_id = f"{identity.key}.{self._pid}.{self._unique()}"
         path = self.root / "tmp" / staging_id
         staging = Staging.from_plans(staging_id, identity, path, specs, plans, format_metadata)
         try:
@@ -316,7 +323,8 @@ class Store:
         return self.commit(staging)
 
     def commit(self, staging: Staging, *, expected_tensor_sha256: Mapping[str, str] | None = None,
-               trusted_digests: ProducerDigests | None = None) -> ArtifactRecord:
+               trusted_digests: ProducerDigests | None = None,
+               opened: dict[str, int] | None = None) -> ArtifactRecord:
         """Validate, hash and atomically publish ``staging``; returns the committed (or joined) record.
 
         Raises ``ManifestCorrupt`` (a header was overwritten, a file resized), ``ChecksumMismatch``
@@ -324,32 +332,42 @@ class Store:
         content; it stays), ``ArtifactDenied`` (operator deny), ``NoSpace``/``PublicationFailed``.
         The staging is gone afterwards in every case. ``trusted_digests``: digests a daemon-owned
         producer computed while writing (see ``ProducerDigests`` for why that is sound); when they
-        cover the staging exactly, the payloads are not re-read and re-hashed.
+        cover the staging exactly, the payloads are not re-read and re-hashed. ``opened``:
+        read-only descriptors of payload files by name (``exclusive.open_sole``'s), used instead
+        of opening them again; the commit closes them in every case.
         """
-        self._require_open()
-        with self._mutex:
-            if self._stagings.pop(staging.id, None) is None:
-                raise InvalidRequest("unknown or finished staging", details={"staging": staging.id})
+        opened = dict(opened or {})
         try:
-            _step("payload_written")
-            manifest, marker = self._seal(staging, expected_tensor_sha256, trusted_digests)
-            return self._install(staging, manifest, marker)
-        except HwrError:
-            raise  # several typed errors are also OSError subclasses; keep their type
-        except OSError as exc:
-            raise store_io.io_error(exc, "publication", publication=True) from None
+            self._require_open()
+            with self._mutex:
+                if self._stagings.pop(staging.id, None) is None:
+                    raise InvalidRequest("unknown or finished staging", details={"staging": staging.id})
+            try:
+                _step("payload_written")
+                manifest, marker = self._seal(staging, expected_tensor_sha256, trusted_digests, opened)
+                return self._install(staging, manifest, marker)
+            except HwrError:
+                raise  # several typed errors are also OSError subclasses; keep their type
+            except OSError as exc:
+                raise store_io.io_error(exc, "publication", publication=True) from None
+            finally:
+                store_io.remove_tree(staging.path)
         finally:
-            store_io.remove_tree(staging.path)
+            for fd in opened.values():  # those _seal did not take
+                os.close(fd)
 
     def _seal(self, staging: Staging, expected: Mapping[str, str] | None,
-              trusted: ProducerDigests | None = None) -> tuple[Manifest, ReadyMarker]:
+              trusted: ProducerDigests | None = None,
+              opened: dict[str, int] | None = None) -> tuple[Manifest, ReadyMarker]:
         fds: list[int] = []
         documents: list[int] = []  # manifest.json, READY.json
         try:
             jobs = []
             before = []  # mtimes before hashing: a write since would change them
             for plan in staging.plans:
-                fd = os.open(staging.path / plan.name, store_io.OPEN_READ)
+                fd = opened.pop(plan.name, None) if opened else None  # taken: closed below
+                if fd is None:
+                    fd = os.open(staging.path / plan.name, store_io.OPEN_READ)
                 fds.append(fd)
                 st = os.fstat(fd)
                 before.append(st.st_mtime_ns)
@@ -471,6 +489,10 @@ class Store:
                 entry[1] -= 1
                 if not entry[1]:
                     del self._key_locks[key]
+
+    def _unique(self) -> str:
+        """32 hex digits, unique within this Store's life (see ``_run``)."""
+        return f"{self._run}{next(self._seq):08x}"
 
     # ----------------------------------------------------------------- lookup
     def absent_now(self, key: str) -> bool:
@@ -752,7 +774,7 @@ class Store:
             path = self.root / "artifacts" / key
             if not os.path.lexists(path):
                 raise ArtifactNotFound(f"no artifact {key}", details={"key": key})
-            trash = self.root / "tmp" / f"{key}.removed.{uuid.uuid4().hex}"
+            trash = self.root / "tmp" / f"{key}.removed.{self._unique()}"
             try:
                 with self._moved(key, None):
                     store_io.rename(path, trash)

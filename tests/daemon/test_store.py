@@ -403,3 +403,30 @@ def test_remove_tree_deletes_read_only_flat_and_nested_directories(tmp_path: Pat
     store_io.remove_tree(nested)  # the general walk: the flat path gives up on a subdirectory
     store_io.remove_tree(tmp_path / "missing")  # nothing there: no error
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("damage", [False, True])
+def test_a_commit_closes_the_checked_descriptors_it_is_given(store: Store, damage: bool) -> None:
+    """``commit(opened=...)`` hashes through the sole-opener check's descriptors and closes
+    every one of them, committed or refused (no descriptor leak in the daemon)."""
+    from hwr.daemon.exclusive import open_sole
+
+    tensor = torch.arange(1 << 12, dtype=torch.float32)
+    staging = store.begin(IDENTITY, [TensorSpec("w", tensor.dtype, tuple(tensor.shape))])
+    write_tensor(staging, "w", tensor)
+    if damage:
+        with open(staging.files[0][1], "r+b") as f:
+            f.write(b"\xff" * 8)
+    before = len(os.listdir("/proc/self/fd"))
+    opened = {Path(p).name: open_sole(Path(p)) for _n, p, _s in staging.files}
+    assert len(os.listdir("/proc/self/fd")) == before + len(opened)
+    if damage:
+        with pytest.raises(ManifestCorrupt):
+            store.commit(staging, opened=opened)
+    else:
+        record = store.commit(staging, opened=opened)
+        assert record.manifest.tensors[0].sha256 == hashlib.sha256(tensor.numpy().tobytes()).hexdigest()
+    assert len(os.listdir("/proc/self/fd")) == before
+    for fd in opened.values():
+        with pytest.raises(OSError):
+            os.fstat(fd)
