@@ -101,19 +101,28 @@ class Reservations:
         self._ids = itertools.count(1)
         self._live: dict[int, Reservation] = {}
         self._per_key: dict[str, int] = {}
+        self._reserved = 0  # running sums over _live: read under the capacity lock per admission
+        self._unallocated = 0
 
     def add(self, key: str, nbytes: int) -> Reservation:
         reservation = Reservation(next(self._ids), key, nbytes)
         self._live[reservation.reservation_id] = reservation
         self._per_key[key] = self._per_key.get(key, 0) + 1
+        self._reserved += nbytes
+        self._unallocated += nbytes
         return reservation
 
     def mark_allocated(self, reservation: Reservation) -> None:
+        if not reservation.allocated and reservation.reservation_id in self._live:
+            self._unallocated -= reservation.nbytes
         reservation.allocated = True
 
     def drop(self, reservation: Reservation | None) -> None:
         """End a reservation (idempotent)."""
         if reservation is not None and self._live.pop(reservation.reservation_id, None) is not None:
+            self._reserved -= reservation.nbytes
+            if not reservation.allocated:
+                self._unallocated -= reservation.nbytes
             left = self._per_key[reservation.key] - 1
             if left:
                 self._per_key[reservation.key] = left
@@ -122,11 +131,11 @@ class Reservations:
 
     @property
     def reserved_bytes(self) -> int:
-        return sum(r.nbytes for r in self._live.values())
+        return self._reserved
 
     @property
     def unallocated_bytes(self) -> int:
-        return sum(r.nbytes for r in self._live.values() if not r.allocated)
+        return self._unallocated
 
     def reserved_keys(self) -> set[str]:
         return set(self._per_key)

@@ -316,3 +316,30 @@ def test_a_failed_rescan_keeps_the_accounting_and_the_next_one_works(tmp_path: P
         assert store.rescan_usage() == before and key in before
     finally:
         store.close()
+
+
+def test_the_reservation_ledger_keeps_its_sums_and_key_index_exact() -> None:
+    """The running sums (read at every admission) equal a recount after any mix of adds, marks
+    (repeated ones included), drops (repeated ones and unknown ones included)."""
+    import random
+
+    from hwr.daemon.capacity import Reservations
+
+    rng = random.Random(7)
+    ledger = Reservations()
+    live = []
+    for _ in range(2000):
+        action = rng.random()
+        if action < 0.4 or not live:
+            live.append(ledger.add(f"k{rng.randrange(5)}", rng.randrange(1, 1000)))
+        elif action < 0.7:
+            ledger.mark_allocated(rng.choice(live))
+        else:
+            gone = live.pop(rng.randrange(len(live)))
+            ledger.drop(gone)
+            ledger.drop(gone if rng.random() < 0.5 else None)  # idempotent
+            ledger.mark_allocated(gone)  # a late mark of an ended reservation changes nothing
+        assert ledger.reserved_bytes == sum(r.nbytes for r in live)
+        assert ledger.unallocated_bytes == sum(r.nbytes for r in live if not r.allocated)
+        assert ledger.reserved_keys() == {r.key for r in live}
+        assert all(ledger.holds(r.key) for r in live) and len(ledger) == len(live)
