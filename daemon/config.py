@@ -65,6 +65,10 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     scrub_bandwidth_mib_s: float = 0.0
     scrub_interval_s: float = 86400.0
     housekeeping_interval_s: float = 2.0
+    # Threads that stage and commit publications (hwr.daemon.publications). More finish more
+    # commits per second under churn (each spends most of its time waiting for the interpreter
+    # lock, not the disk); fewer give a shorter tail at low rates. Measured: BENCHMARKS.md.
+    commit_threads: int = 8
     adopt: bool = False  # adopt a root written by vLLM-Omni 0.30's in-process store (hwr.daemon.adoption)
 
     def __post_init__(self) -> None:
@@ -82,6 +86,8 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         for name in ("scrub_interval_s", "housekeeping_interval_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive", details={"key": name})
+        if not 1 <= self.commit_threads <= 64:
+            raise ConfigError("commit_threads must be between 1 and 64", details={"key": "commit_threads"})
         if self.metrics_listen:
             from hwr.daemon.metrics import parse_listen
 

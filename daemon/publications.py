@@ -42,9 +42,11 @@ __all__ = ["DAEMON_OWNER", "BeginResult", "PubState", "Publication", "Publicatio
 
 #: ``session_id`` of publications that daemon-side builds (prewarm producers) own.
 DAEMON_OWNER = "hwrd"
-#: Threads committing at once: mostly waiting in fsync, and concurrent commits share the
-#: ``artifacts/`` directory fsync (``store_io.GroupSync``), so a few more than the cores.
-COMMIT_THREADS = 4
+#: Threads staging and committing at once, when the caller does not say (the daemon passes its
+#: ``commit_threads`` setting): under churn each commit mostly waits to re-take the interpreter
+#: lock after its system calls, and concurrent commits share the ``artifacts/`` directory fsync
+#: (``store_io.GroupSync``), so more threads than cores finish more commits per second.
+COMMIT_THREADS = 8
 
 
 class PubState(enum.Enum):
@@ -77,7 +79,7 @@ class BeginResult:
 
 class Publications:
     def __init__(self, store: Any, *, on_commit: Callable[[str], None] | None = None,
-                 gate: Any = None) -> None:
+                 gate: Any = None, commit_threads: int = COMMIT_THREADS) -> None:
         self._store = store
         # Optional admission/capacity gate: ``admit(key, specs, wait_timeout)`` -> ticket before
         # staging, ``allocated(ticket)`` once preallocated, ``finished(ticket, committed)`` at end.
@@ -86,7 +88,7 @@ class Publications:
         self._by_id: dict[str, Publication] = {}
         self._by_key: dict[str, Publication] = {}
         self._on_commit = on_commit
-        self._commit_pool = concurrent.futures.ThreadPoolExecutor(COMMIT_THREADS, thread_name_prefix="hwr-commit")
+        self._commit_pool = concurrent.futures.ThreadPoolExecutor(commit_threads, thread_name_prefix="hwr-commit")
         self.committed = 0
         self.failed = 0
 

@@ -97,7 +97,8 @@ class Daemon:
 
         self.store_service = StoreService(self.config, self.store, self.registry)
         self.store_service.on_evict = self.metrics.count_eviction
-        self.publications = Publications(self.store, gate=self.store_service)
+        self.publications = Publications(self.store, gate=self.store_service,
+                                         commit_threads=self.config.commit_threads)
         await self.store_service.start(self.publications)
         from hwr.daemon.checkpoints import Checkpoints
 

@@ -36,6 +36,7 @@ def _check(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
     ('\n\n\nsocket_mode = 0o7777\n', "socket_mode", 4),
     ('log_level = "info"\nlog_levle = "debug"\n', "log_levle", 2),
     ('metrics_listen = "0.0.0.0:9464"\n', "metrics_listen", 1),
+    ('\ncommit_threads = 0\n', "commit_threads", 2),
     ('shutdown_grace_s = 1.0\n[extra]\nx = 1\n', "extra", 2),
 ])
 def test_bad_config_file_names_key_and_line_and_exits_2(short_tmp: Path, body: str, key: str, line: int) -> None:
@@ -128,3 +129,25 @@ def test_variable_text_round_trips(uids: list[int], level: str, mode: int) -> No
     assert cfg.allow_uids == tuple(uids) or not uids
     assert (cfg.log_level, cfg.socket_mode) == (level, mode)
     assert parse_text("socket_mode", f"0o{mode:o}") == mode
+
+
+def test_commit_threads_sizes_the_publication_pool(tmp_path: Path) -> None:
+    from hwr.daemon.publications import COMMIT_THREADS, Publications
+    from hwr.daemon.store import Store
+
+    if Path("/etc/hwrd/hwrd.toml").exists():
+        pytest.skip("a system config file would set the values under test")
+
+    cfg, _ = load_config_with_sources(None, env={"HWR_ROOT": "/r", "HWR_SOCKET": "/s"}, flag_text={})
+    assert cfg.commit_threads == COMMIT_THREADS == 8  # the measured default (BENCHMARKS.md)
+    cfg, sources = load_config_with_sources(None, env={"HWR_ROOT": "/r", "HWR_SOCKET": "/s",
+                                                       "HWR_COMMIT_THREADS": "3"})
+    assert cfg.commit_threads == 3 and sources.by_key["commit_threads"] == "env HWR_COMMIT_THREADS"
+    with pytest.raises(ConfigError):
+        load_config_with_sources(None, env={"HWR_ROOT": "/r", "HWR_SOCKET": "/s", "HWR_COMMIT_THREADS": "65"})
+    with Store.open(tmp_path / "root") as store:
+        publications = Publications(store, commit_threads=cfg.commit_threads)
+        try:
+            assert publications._commit_pool._max_workers == 3
+        finally:
+            publications._commit_pool.shutdown()
