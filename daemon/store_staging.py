@@ -108,7 +108,14 @@ def _check_specs(specs: Sequence[TensorSpec]) -> None:
 def plan_payloads(specs: Sequence[TensorSpec], max_file_bytes: int | None = None) -> tuple[PayloadPlan, ...]:
     """Assign tensors to payload files and lay each one out (deterministic for the same specs;
     memoised for hashable specs: admission and staging plan the same publication twice, and
-    a checkpoint's ranks or a churn of same-shaped artifacts repeat one plan)."""
+    a checkpoint's ranks or a churn of same-shaped artifacts repeat one plan).
+
+    The specs are validated at every call, before the cache: ``(True, 4)`` and ``(2.0, 4)``
+    compare and hash equal to int shapes, so a cache hit must not stand in for validation.
+    """
+    _check_specs(specs)
+    if max_file_bytes is not None and max_file_bytes <= 0:
+        raise InvalidRequest("max_file_bytes must be positive")
     try:
         return _plan_cached(tuple(specs), max_file_bytes)
     except TypeError:  # unhashable field values (a list shape): plan without the cache
@@ -121,15 +128,12 @@ def _plan_cached(specs: tuple[TensorSpec, ...], max_file_bytes: int | None) -> t
 
 
 def _plan(specs: Sequence[TensorSpec], max_file_bytes: int | None) -> tuple[PayloadPlan, ...]:
-    """Assign tensors to payload files and lay each one out (deterministic for the same specs).
+    """The layout of validated specs (``plan_payloads`` validates).
 
     Tensors go, in layout order (larger item size first, then name), into
     ``model-00001.safetensors``, ``model-00002...`` with at most ``max_file_bytes`` of tensor data
     per file; a tensor larger than the limit gets a file of its own.
     """
-    _check_specs(specs)
-    if max_file_bytes is not None and max_file_bytes <= 0:
-        raise InvalidRequest("max_file_bytes must be positive")
     order = sorted(specs, key=lambda s: (-s.info.itemsize, s.name))
     groups: list[list[TensorSpec]] = [[]]
     used = 0

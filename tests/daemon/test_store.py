@@ -430,3 +430,16 @@ def test_a_commit_closes_the_checked_descriptors_it_is_given(store: Store, damag
     for fd in opened.values():
         with pytest.raises(OSError):
             os.fstat(fd)
+
+
+@pytest.mark.parametrize("bad_shape", [(True, 4), (2.0, 4)])
+def test_plan_validation_is_not_skipped_for_specs_equal_to_a_planned_one(bad_shape: tuple) -> None:
+    """``(True, 4)`` and ``(2.0, 4)`` compare and hash equal to ``(1, 4)`` / ``(2, 4)``: a plan
+    memoised for the int shape must not let the bool or float shape through validation."""
+    from hwr.client.errors import InvalidRequest
+    from hwr.daemon.store_staging import plan_payloads
+
+    good = tuple(int(d) for d in bad_shape)
+    plan_payloads([TensorSpec("w", torch.float32, good)])  # now memoised
+    with pytest.raises(InvalidRequest):
+        plan_payloads([TensorSpec("w", torch.float32, bad_shape)])
