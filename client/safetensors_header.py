@@ -269,7 +269,8 @@ def parse_header(
     return Header(entries, metadata, data_offset)
 
 
-def _pread_exact(fd: int, size: int, offset: int) -> bytes:
+def pread_exact(fd: int, size: int, offset: int) -> bytes:
+    """Up to ``size`` bytes of ``fd`` from ``offset`` (pread until done; shorter only at EOF)."""
     chunks: list[bytes] = []
     while size > 0:
         chunk = os.pread(fd, size, offset)
@@ -303,7 +304,7 @@ def read_header(
 
 def _read_header_fd(fd: int, require_alignment: bool, max_header_bytes: int) -> Header:
     file_size = os.fstat(fd).st_size
-    prefix = _pread_exact(fd, 8, 0)
+    prefix = pread_exact(fd, 8, 0)
     if len(prefix) < 8:
         raise _corrupt("length", "file too short for a header length")
     (length,) = _LENGTH.unpack(prefix)
@@ -311,7 +312,7 @@ def _read_header_fd(fd: int, require_alignment: bool, max_header_bytes: int) -> 
         return parse_header(
             prefix, file_size, require_alignment=require_alignment, max_header_bytes=max_header_bytes
         )
-    head = prefix + _pread_exact(fd, length, 8)
+    head = prefix + pread_exact(fd, length, 8)
     return parse_header(
         head, file_size, require_alignment=require_alignment, max_header_bytes=max_header_bytes
     )

@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from hwr.client.errors import NoSpace, PublicationFailed, StoreIOError
+from hwr.client.safetensors_header import pread_exact
 
 __all__ = [
     "GroupSync",
@@ -294,7 +295,9 @@ def _hash_small(files: Sequence[tuple[int, int, Sequence[tuple[str, int, int]]]]
     file_sha: list[str] = []
     tensor_sha: dict[str, str] = {}
     for fd, size, ranges in files:
-        data = read_exact(fd, size)
+        data = pread_exact(fd, size, 0)
+        if len(data) != size:
+            raise OSError(errno.EIO, f"file shorter than {size} bytes")
         with memoryview(data) as view:
             file_sha.append(hashlib.sha256(view).hexdigest())
             for name, begin, end in ranges:
@@ -302,20 +305,6 @@ def _hash_small(files: Sequence[tuple[int, int, Sequence[tuple[str, int, int]]]]
     if progress is not None:
         progress(total, total)
     return file_sha, tensor_sha
-
-
-def read_exact(fd: int, size: int) -> bytes:
-    """``size`` bytes from offset 0 of ``fd`` (pread until done); raises ``OSError(EIO)`` when
-    the file is shorter."""
-    chunks: list[bytes] = []
-    offset = 0
-    while offset < size:
-        chunk = os.pread(fd, size - offset, offset)
-        if not chunk:
-            raise OSError(errno.EIO, f"file shorter than {size} bytes")
-        chunks.append(chunk)
-        offset += len(chunk)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def hash_ranges(
