@@ -137,9 +137,6 @@ class Reservations:
     def unallocated_bytes(self) -> int:
         return self._unallocated
 
-    def reserved_keys(self) -> set[str]:
-        return set(self._per_key)
-
     def holds(self, key: str) -> bool:
         """Whether a reservation for ``key`` is live (O(1))."""
         return key in self._per_key

@@ -45,7 +45,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -64,19 +64,6 @@ __all__ = ["AccessTimes", "EvictionReport", "StoreService", "Ticket"]
 
 log = logging.getLogger("hwrd.store")
 _HEX = frozenset("0123456789abcdef")
-
-
-class _BusyView:
-    """``key in view``: the key is being evicted, reserved or published, looked up live
-    (``StoreService._is_busy``) instead of a set built per eviction round."""
-
-    __slots__ = ("_service",)
-
-    def __init__(self, service: StoreService) -> None:
-        self._service = service
-
-    def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and self._service._is_busy(key)
 
 
 class AccessTimes:
@@ -382,8 +369,9 @@ class StoreService:
         reservations (their bytes will be committed, and become evictable once unused, or be
         returned), it waits up to ``wait_timeout`` for a reservation to end or an artifact's last
         lease to be released and tries again, in arrival order (``_signal_room``; a request that
-        arrives while others wait queues behind them first); then the typed capacity error. Requests that can never fit
-        (``ArtifactTooLarge``, larger than the whole store) fail at once.
+        arrives while others wait queues behind them first); then the typed capacity error.
+        Requests that can never fit (``ArtifactTooLarge``, larger than the whole store) fail at
+        once.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(0.0, wait_timeout)
@@ -446,20 +434,13 @@ class StoreService:
         return reservation, report.trash, late
 
     # ------------------------------------------------------------------ eviction
-    def _busy_keys(self) -> set[str]:
-        """Keys being evicted, reserved or published: never eviction candidates."""
-        busy = set(self.evicting) | set(self.reservations.reserved_keys())
-        if self.publications is not None:
-            busy.update(p.key for p in self.publications.active())
-        return busy
-
     def _is_busy(self, key: str) -> bool:
-        """``key in _busy_keys()`` without building the set."""
+        """Being evicted, reserved or published: never an eviction candidate."""
         return key in self.evicting or self.reservations.holds(key) or (
             self.publications is not None and self.publications.building(key))
 
-    def _flags(self, key: str, size: int, default_access: float, busy_keys: Container[str] | None = None) -> Candidate:
-        busy = key in (self._busy_keys() if busy_keys is None else busy_keys)
+    def _flags(self, key: str, size: int, default_access: float) -> Candidate:
+        busy = self._is_busy(key)
         return Candidate(key=key, size_bytes=size, last_access=self.access.get(key, default_access),
                          leased=self.registry.lease_count(key) > 0, pinned=key in self.pins,
                          held=bool(self.held_pids(key)), busy=busy)
@@ -535,8 +516,7 @@ class StoreService:
         # stops at the first prefix of evictable bytes covering the shortfall, so nothing past
         # it is chosen or reported. Cost per round: one sort plus flags for a few artifacts,
         # not flags (and Candidate objects) for every artifact in the store.
-        busy = _BusyView(self)
-        access, pins, lease_count = self.access, self.pins, self.registry.lease_count
+        access, pins, lease_count, is_busy = self.access, self.pins, self.registry.lease_count, self._is_busy
         records = {r.key: r for r in self.store.artifacts(ordered=False) if r.key not in exclude}  # no hop
         order = sorted((access.get(r.key, r.created_at), r.key, r.size_bytes) for r in records.values())
         candidates: list[Candidate] = []
@@ -550,9 +530,9 @@ class StoreService:
                 while walked < len(order) and covered < shortfall:
                     last, key, size = order[walked]
                     walked += 1
-                    if not explain and (key in pins or key in busy or lease_count(key)):
+                    if not explain and (key in pins or is_busy(key) or lease_count(key)):
                         continue
-                    c = self._flags(key, size, last, busy)
+                    c = self._flags(key, size, last)
                     candidates.append(c)
                     if not any((c.leased, c.pinned, c.held, c.busy)):
                         free.add(key)
