@@ -159,6 +159,10 @@ class Store:
         self._run = uuid.uuid4().hex[:24]
         self._seq = itertools.count()
         self._sizes: dict[str, int] = {}
+        self._total = 0  # sum of _sizes, kept with it under _usage_lock (committed_bytes: O(1))
+        # Keys that entered _records since the last ``take_added`` (the daemon's LRU index
+        # learns of new artifacts from it instead of listing every record per eviction round).
+        self._added: list[str] = []
 
     # ----------------------------------------------------------------- lifecycle
     @classmethod
@@ -219,13 +223,14 @@ class Store:
             if entry in self._denied:
                 continue
             try:
-                self._records[entry] = inspect_artifact(path, entry, self.euid)
+                self._put_record(entry, inspect_artifact(path, entry, self.euid))
             except (ManifestCorrupt, ManifestIncompatible) as exc:
                 self._deny_for(entry, exc)
                 self.start_report.append((entry, exc))
             except StoreIOError as exc:
                 self.start_report.append((entry, exc))
         self._sizes = self._scan_sizes()
+        self._total = sum(self._sizes.values())
 
     def _finish_interrupted_publication(self, path: Path) -> None:
         # A crash between the rename and the chmod leaves a complete artifact at the staging
@@ -462,8 +467,28 @@ class Store:
             # proven gone: fingerprint them (lstat) instead of re-reading and re-parsing them.
             record = record_for_commit(target, key, manifest, marker)
             with self._mutex:
-                self._records[key] = record
+                self._put_record(key, record)
             return record
+
+    def _put_record(self, key: str, record: ArtifactRecord) -> None:
+        """``_records[key] = record`` (caller holds ``_mutex``, or runs before anyone else can),
+        noting a key that was not there for ``take_added``."""
+        if key not in self._records:
+            self._added.append(key)
+        self._records[key] = record
+
+    def take_added(self) -> list[str]:
+        """Keys that became records (validated artifacts) since the last call, each once per
+        arrival; the first call returns every key validated at start."""
+        with self._mutex:
+            added, self._added = self._added, []
+        return added
+
+    def listed(self, key: str) -> ArtifactRecord | None:
+        """The in-memory record of ``key`` when ``artifacts()`` would list it (validated, not
+        denied), else None; O(1), no disk access. No lock: two single dict lookups are atomic
+        under the interpreter lock, and ``_mutex`` may be held across a deny marker's fsync."""
+        return None if key in self._denied else self._records.get(key)
 
     def _try_lookup(self, key: str) -> ArtifactRecord | None:
         try:
@@ -525,7 +550,7 @@ class Store:
             self._deny_for(key, err)
             raise
         with self._mutex:
-            self._records[key] = record
+            self._put_record(key, record)
         if key not in self._sizes and os.path.lexists(path):
             # Put there behind the daemon's back since the last rescan: count it now. (Gone by
             # now, quarantined or removed meanwhile: the caller's open_payloads says which.
@@ -646,7 +671,7 @@ class Store:
 
     def committed_bytes(self) -> int:
         """Sum of ``usage_by_key``: never less than what this daemon has in ``artifacts/``."""
-        return sum(dict(self._sizes).values())
+        return self._total
 
     def rescan_usage(self) -> dict[str, int]:
         """Re-read ``artifacts/`` (sizes of validated artifacts from memory, others by ``lstat``)
@@ -669,6 +694,7 @@ class Store:
                     else:
                         sizes.pop(key, None)
                 before, self._sizes = self._sizes, sizes
+                self._total = sum(sizes.values())
         added, gone = sizes.keys() - before.keys(), before.keys() - sizes.keys()
         if added or gone:
             log.warning("artifacts/ changed behind the daemon: %d entries appeared (%s), %d vanished (%s)",
@@ -700,8 +726,9 @@ class Store:
             if self._touched is not None:
                 self._touched.add(key)
             if size is None:
-                self._sizes.pop(key, None)
+                self._total -= self._sizes.pop(key, 0)
             elif not keep or key not in self._sizes:
+                self._total += size - self._sizes.get(key, 0)
                 self._sizes[key] = size
 
     def _scan_sizes(self) -> dict[str, int]:

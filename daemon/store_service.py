@@ -56,6 +56,7 @@ from hwr.daemon.admission import Admission, overdue
 from hwr.daemon.capacity import CapacityPolicy, Reservation, Reservations, Usage, assess, shortfall_error
 from hwr.daemon.eviction import Candidate, Plan, plan
 from hwr.daemon.lease_journal import Hold, LeaseJournal, process_start, same_process
+from hwr.daemon.lru import LruIndex
 from hwr.daemon.pins import PinSet, Residency
 from hwr.daemon.sessions import LeaseRecord, Registry
 from hwr.daemon.store_staging import plan_payloads
@@ -142,6 +143,7 @@ class StoreService:
         self.journal = LeaseJournal.open(root / "leases.journal")
         self.holds: list[Hold] = list(self.journal.recovered)
         self.access = AccessTimes(root / "access.json")
+        self.lru = LruIndex()  # the artifacts by last use (or creation): see _sync_lru
         self.publications: Any = None
         self.evicting: set[str] = set()
         self.evictions = 0
@@ -234,9 +236,22 @@ class StoreService:
                 self.journal.released(lease.lease_id)
                 if not self.registry.lease_count(lease.key):  # only now can it be evicted
                     self._signal_room()
-            self.access.touch(lease.key)
+            self._touch(lease.key)
         except OSError as exc:
             log.error("lease journal write failed: %s", exc)
+
+    def _touch(self, key: str) -> None:
+        now = time.time()
+        self.access.touch(key, now)
+        self.lru.note(key, now)
+
+    def _sync_lru(self) -> None:
+        """Note the artifacts validated since the last call (all of them at the first) in the
+        LRU index, at their recorded last use or else their creation time."""
+        for key in self.store.take_added():
+            record = self.store.listed(key)
+            if record is not None:
+                self.lru.note(key, self.access.get(key, record.created_at))
 
     def _reattach(self, key: str, pid: int) -> None:
         if not self.holds:
@@ -309,7 +324,7 @@ class StoreService:
         self.admission.leave(ticket.took_slot)
         ticket.took_slot = False
         if committed:
-            self.access.touch(ticket.key)
+            self._touch(ticket.key)
         self._signal_room()
 
     def _signal_room(self) -> None:
@@ -512,26 +527,36 @@ class StoreService:
         ``Candidate`` and left out of ``report.skipped`` (a publication's round needs no
         report; under churn it walked past every pinned artifact at each try)."""
         report = EvictionReport()
-        # Walk the artifacts in LRU order and flag only the prefix that can matter: ``plan``
-        # stops at the first prefix of evictable bytes covering the shortfall, so nothing past
-        # it is chosen or reported. Cost per round: one sort plus flags for a few artifacts,
-        # not flags (and Candidate objects) for every artifact in the store.
-        access, pins, lease_count, is_busy = self.access, self.pins, self.registry.lease_count, self._is_busy
-        records = {r.key: r for r in self.store.artifacts(ordered=False) if r.key not in exclude}  # no hop
-        order = sorted((access.get(r.key, r.created_at), r.key, r.size_bytes) for r in records.values())
+        # Walk the artifacts in LRU order (``LruIndex``: popped lazily, put back at the end) and
+        # flag only the prefix that can matter: ``plan`` stops at the first prefix of evictable
+        # bytes covering the shortfall, so nothing past it is chosen or reported. Cost per
+        # round: the entries walked, not a sort (and Candidate objects) of every artifact.
+        pins, lease_count, is_busy = self.pins, self.registry.lease_count, self._is_busy
+        self._sync_lru()
+        walk = self.lru.pop_in_order()
+        popped: list[tuple[float, str]] = []
+        records: dict[str, Any] = {}
         candidates: list[Candidate] = []
         free: set[str] = set()
         mapped: dict[str, set[int]] = {}
-        walked = 0
         try:
             while True:
                 batch: list[str] = []
                 covered = sum(c.size_bytes for c in candidates if c.key in free and c.key not in mapped)
-                while walked < len(order) and covered < shortfall:
-                    last, key, size = order[walked]
-                    walked += 1
-                    if not explain and (key in pins or is_busy(key) or lease_count(key)):
+                while covered < shortfall:
+                    entry = next(walk, None)
+                    if entry is None:
+                        break
+                    popped.append(entry)
+                    last, key = entry
+                    record = self.store.listed(key)
+                    if record is None:  # removed or denied since: it comes back through _sync_lru
+                        self.lru.forget(key)
                         continue
+                    if key in exclude or (not explain and (key in pins or is_busy(key) or lease_count(key))):
+                        continue
+                    records[key] = record
+                    size = record.size_bytes
                     c = self._flags(key, size, last)
                     candidates.append(c)
                     if not any((c.leased, c.pinned, c.held, c.busy)):
@@ -571,6 +596,8 @@ class StoreService:
                 await self._purge(report.trash)
                 raise failure
         finally:
+            walk.close()
+            self.lru.restore(popped)
             self.evicting -= free
             self._settled.set()
             self._settled = asyncio.Event()
@@ -619,6 +646,7 @@ class StoreService:
         if self.on_evict is not None:
             self.on_evict(reason)
         self.access.forget(key)
+        self.lru.forget(key)
         self.journal.forget(key)
         self._unmapped_at.pop(key, None)
         self._lease_gen.pop(key, None)

@@ -343,3 +343,22 @@ def test_the_reservation_ledger_keeps_its_sums_and_key_index_exact() -> None:
         assert ledger.unallocated_bytes == sum(r.nbytes for r in live if not r.allocated)
         assert {k for k in (f"k{i}" for i in range(5)) if ledger.holds(k)} == {r.key for r in live}
         assert len(ledger) == len(live)
+
+
+def test_take_added_names_each_new_record_once_and_listed_hides_denied_ones(tmp_path: Path) -> None:
+    """The daemon's LRU index learns of artifacts from ``take_added`` (every key validated at
+    start, then each commit or lookup that adds one) and reads them with ``listed``."""
+    root = tmp_path / "root"
+    with Store.open(root) as store:
+        first = _publish(store, "first", 256)
+        assert store.take_added() == [first]
+        assert store.take_added() == []
+        second = _publish(store, "second", 256)
+        store.deny(first, "bad")
+        assert store.listed(first) is None and store.listed(second) is not None
+        assert store.take_added() == [second]
+        store.allow(first)
+        store.lookup(first)  # re-validated: a record again
+        assert store.take_added() == [first] and store.listed(first) is not None
+    with Store.open(root) as reopened:
+        assert sorted(reopened.take_added()) == sorted([first, second])
