@@ -480,6 +480,8 @@ class Store:
     def take_added(self) -> list[str]:
         """Keys that became records (validated artifacts) since the last call, each once per
         arrival; the first call returns every key validated at start."""
+        if not self._added:  # the common case, without the lock (a list's truth is atomic)
+            return []
         with self._mutex:
             added, self._added = self._added, []
         return added
