@@ -34,9 +34,6 @@ class LruIndex:
     def __len__(self) -> int:
         return len(self._time)
 
-    def __contains__(self, key: object) -> bool:
-        return key in self._time
-
     def note(self, key: str, when: float) -> None:
         """``key`` was last used at ``when`` (any float; the order follows it, not call order)."""
         if self._time.get(key) == when:

@@ -626,11 +626,10 @@ class Store:
             raise
         return opened
 
-    def artifacts(self, *, ordered: bool = True) -> list[ArtifactRecord]:
-        """Every validated, not denied artifact, by key (``ordered=False``: in no set order)."""
+    def artifacts(self) -> list[ArtifactRecord]:
+        """Every validated, not denied artifact, by key."""
         with self._mutex:
-            items = sorted(self._records.items()) if ordered else list(self._records.items())
-            return [r for k, r in items if k not in self._denied]
+            return [r for k, r in sorted(self._records.items()) if k not in self._denied]
 
     def verify(self, key: str, progress: Callable[[int, int], None] | None = None) -> ArtifactRecord:
         """Re-hash every byte; a mismatch quarantines and denies the key, raising ``ChecksumMismatch``."""

@@ -203,6 +203,9 @@ class StoreService:
             try:
                 self.prune_holds()
                 self.access.flush()
+                # Also without eviction pressure (no limit: no rounds), so the store's list of
+                # added keys never grows with every commit of a months-long run.
+                self._sync_lru()
                 if self.publications is not None:
                     from hwr.daemon.publications import PubState
 

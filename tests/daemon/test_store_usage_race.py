@@ -362,3 +362,29 @@ def test_take_added_names_each_new_record_once_and_listed_hides_denied_ones(tmp_
         assert store.take_added() == [first] and store.listed(first) is not None
     with Store.open(root) as reopened:
         assert sorted(reopened.take_added()) == sorted([first, second])
+
+
+def test_housekeeping_feeds_the_lru_index_without_eviction_rounds(tmp_path: Path) -> None:
+    """With no store limit no eviction round runs; the housekeeping tick still drains the store's
+    added keys into the LRU index, so that list does not grow with every commit."""
+    store = Store.open(tmp_path / "root")
+    config = SimpleNamespace(store_limit_bytes=0, artifact_limit_bytes=0, min_free_bytes=0,
+                             serialized_admission=False, mlock_budget_bytes=0, scrub_bandwidth_mib_s=0.0,
+                             housekeeping_interval_s=0.05, publication_deadline_s=3600.0)
+
+    async def scenario() -> tuple[list[str], int]:
+        service = StoreService(config, store, Registry())
+        await service.start(None)
+        try:
+            for i in range(5):
+                await asyncio.to_thread(_publish, store, f"kept-{i}", 256)
+            await asyncio.sleep(0.3)  # several ticks
+            return store.take_added(), len(service.lru)
+        finally:
+            await service.stop()
+
+    try:
+        left, indexed = asyncio.run(scenario())
+    finally:
+        store.close()
+    assert left == [] and indexed == 5
