@@ -14,7 +14,9 @@ import gc
 import json
 import math
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -165,6 +167,67 @@ def touch_pages(tensors: Any) -> int:
 
 
 # --- daemon ----------------------------------------------------------------------------------
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
+
+
+def scrape_metrics(path: Path, timeout: float = 10.0) -> dict[str, float]:
+    """``name{labels}`` -> value, from one ``GET /metrics`` of hwrd's metrics listener on the
+    Unix socket ``path`` (``hwrd --metrics-listen unix:PATH``)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect(str(path))
+        sock.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        chunks = []
+        while chunk := sock.recv(1 << 16):
+            chunks.append(chunk)
+    head, _, body = b"".join(chunks).partition(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.") or b" 200 " not in head.split(b"\r\n", 1)[0]:
+        raise RuntimeError(f"metrics scrape failed: {head[:200]!r}")
+    samples = {}
+    for line in body.decode().splitlines():
+        match = _SAMPLE.match(line)
+        if match:
+            samples[match.group(1) + (match.group(2) or "")] = float(match.group(3))
+    return samples
+
+
+def histogram_window(before: dict[str, float], after: dict[str, float], name: str,
+                     label: str) -> dict[str, dict[str, float]]:
+    """Per value of ``label``: observations of histogram ``name`` between two scrapes, as n, mean
+    and p50/p90/p99 in ms. Quantiles are estimated from the buckets as Prometheus'
+    ``histogram_quantile`` does (linear within a bucket), so they are only as fine as the buckets;
+    one that falls in the +Inf bucket is reported as the largest finite bound."""
+    series: dict[str, list[tuple[float, float]]] = {}
+    prefix = f"{name}_bucket{{{label}=\""
+    for key, value in after.items():
+        if key.startswith(prefix):
+            which, _, le = key[len(prefix):].partition('",le="')
+            bound = math.inf if le.startswith("+Inf") else float(le.rstrip('"}'))
+            series.setdefault(which, []).append((bound, value - before.get(key, 0.0)))
+    out = {}
+    for which, buckets in sorted(series.items()):
+        buckets.sort()
+        n = buckets[-1][1]
+        if n <= 0:
+            continue
+        total = after.get(f'{name}_sum{{{label}="{which}"}}', 0.0) - before.get(f'{name}_sum{{{label}="{which}"}}', 0.0)
+        row = {"n": n, "mean_ms": total / n * 1e3}
+        for q in (0.5, 0.9, 0.99):
+            rank, lower, below, estimate = q * n, 0.0, 0.0, 0.0
+            for bound, cumulative in buckets:
+                if cumulative >= rank:
+                    if math.isinf(bound):
+                        estimate = lower
+                    else:
+                        share = (rank - below) / (cumulative - below) if cumulative > below else 1.0
+                        estimate = lower + (bound - lower) * share
+                    break
+                lower, below = bound, cumulative
+            row[f"p{round(q * 100)}_ms"] = estimate * 1e3
+        out[which] = row
+    return out
+
+
 def short_tmpdir(prefix: str = "hwb-") -> Path:
     """A private (0700) directory directly under /tmp, short enough for Unix socket paths."""
     return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))

@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import threading
@@ -33,7 +34,18 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import fmt_ms, freeze_startup_heap, hwrd, json_line, md_table, summarize, wait_until
+from benchmarks.common import (
+    fmt_ms,
+    freeze_startup_heap,
+    histogram_window,
+    hwrd,
+    json_line,
+    md_table,
+    scrape_metrics,
+    short_tmpdir,
+    summarize,
+    wait_until,
+)
 
 ELEMENTS = 1 << 14  # float32 elements per artifact (64 KiB)
 OPS = ("acquire", "release", "publish", "list")
@@ -162,41 +174,19 @@ def run(*, clients: int, ops: int, processes: int, mix: dict[str, float], base: 
         daemon_args: tuple[str, ...] = (), pin_base: bool = False, label: str = "load",
         rate: float = 0.0) -> dict[str, Any]:
     """Run the load; ``rate`` > 0 offers that many operations per second in all (open loop,
-    spread evenly over the clients), 0 runs every client closed loop (capacity)."""
-    import torch
-
-    from hwr.client import ArtifactIdentity, connect
-
+    spread evenly over the clients), 0 runs every client closed loop (capacity). hwrd serves
+    its metrics on a Unix socket: the result's ``publication_phases_ms`` is its
+    ``hwr_publication_phase_seconds`` histogram over the timed window (see ``histogram_window``)."""
     processes = max(1, min(processes, clients))
     per_process = [clients // processes + (1 if i < clients % processes else 0) for i in range(processes)]
-    with hwrd(None, *daemon_args) as daemon:
-        with connect(daemon.socket) as client:
-            keys = [client.publish(ArtifactIdentity.simple(f"{label}-base-{i}"),
-                                   {"w": torch.full((ELEMENTS,), float(i))}) for i in range(base)]
-            if pin_base:
-                for key in keys:
-                    client.pin(key)
-        baseline_fds = len(os.listdir(f"/proc/{daemon.pid}/fd"))
-        cmd = [sys.executable, __file__, "--worker", str(daemon.socket), "--mix", json.dumps(mix),
-               "--keys", ",".join(keys), "--ops", str(ops), "--interval", repr(clients / rate if rate else 0.0)]
-        procs = [subprocess.Popen([*cmd, "--seed", str(i + 1), "--sessions", str(n)], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True) for i, n in enumerate(per_process)]
-        for p in procs:
-            assert p.stdout is not None and p.stdout.readline().strip() == "ready", "a worker failed to start"
-        started = time.perf_counter()
-        for p in procs:
-            assert p.stdin is not None
-            p.stdin.write("go\n")
-            p.stdin.flush()
-        results = []
-        for p in procs:
-            assert p.stdout is not None
-            results.append(json.loads(p.stdout.readline()))
-            p.wait(60)
-        wall = time.perf_counter() - started
-        end = _end_state(daemon, baseline_fds)
-        with connect(daemon.socket) as client:
-            evictions = client.store_usage()["evictions"]
+    metrics_dir = short_tmpdir("hwm-")
+    metrics = metrics_dir / "metrics.sock"
+    try:
+        with hwrd(None, *daemon_args, "--metrics-listen", f"unix:{metrics}") as daemon:
+            results, wall, end, evictions, phases = _drive(daemon, metrics, ops, mix, base, pin_base, label,
+                                                           clients / rate if rate else 0.0, per_process)
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
     latencies: dict[str, list[float]] = {op: [] for op in OPS}
     errors: dict[str, int] = {}
     for r in results:
@@ -210,7 +200,53 @@ def run(*, clients: int, ops: int, processes: int, mix: dict[str, float], base: 
             "offered_ops_per_s": rate or None,
             "ops_per_s": total / wall, "latency_ms": {op: summarize(v) for op, v in latencies.items() if v},
             "all_ms": summarize(every), "errors": errors, "evictions": evictions, "end_state": end,
+            "publication_phases_ms": phases,
             "worker_rss_mib": max(r["rss_kib"] for r in results) / 1024}
+
+
+def _drive(daemon: Any, metrics: Path, ops: int, mix: dict[str, float], base: int, pin_base: bool,
+           label: str, interval: float, per_process: list[int]) -> tuple[list[dict[str, Any]], float,
+                                                                        dict[str, Any], int, dict[str, Any]]:
+    """Publish the base artifacts, run the worker processes, check the end state."""
+    import torch
+
+    from hwr.client import ArtifactIdentity, connect
+
+    with connect(daemon.socket) as client:
+        keys = [client.publish(ArtifactIdentity.simple(f"{label}-base-{i}"),
+                               {"w": torch.full((ELEMENTS,), float(i))}) for i in range(base)]
+        if pin_base:
+            for key in keys:
+                client.pin(key)
+    baseline_fds = len(os.listdir(f"/proc/{daemon.pid}/fd"))
+    cmd = [sys.executable, __file__, "--worker", str(daemon.socket), "--mix", json.dumps(mix),
+           "--keys", ",".join(keys), "--ops", str(ops), "--interval", repr(interval)]
+    procs = [subprocess.Popen([*cmd, "--seed", str(i + 1), "--sessions", str(n)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) for i, n in enumerate(per_process)]
+    for p in procs:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready", "a worker failed to start"
+    before = scrape_metrics(metrics)
+    started = time.perf_counter()
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    results = []
+    for p in procs:
+        assert p.stdout is not None
+        results.append(json.loads(p.stdout.readline()))
+        p.wait(60)
+    wall = time.perf_counter() - started
+    phases = histogram_window(before, scrape_metrics(metrics), "hwr_publication_phase_seconds", "phase")
+    end = _end_state(daemon, baseline_fds)
+    with connect(daemon.socket) as client:
+        evictions = client.store_usage()["evictions"]
+    return results, wall, end, evictions, phases
+
+
+def _pipeline_order(item: tuple[str, Any]) -> tuple[int, str]:
+    order = ("admission", "staging", "writing", "commit")  # a publication's phases in turn
+    return (order.index(item[0]) if item[0] in order else len(order), item[0])
 
 
 def report(result: dict[str, Any], title: str) -> str:
@@ -226,6 +262,14 @@ def report(result: dict[str, Any], title: str) -> str:
              f"typed errors: {result['errors'] or 'none'}; evictions: {result['evictions']}; "
              f"worker RSS {result['worker_rss_mib']:.0f} MiB each", "",
              md_table(["end state", "value"], [[k, v] for k, v in end.items()])]
+    phases = result.get("publication_phases_ms")
+    if phases:
+        rows = [[phase, f"{row['n']:.0f}", fmt_ms(row["mean_ms"]), fmt_ms(row["p50_ms"]), fmt_ms(row["p90_ms"]),
+                 fmt_ms(row["p99_ms"])] for phase, row in sorted(phases.items(), key=_pipeline_order)]
+        lines += ["", f"#### {title}: where a publication's time goes inside hwrd (its "
+                  "`hwr_publication_phase_seconds` histogram over the run; quantiles estimated from "
+                  "the buckets, so coarse)", "",
+                  md_table(["phase", "n", "mean", "p50", "p90", "p99"], rows)]
     return "\n".join(lines)
 
 

@@ -17,12 +17,19 @@ Exposed (all names prefixed ``hwr_``)::
     evictions_total{reason}        counter  reason chosen by the evicting code (a fixed word)
     verification_failures_total{code}  counter  code = the typed error code (MANIFEST_CORRUPT, ...)
     acquire_duration_seconds       histogram  Acquire handling time, successful acquires only
+    publication_phase_seconds{phase}  histogram  where a publication's time goes, per phase:
+                                   admission (identity slot + capacity reservation, including
+                                   eviction and any wait for room), staging (free evicted bytes,
+                                   create the preallocated staging files), writing (staged until
+                                   the commit request: the publisher's own time), commit (checks,
+                                   hash, fsyncs, rename into artifacts/); successful phases only
 
 Contract: labels carry fixed vocabulary only (outcomes, reasons, error codes), never paths, model
 names, keys or exception text; ``label_value`` rejects anything outside ``[A-Za-z0-9_]``. One
 scrape is rendered in one event-loop step, so its numbers are consistent with each other:
-``leases_granted_total - leases_released_total == leases`` and the histogram's ``_count``
-equals ``leases_granted_total`` (a lease is granted exactly when an Acquire succeeds).
+``leases_granted_total - leases_released_total == leases``, the Acquire histogram's ``_count``
+equals ``leases_granted_total`` (a lease is granted exactly when an Acquire succeeds) and the
+commit phase's ``_count`` equals ``publications_total{outcome="committed"}``.
 Limits: counters reset when hwrd restarts (Prometheus handles resets); the server answers
 ``GET /metrics`` only, HTTP/1.0-style (one request per connection), and listens on loopback or
 a Unix socket only: it has no authentication.
@@ -48,6 +55,10 @@ __all__ = ["Counter", "Histogram", "Instruments", "MetricsServer", "exposition",
 log = logging.getLogger("hwrd.metrics")
 _LABEL_VALUE = re.compile(r"^[A-Za-z0-9_]{1,64}$")
 ACQUIRE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+#: Publication phases span a 64 KiB artifact's sub-millisecond staging to a 100 GB commit's hash.
+PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                 30.0, 60.0, 120.0, 300.0, 600.0)
+PUBLICATION_PHASES = ("admission", "staging", "writing", "commit")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -78,30 +89,56 @@ class Counter:
         return out
 
 
-class Histogram:
-    """Cumulative buckets, sum and count (Prometheus histogram semantics)."""
+class _Series:
+    """One histogram series: per-bucket (non-cumulative) counts, sum and count."""
 
-    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...] = ACQUIRE_BUCKETS) -> None:
-        self.name, self.help, self.buckets = name, help_text, tuple(sorted(buckets))
-        self.counts = [0] * len(self.buckets)
+    __slots__ = ("count", "counts", "sum")
+
+    def __init__(self, buckets: int) -> None:
+        self.counts = [0] * buckets
         self.count = 0
         self.sum = 0.0
 
-    def observe(self, value: float) -> None:
+
+class Histogram:
+    """Cumulative buckets, sum and count (Prometheus histogram semantics), optionally split by one
+    label (each label value its own series, rendered in sorted order)."""
+
+    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...] = ACQUIRE_BUCKETS,
+                 label: str | None = None) -> None:
+        self.name, self.help, self.buckets, self.label = name, help_text, tuple(sorted(buckets)), label
+        self.series: dict[str, _Series] = {} if label else {"": _Series(len(self.buckets))}
+
+    def observe(self, value: float, label: str = "") -> None:
+        key = label_value(label) if self.label else ""
+        series = self.series.get(key)
+        if series is None:
+            series = self.series[key] = _Series(len(self.buckets))
         index = bisect.bisect_left(self.buckets, value)
-        if index < len(self.counts):
-            self.counts[index] += 1
-        self.count += 1
-        self.sum += value
+        if index < len(series.counts):
+            series.counts[index] += 1
+        series.count += 1
+        series.sum += value
+
+    def touch(self, label: str) -> None:
+        """Create ``label``'s series with zero observations (so it is exported before the first)."""
+        self.series.setdefault(label_value(label), _Series(len(self.buckets)))
+
+    @property
+    def count(self) -> int:
+        return sum(s.count for s in self.series.values())
 
     def lines(self) -> list[str]:
         out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        running = 0
-        for bound, n in zip(self.buckets, self.counts, strict=True):
-            running += n
-            out.append(f'{self.name}_bucket{{le="{_num(bound)}"}} {running}')
-        out += [f'{self.name}_bucket{{le="+Inf"}} {self.count}', f"{self.name}_sum {_num(self.sum)}",
-                f"{self.name}_count {self.count}"]
+        for key, series in sorted(self.series.items()):
+            labels = f'{self.label}="{key}",' if self.label else ""
+            only = f'{{{labels[:-1]}}}' if self.label else ""
+            running = 0
+            for bound, n in zip(self.buckets, series.counts, strict=True):
+                running += n
+                out.append(f'{self.name}_bucket{{{labels}le="{_num(bound)}"}} {running}')
+            out += [f'{self.name}_bucket{{{labels}le="+Inf"}} {series.count}',
+                    f"{self.name}_sum{only} {_num(series.sum)}", f"{self.name}_count{only} {series.count}"]
         return out
 
 
@@ -205,11 +242,17 @@ class Instruments:
     """The daemon's own counters (the rest are read from the registry and store at scrape time).
 
     ``count_eviction(reason)`` and ``count_verification_failure(code)`` are for the components
-    that evict or verify; ``observe_acquire`` for the Acquire handler.
+    that evict or verify; ``observe_acquire`` for the Acquire handler; ``observe_publication_phase``
+    for ``hwr.daemon.publications`` (its ``on_phase`` hook).
     """
 
     def __init__(self) -> None:
         self.acquire = Histogram("hwr_acquire_duration_seconds", "Time to handle a successful Acquire.")
+        self.publication_phases = Histogram(
+            "hwr_publication_phase_seconds", "Time a successful publication phase took, by phase.",
+            PHASE_BUCKETS, label="phase")
+        for phase in PUBLICATION_PHASES:
+            self.publication_phases.touch(phase)
         self.evictions = Counter("hwr_evictions_total", "Artifacts evicted from the store.", "reason")
         self.verification_failures = Counter(
             "hwr_verification_failures_total", "Artifacts that failed validation or verification.", "code")
@@ -220,6 +263,9 @@ class Instruments:
 
     def observe_acquire(self, seconds: float) -> None:
         self.acquire.observe(seconds)
+
+    def observe_publication_phase(self, phase: str, seconds: float) -> None:
+        self.publication_phases.observe(seconds, phase)
 
     def count_eviction(self, reason: str = "capacity") -> None:
         self.evictions.inc(reason)
@@ -244,4 +290,5 @@ def exposition(daemon: Daemon) -> bytes:
         counter_lines("hwr_leases_granted_total", "Leases granted since start.", registry.leases_granted),
         counter_lines("hwr_leases_released_total", "Leases released since start.", registry.leases_released),
         pubs.lines(), inst.evictions.lines(), inst.verification_failures.lines(), inst.acquire.lines(),
+        inst.publication_phases.lines(),
     ])

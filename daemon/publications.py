@@ -79,8 +79,12 @@ class BeginResult:
 
 class Publications:
     def __init__(self, store: Any, *, on_commit: Callable[[str], None] | None = None,
-                 gate: Any = None, commit_threads: int = COMMIT_THREADS) -> None:
+                 gate: Any = None, commit_threads: int = COMMIT_THREADS,
+                 on_phase: Callable[[str, float], None] | None = None) -> None:
         self._store = store
+        # ``on_phase(phase, seconds)`` after each successful phase of a publication (admission,
+        # staging, writing, commit: ``hwr.daemon.metrics.PUBLICATION_PHASES``), on the loop.
+        self._on_phase = on_phase
         # Optional admission/capacity gate: ``admit(key, specs, wait_timeout)`` -> ticket before
         # staging, ``allocated(ticket)`` once preallocated, ``finished(ticket, committed)`` at end.
         self._gate = gate
@@ -146,9 +150,13 @@ class Publications:
         pub = Publication(raw[:8].hex(), raw[8:].hex(), key, owner, None)
         self._by_key[key] = pub
         self._by_id[pub.publication_id] = pub
+        phase = self._on_phase
         try:
             if self._gate is not None:
+                began = loop.time()
                 pub.ticket = await self._gate.admit(key, specs, deadline - loop.time())
+                if phase is not None:
+                    phase("admission", loop.time() - began)
             ticket = pub.ticket
 
             def stage() -> Any:  # one worker hop: free the evicted bytes, then stage
@@ -156,6 +164,7 @@ class Publications:
                     self._gate.purge_sync(ticket.take_trash())
                 return self._store.begin(identity, specs, format_metadata=format_metadata)
 
+            began = loop.time()
             pub.staging = await loop.run_in_executor(self._commit_pool, stage)
             if self._gate is not None:
                 self._gate.allocated(pub.ticket)
@@ -163,6 +172,8 @@ class Publications:
             self._finish(pub, PubState.FAILED)
             raise
         pub.started_at = loop.time()
+        if phase is not None:
+            phase("staging", pub.started_at - began)
         if session is not None:
             session.publications.add(pub.publication_id)
         return BeginResult("staged", key, pub)
@@ -204,6 +215,8 @@ class Publications:
                                      details={"tensor": name[:200]})
         pub.state = PubState.COMMITTING
         paths = [Path(path) for _n, path, _s in pub.staging.files]
+        loop = asyncio.get_running_loop()
+        began = loop.time()
 
         def checks_and_commit() -> tuple[bool, Any]:
             """One worker hop: the quick checks, then the commit. A failed check leaves the
@@ -229,8 +242,7 @@ class Publications:
             return True, (existed, record)
 
         try:
-            checked, outcome = await asyncio.get_running_loop().run_in_executor(
-                self._commit_pool, checks_and_commit)
+            checked, outcome = await loop.run_in_executor(self._commit_pool, checks_and_commit)
         except BaseException:
             self._finish(pub, PubState.FAILED)
             raise
@@ -238,6 +250,9 @@ class Publications:
             pub.state = PubState.STAGED
             raise outcome
         existed, record = outcome
+        if self._on_phase is not None:  # with _finish below in one loop step: scrapes agree
+            self._on_phase("writing", max(0.0, began - pub.started_at))
+            self._on_phase("commit", loop.time() - began)
         self._finish(pub, PubState.COMMITTED)
         if self._on_commit is not None:
             self._on_commit(pub.key)

@@ -98,7 +98,8 @@ class Daemon:
         self.store_service = StoreService(self.config, self.store, self.registry)
         self.store_service.on_evict = self.metrics.count_eviction
         self.publications = Publications(self.store, gate=self.store_service,
-                                         commit_threads=self.config.commit_threads)
+                                         commit_threads=self.config.commit_threads,
+                                         on_phase=self.metrics.observe_publication_phase)
         await self.store_service.start(self.publications)
         from hwr.daemon.checkpoints import Checkpoints
 
