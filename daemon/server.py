@@ -213,10 +213,11 @@ class Daemon:
     async def artifact_infos(self) -> list[pb.ArtifactInfo]:
         records = await asyncio.to_thread(self.store.artifacts)
         infos = []
-        for record in records:
+        is_denied = self.store.is_denied  # in memory: no thread hop per artifact (each waited in
+        for record in records:            # the default executor's queue: 0.5 ms apiece under load)
             manifest = record.manifest
             identity = manifest.identity
-            denied = await asyncio.to_thread(self.store.is_denied, record.key)
+            denied = is_denied(record.key)
             infos.append(pb.ArtifactInfo(
                 key=record.key, size_bytes=record.size_bytes,
                 state=pb.ARTIFACT_STATE_DENIED if denied else pb.ARTIFACT_STATE_READY,
