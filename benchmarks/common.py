@@ -16,10 +16,12 @@ import math
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -167,6 +169,26 @@ def touch_pages(tensors: Any) -> int:
 
 
 # --- daemon ----------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _exit_on_sigterm() -> Iterator[None]:
+    """SIGTERM raises ``SystemExit(143)`` in the main thread inside the block (the previous
+    handler is restored after); off the main thread, or when someone else already handles
+    SIGTERM, nothing changes."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, _sigterm_exit):
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _sigterm_exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _sigterm_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
 
 
@@ -251,6 +273,9 @@ def hwrd(root: Path | None = None, *extra: str, keep: bool = False,
 
     The socket lives in its own short /tmp directory (Unix socket paths are limited to 107
     bytes). The daemon is stopped with SIGTERM on exit; temp dirs are removed unless ``keep``.
+    While it runs, a SIGTERM to the benchmark itself (from the main thread's view) raises
+    ``SystemExit(143)`` so this cleanup still runs: by default SIGTERM ends Python without
+    unwinding, and the daemon would outlive its benchmark.
     """
     tests_dir = str(REPO / "tests")
     if tests_dir not in sys.path:
@@ -262,11 +287,14 @@ def hwrd(root: Path | None = None, *extra: str, keep: bool = False,
     if root is None:
         root = sock_dir / "root"
     proc = DaemonProcess(root, sock_dir / "hwrd.sock", *extra, env=env)
-    proc.start()
+    stack = contextlib.ExitStack()
+    stack.enter_context(_exit_on_sigterm())
+    stack.callback(proc.stop)
     try:
+        proc.start()
         yield Daemon(socket=sock_dir / "hwrd.sock", root=root, pid=proc.pid, log=proc.log, proc=proc)
     finally:
-        proc.stop()
+        stack.close()  # stop the daemon, then restore the SIGTERM handler
         if not keep:
             shutil.rmtree(sock_dir, ignore_errors=True)
             if made_root:
