@@ -40,11 +40,9 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
-import json
 import logging
 import os
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -52,6 +50,7 @@ from typing import Any
 
 from hwr.client.errors import ActiveLease, ArtifactNotFound, HwrError, InvalidRequest
 from hwr.daemon import mappings
+from hwr.daemon.access_times import AccessTimes
 from hwr.daemon.admission import Admission, overdue
 from hwr.daemon.capacity import CapacityPolicy, Reservation, Reservations, Usage, assess, shortfall_error
 from hwr.daemon.eviction import Candidate, Plan, plan
@@ -65,42 +64,6 @@ __all__ = ["AccessTimes", "EvictionReport", "StoreService", "Ticket"]
 
 log = logging.getLogger("hwrd.store")
 _HEX = frozenset("0123456789abcdef")
-
-
-class AccessTimes:
-    """Last use of each artifact (lease, release, commit), persisted best effort."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._times: dict[str, float] = {}
-        self._dirty = False
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            self._times = {k: float(v) for k, v in json.loads(path.read_bytes()).get("last_access", {}).items()}
-
-    def get(self, key: str, default: float) -> float:
-        return self._times.get(key, default)
-
-    def touch(self, key: str, now: float | None = None) -> None:
-        self._times[key] = time.time() if now is None else now
-        self._dirty = True
-
-    def forget(self, key: str) -> None:
-        if self._times.pop(key, None) is not None:
-            self._dirty = True
-
-    def flush(self) -> None:
-        if not self._dirty:
-            return
-        self._dirty = False
-        tmp = self.path.with_name(f".access.{uuid.uuid4().hex}.tmp")
-        try:
-            tmp.write_bytes(json.dumps({"schema_version": 1, "last_access": self._times}).encode())
-            os.chmod(tmp, 0o600)
-            os.rename(tmp, self.path)
-        except OSError as exc:
-            log.warning("cannot save access times: %s", exc)
-            with contextlib.suppress(OSError):
-                tmp.unlink()
 
 
 @dataclass
@@ -202,7 +165,9 @@ class StoreService:
             await asyncio.sleep(self.config.housekeeping_interval_s)
             try:
                 self.prune_holds()
-                self.access.flush()
+                snapshot = self.access.snapshot()  # encoded here (on the loop, O(keys) but fast);
+                if snapshot is not None:           # written in a thread
+                    await asyncio.to_thread(self.access.write, snapshot)
                 # Also without eviction pressure (no limit: no rounds), so the store's list of
                 # added keys never grows with every commit of a months-long run.
                 self._sync_lru()

@@ -96,6 +96,21 @@ def test_eviction_is_lru_and_spares_leased_pinned_and_mapped(spawn_daemon, short
         lease.close()
 
 
+def test_lru_order_survives_a_clean_restart(spawn_daemon) -> None:
+    daemon = spawn_daemon("--store-limit-bytes", str(3 * ART))
+    with connect(daemon.socket) as client:
+        first, second, third = (_publish(client, n, i) for i, n in enumerate(["first", "second", "third"]))
+        with client.acquire(first):  # "first" becomes the most recently used
+            pass
+    assert daemon.stop() == 0  # a clean stop saves the access times (access.json)
+    daemon = spawn_daemon("--store-limit-bytes", str(3 * ART))
+    with connect(daemon.socket) as client:
+        # Forgotten access times would make commit order the LRU order and evict "first".
+        newer = _publish(client, "newer", 9)
+        keys = _keys(client)
+        assert second not in keys and keys == {first, third, newer}
+
+
 def test_concurrent_publications_never_exceed_the_store_limit(spawn_daemon) -> None:
     limit = 3 * ART
     daemon = spawn_daemon("--store-limit-bytes", str(limit))
