@@ -1,0 +1,34 @@
+"""The peer channel's timeout (``connect(timeout=)``): a daemon that stops answering (SIGSTOP)
+makes an exchange fail with ``DaemonUnavailable`` after about that long, never hang; once it
+answers again the same client leases as before (it reconnects)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from hwr.client import ArtifactIdentity, connect
+from hwr.client.errors import DaemonUnavailable
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_daemon_times_out_the_exchange_and_the_client_recovers(spawn_daemon) -> None:
+    daemon = spawn_daemon()
+    with connect(daemon.socket, timeout=1.0) as client:
+        key = client.publish(ArtifactIdentity.simple("e2e/peer-timeout"), {"w": torch.ones(256)})
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(DaemonUnavailable):
+                client.acquire(key)  # times out, reconnects once (the greeting times out too)
+            elapsed = time.monotonic() - started
+            assert 0.9 <= elapsed < 10, elapsed
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        with client.acquire(key) as lease:  # a fresh connection and session
+            assert float(lease.tensors["w"].sum()) == 256.0
+        assert [x["key"] for x in client.leases()] == []
