@@ -141,13 +141,10 @@ class Servicer(StoreAdminRpc, CheckpointsMixin, hwr_pb2_grpc.HostWeightRuntimeSe
     ) -> pb.InspectArtifactResponse:
         self._session(context)
         key = await self.d.resolve_prefix(request.key)
-        infos = [i for i in await self.d.artifact_infos() if i.key == key]
-        if not infos:
-            raise ArtifactNotFound("no artifact with that key", details={"key": key})
-        record = await self.d.record_any_state(key)
+        record = await self.d.record_any_state(key)  # ArtifactNotFound when it is gone (or denied)
         return pb.InspectArtifactResponse(
-            artifact=infos[0], identity_json=record.identity_bytes if record else b"",
-            manifest_json=self.d.manifest_bytes(record) if record else b"")
+            artifact=self.d.artifact_info(record), identity_json=record.identity_bytes,
+            manifest_json=self.d.manifest_bytes(record))
 
     @rpc
     async def ListLeases(self, request: pb.ListLeasesRequest, context: Any) -> pb.ListLeasesResponse:

@@ -86,6 +86,26 @@ def test_each_subcommand_in_both_output_modes(
     assert names  # at least the built-in subcommands ran
 
 
+def test_show_agrees_with_ls_and_carries_the_manifest(
+    spawn_daemon: Callable[..., DaemonProcess], capsys: pytest.CaptureFixture[str]
+) -> None:
+    daemon = spawn_daemon()
+    with connect(daemon.socket) as client:
+        keys = [client.publish(ArtifactIdentity.simple(f"ctl/show{i}"), {"w": torch.full((64,), float(i))})
+                for i in range(3)]
+        with client.acquire(keys[1]), client.acquire(keys[1]):
+            assert ctl.main(["--socket", str(daemon.socket), "ls", "--json"]) == 0
+            listed = {a["key"]: a for a in json.loads(capsys.readouterr().out)}
+            assert ctl.main(["--socket", str(daemon.socket), "show", keys[1][:12], "--json"]) == 0
+            shown = json.loads(capsys.readouterr().out)
+    entry = listed[keys[1]]
+    assert entry["leases"] == 2 and entry["state"] == "ready"
+    assert {k: shown[k] for k in entry if k != "tensors"} == {k: v for k, v in entry.items() if k != "tensors"}
+    assert len(shown["tensors"]) == entry["tensors"] == 1
+    assert shown["identity"]["source"]["model_id"] == "ctl/show1"
+    assert [f["size"] for f in shown["files"]] == [entry["size_bytes"]]
+
+
 def test_unreachable_daemon_exits_3(short_tmp: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert ctl.main(["--socket", str(short_tmp / "none.sock"), "status", "--json"]) == 3
     _out, err = capsys.readouterr()
