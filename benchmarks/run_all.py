@@ -21,11 +21,13 @@ shared machine are noisy: the load average is recorded around every section.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -119,12 +121,21 @@ def run_section(name: str, argv: list[str], out: Path, timeout: float) -> dict[s
     entry: dict[str, Any] = {"command": shlex.join(cmd), "loadavg_before": os.getloadavg()}
     print(f"\n=== {name}: {shlex.join(argv)}", flush=True)
     t0 = time.perf_counter()
+    # Its own process group: on a timeout (or when run_all itself is stopped) the section, its
+    # hwrd and its worker processes all get SIGTERM, so the daemons shut down and the benchmark
+    # removes its stores (``benchmarks.common.hwrd``); SIGKILL only after a grace period. A
+    # plain ``subprocess.run(timeout=)`` SIGKILLs the script alone and leaves its hwrd running.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, check=False)
-        text, rc = proc.stdout + ("\n" + proc.stderr if proc.returncode else ""), proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        text, rc = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or ""), -1
-        text += f"\n(timed out after {timeout:.0f} s)"
+        stdout, stderr = proc.communicate(timeout=timeout)
+        text, rc = stdout + ("\n" + stderr if proc.returncode else ""), proc.returncode
+    except subprocess.TimeoutExpired:
+        stdout, _stderr = stop_group(proc)
+        text, rc = stdout + f"\n(timed out after {timeout:.0f} s)", -1
+    except BaseException:  # KeyboardInterrupt, or SystemExit from run_all's own SIGTERM
+        stop_group(proc)
+        raise
     entry |= {"seconds": round(time.perf_counter() - t0, 1), "rc": rc, "loadavg_after": os.getloadavg()}
     (out / f"{name}.log").write_text(text)
     md = markdown_of(text)
@@ -139,7 +150,27 @@ def run_section(name: str, argv: list[str], out: Path, timeout: float) -> dict[s
     return entry
 
 
+def stop_group(proc: subprocess.Popen[str], grace: float = 30.0) -> tuple[str, str]:
+    """SIGTERM ``proc``'s process group, SIGKILL it after ``grace`` seconds; its output so far."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            stdout, stderr = proc.communicate(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # what the section left behind (its leader is gone)
+    return stdout or "", stderr or ""
+
+
+def _exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _exit)  # stop the running section's group too (run_section)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size-mib", type=int, default=None, help="bf16 artifact size (default 256; --quick: 64)")
     ap.add_argument("--quick", action="store_true", help="smoke sizes and few repeats")

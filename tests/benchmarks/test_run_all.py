@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -56,3 +59,39 @@ def test_scaling_section_end_to_end(tmp_path: Path) -> None:
     assert "| 2 | hwrd lease |" in (tmp_path / "scaling.md").read_text()
     if (tmp_path / "scaling.png").exists():  # matplotlib (bench extra) installed
         assert (tmp_path / "scaling.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_timed_out_section_stops_its_daemon_too(tmp_path: Path) -> None:
+    """A section past its timeout gets SIGTERM with its whole process group: the benchmark's
+    cleanup stops its hwrd (``subprocess.run(timeout=)`` SIGKILLed the script alone, and the
+    daemon outlived run_all)."""
+    script = tmp_path / "stuck.py"
+    pid_file = tmp_path / "daemon.pid"
+    script.write_text(
+        "import sys, time\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "from benchmarks.common import hwrd\n"
+        "with hwrd(None) as daemon:\n"
+        f"    open({str(pid_file)!r}, 'w').write(str(daemon.pid))\n"
+        "    print('serving', flush=True)\n"
+        "    time.sleep(300)\n")
+    started = time.monotonic()
+    entry = run_all.run_section("stuck", [str(script)], tmp_path, timeout=20)
+    assert entry["rc"] == -1 and time.monotonic() - started < 60
+    log = (tmp_path / "stuck.log").read_text()
+    assert "serving" in log and "(timed out after 20 s)" in log
+    daemon_pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(daemon_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _alive(daemon_pid):  # do not leave it behind when the assertion fails
+        os.kill(daemon_pid, signal.SIGKILL)
+        raise AssertionError("hwrd outlived its timed-out section")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
