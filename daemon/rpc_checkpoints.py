@@ -58,12 +58,15 @@ class CheckpointsMixin:
     async def ListCheckpoints(self, request: pb.ListCheckpointsRequest, context: Any) -> pb.ListCheckpointsResponse:
         session_of(self.d, context)
         checkpoints = self.d.checkpoints
-        infos = []
-        for ckpt in checkpoints.list():
-            with contextlib.suppress(HwrError):
-                await asyncio.to_thread(checkpoints.check, ckpt)  # refreshes the "modified" state
-            infos.append(self._checkpoint_info(ckpt))
-        return pb.ListCheckpointsResponse(checkpoints=infos)
+        listed = checkpoints.list()
+
+        def check_all() -> None:  # refreshes each "modified" state; one thread hop for the lot
+            for ckpt in listed:
+                with contextlib.suppress(HwrError):
+                    checkpoints.check(ckpt)
+
+        await asyncio.to_thread(check_all)
+        return pb.ListCheckpointsResponse(checkpoints=[self._checkpoint_info(ckpt) for ckpt in listed])
 
     async def acquire_checkpoint(self, request: pb.AcquireRequest, context: Any) -> pb.AcquireResponse:
         """``Acquire`` of a ``CheckpointRef`` (called by ``Servicer.Acquire``, whose ``@rpc`` maps errors)."""
