@@ -8,8 +8,9 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
+
+from .helpers import alive, exits_within
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,14 +25,6 @@ SCRIPT = textwrap.dedent(f"""
 """)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(") ", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_sigterm_to_the_benchmark_stops_its_daemon_and_removes_the_store() -> None:
     bench = subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, text=True)
     daemon_pid = 0
@@ -39,21 +32,18 @@ def test_sigterm_to_the_benchmark_stops_its_daemon_and_removes_the_store() -> No
         assert bench.stdout is not None
         pid_text, root = bench.stdout.readline().split()
         daemon_pid = int(pid_text)
-        assert _alive(daemon_pid) and Path(root).is_dir()
+        assert alive(daemon_pid) and Path(root).is_dir()
         os.kill(bench.pid, signal.SIGTERM)
         assert bench.wait(30) == 128 + signal.SIGTERM
         assert bench.stdout.read() == ""  # the block was left by the signal, not by its end
-        deadline = time.monotonic() + 5
-        while _alive(daemon_pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(daemon_pid), "hwrd outlived the benchmark that started it"
+        assert exits_within(daemon_pid, 5), "hwrd outlived the benchmark that started it"
         assert not Path(root).exists()
     finally:
         if bench.poll() is None:
             bench.kill()
             bench.wait()
-        if daemon_pid and _alive(daemon_pid):  # a failed run must not leave its daemon behind
-            os.kill(daemon_pid, signal.SIGKILL)
+        if daemon_pid:  # a failed run must not leave its daemon behind
+            exits_within(daemon_pid, 0)
 
 
 def test_the_previous_sigterm_handler_is_back_after_the_block() -> None:
