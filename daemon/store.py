@@ -124,6 +124,10 @@ def _check_key(key: object) -> str:
     return key  # type: ignore[return-value]
 
 
+class _Unconfirmed(Exception):
+    """A lookup check failed outside the key lock: run it again under the lock (``Store.lookup``)."""
+
+
 class Store:
     """The artifact store of one root; use ``Store.open`` (also a context manager)."""
 
@@ -493,8 +497,9 @@ class Store:
         return None if key in self._denied else self._records.get(key)
 
     def _try_lookup(self, key: str) -> ArtifactRecord | None:
+        """``lookup`` for a caller that already holds ``key``'s lock; None when it is corrupt or denied."""
         try:
-            return self.lookup(key)
+            return self._lookup(key, final=True)
         except (ManifestCorrupt, ManifestIncompatible, ChecksumMismatch, ArtifactDenied):
             return None
 
@@ -530,14 +535,34 @@ class Store:
         return not os.path.lexists(self.root / "artifacts" / key)
 
     def lookup(self, key: str) -> ArtifactRecord:
-        """The validated record of ``key`` (see the module docstring for the errors)."""
+        """The validated record of ``key`` (see the module docstring for the errors).
+
+        Only a failure confirmed under ``key``'s lock denies the key. Every change this Store
+        makes to ``artifacts/<key>`` (``retire`` for eviction and removal, ``_install`` for a
+        commit, whose directory is briefly at its staging mode after the rename, a quarantine)
+        holds that lock, so a check that failed without it may have caught one of those half
+        done: it is run again under the lock, where it sees the before or the after (gone:
+        ``ArtifactNotFound``). The fast path (a warm record whose fingerprints hold) takes no
+        lock."""
         _check_key(key)
+        try:
+            return self._lookup(key, final=False)
+        except _Unconfirmed:
+            with self._key_lock(key):
+                return self._lookup(key, final=True)
+
+    def _lookup(self, key: str, *, final: bool) -> ArtifactRecord:
+        """``lookup``'s body; ``final`` False raises ``_Unconfirmed`` instead of denying or
+        raising an I/O error (the caller then retries under the key lock), True when the caller
+        holds the key lock."""
         if key in self._denied:
             raise ArtifactDenied(f"artifact {key} is denied", details={"key": key, "reason": self._denied[key]})
         record = self._records.get(key)
         if record is not None:
             if same_fingerprints(record.fingerprints):
                 return record
+            if not final:
+                raise _Unconfirmed
             exc: HwrError = ManifestCorrupt(
                 "artifact changed since it was validated", details={"key": key, "check": "fingerprint"}
             )
@@ -548,7 +573,13 @@ class Store:
             raise ArtifactNotFound(f"no artifact {key}", details={"key": key})
         try:
             record = inspect_artifact(path, key, self.euid)
-        except (ManifestCorrupt, ManifestIncompatible) as err:
+        except (ManifestCorrupt, ManifestIncompatible, StoreIOError) as err:
+            if not final:
+                raise _Unconfirmed from None
+            if isinstance(err, StoreIOError):
+                raise
+            if not os.path.lexists(path):  # removed by hand meanwhile: nothing to deny
+                raise ArtifactNotFound(f"no artifact {key}", details={"key": key}) from None
             self._deny_for(key, err)
             raise
         with self._mutex:

@@ -443,3 +443,74 @@ def test_plan_validation_is_not_skipped_for_specs_equal_to_a_planned_one(bad_sha
     plan_payloads([TensorSpec("w", torch.float32, good)])  # now memoised
     with pytest.raises(InvalidRequest):
         plan_payloads([TensorSpec("w", torch.float32, bad_shape)])
+
+
+def _retire_at(monkeypatch, store: Store, name: str, target: Path) -> list[Path]:
+    """Make the first ``os.<name>`` call on ``target`` (or a file in it) find the artifact just
+    retired, as when an eviction's rename lands between two of a lookup's system calls."""
+    real = getattr(os, name)
+    trash: list[Path] = []
+    fired: list[bool] = []
+
+    def call(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if not fired and str(path).startswith(str(target)):
+            fired.append(True)  # first: retire itself calls os.lstat
+            trash.append(store.retire(target.name))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, name, call)
+    return trash
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_a_lookup_racing_an_eviction_reports_not_found_and_denies_nothing(
+        store: Store, monkeypatch, cached: bool) -> None:
+    """An eviction renames the directory away while a lookup checks it (the warm ``lstat``
+    fingerprints, or the first inspection): the artifact is gone, not corrupt. Denying it would
+    refuse every later publication of that identity until an operator allowed it."""
+    store.publish(IDENTITY, _tensors())
+    if not cached:
+        store.deny(IDENTITY.key, "x")
+        store.allow(IDENTITY.key)  # drops the validated record: the next lookup inspects
+    target = store.root / "artifacts" / IDENTITY.key
+    trash = _retire_at(monkeypatch, store, "lstat" if cached else "open", target)
+    with pytest.raises(ArtifactNotFound):
+        store.lookup(IDENTITY.key)
+    monkeypatch.undo()
+    assert trash, "the retire was not triggered: the test did not race anything"
+    store.delete_retired(trash)
+    assert store.deny_reason(IDENTITY.key) is None and not list((store.root / "deny").iterdir())
+    assert store.publish(IDENTITY, _tensors()).key == IDENTITY.key
+    assert _read_back(store, IDENTITY.key)["steps"] == _raw(_tensors()["steps"])
+
+
+def test_a_lookup_during_a_commit_rename_waits_for_the_commit(store: Store, monkeypatch) -> None:
+    """Between a commit's rename into ``artifacts/`` and its chmod to 0555, the directory is at
+    its staging mode; a lookup then must wait for the commit, not deny the new artifact."""
+    from hwr.daemon import store as store_module
+
+    seen: dict[str, object] = {}
+
+    def lookup() -> None:
+        try:
+            seen["record"] = store.lookup(IDENTITY.key)
+        except Exception as exc:  # the assertion below names it
+            seen["error"] = exc
+
+    def hook(step: str) -> None:
+        if step == "renamed":
+            mode = (store.root / "artifacts" / IDENTITY.key).stat().st_mode & 0o777
+            seen["mode"] = mode
+            t = threading.Thread(target=lookup)
+            t.start()
+            t.join(1.0)  # the lookup's first try fails on the mode, then it waits for the key lock
+            seen["waited"] = t.is_alive()
+            seen["thread"] = t
+
+    monkeypatch.setattr(store_module, "FAULT_HOOK", hook)
+    record = store.publish(IDENTITY, _tensors())
+    seen["thread"].join(10)  # type: ignore[attr-defined]
+    assert seen["mode"] != 0o555, "the window this test is about no longer exists"
+    assert "error" not in seen, seen.get("error")
+    assert seen["waited"] and seen["record"] == record
+    assert store.deny_reason(IDENTITY.key) is None

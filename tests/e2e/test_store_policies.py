@@ -1,5 +1,6 @@
 """Store policies end to end: background scrub at a bandwidth cap, serialized admission, the pin
-mlock budget, and publications that wait for room held by publications in flight.
+mlock budget, publications that wait for room held by publications in flight, and acquires that
+race evictions.
 
 Real hwrd processes; the only timing assertions are lower bounds that a slow machine cannot break
 (a capped scrub cannot finish faster than its cap allows) or generous upper bounds on waits.
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from hwr.client import ArtifactIdentity, connect
-from hwr.client.errors import ActiveBuildTimeout, ArtifactDenied, StoreLimitExceeded
+from hwr.client.errors import ActiveBuildTimeout, ArtifactDenied, ArtifactNotFound, StoreLimitExceeded
 from hwr.client.publisher import specs_for
 
 MIB = 1 << 20
@@ -141,3 +142,49 @@ def test_a_publication_waits_for_room_held_by_publications_in_flight(spawn_daemo
         assert usage["store_bytes"] <= limit and usage["reserved_bytes"] == 0
         # The first, committed and unused, was evicted (LRU) to make room for the waiter.
         assert {a["key"] for a in usage["artifacts"]} == {done[0]} and key_a != done[0]
+
+
+def test_acquires_racing_evictions_never_deny_an_artifact(spawn_daemon) -> None:
+    """Clients acquire artifacts that other clients' publications are evicting (a store with
+    room for 4): an acquire either leases the artifact or gets ArtifactNotFound. An eviction
+    caught half done by a lookup once wrote a deny marker (MANIFEST_CORRUPT, "artifact changed
+    since it was validated"), after which the identity could not be published again."""
+    elements = 1 << 12
+    limit = 4 * (elements * 4 + 136)
+    daemon = spawn_daemon("--store-limit-bytes", str(limit))
+    keys: list[str] = []
+    counts = {"leased": 0, "not_found": 0, "published": 0}
+    failures: list[BaseException] = []
+    stop = time.monotonic() + 6.0
+
+    def client_loop(seed: int) -> None:
+        try:
+            with connect(daemon.socket) as client:
+                n = 0
+                while time.monotonic() < stop:
+                    for key in keys[-6:]:  # the newest: most are about to be evicted, some are gone
+                        try:
+                            with client.acquire(key):
+                                counts["leased"] += 1
+                        except ArtifactNotFound:
+                            counts["not_found"] += 1
+                    n += 1
+                    keys.append(client.publish(ArtifactIdentity.simple(f"race-{seed}-{n}"),
+                                               {"w": torch.full((elements,), float(n))}, wait_timeout=30))
+                    counts["published"] += 1
+        except BaseException as exc:  # reported by the assertion below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not failures, failures
+    assert counts["published"] > 20 and counts["leased"] > 20, counts
+    deny = Path(daemon.root) / "deny"
+    assert sorted(os.listdir(deny)) == [], "an eviction was mistaken for corruption"
+    with connect(daemon.socket) as client:
+        # Every identity can still be published (evicted ones again: nothing was denied).
+        for seed in range(4):
+            client.publish(ArtifactIdentity.simple(f"race-{seed}-1"), {"w": torch.full((elements,), 1.0)})
