@@ -6,6 +6,11 @@ restarts. ``Residency`` keeps each pinned artifact's payloads mapped in the daem
 (``MAP_SHARED|MAP_POPULATE``: the page cache is filled and the page tables built) and, while the
 configured ``mlock_budget_bytes`` allows, ``mlock``-ed so the kernel cannot reclaim them.
 
+``PinSet`` changes membership in memory (``add``/``discard``: the eviction rounds, which run on
+the daemon's event loop, see a change at once) and persists with ``save`` (in a worker thread;
+saves are serialized and each writes the set as it is then, so the last save to finish holds
+every change made before it started).
+
 Contract: ``pin`` is idempotent and reports ``locked`` or ``prefaulted`` (budget exhausted,
 ``mlock`` refused by ``RLIMIT_MEMLOCK``/missing ``CAP_IPC_LOCK``, or a budget of 0). Limits:
 ``prefaulted`` pages are resident right after pinning but the kernel may reclaim them under
@@ -21,6 +26,7 @@ import errno
 import json
 import mmap
 import os
+import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +49,7 @@ class PinSet:
     def __init__(self, path: Path, keys: set[str]) -> None:
         self.path = path
         self._keys = keys
+        self._save_lock = threading.Lock()
 
     @classmethod
     def open(cls, root: Path) -> PinSet:
@@ -64,24 +71,27 @@ class PinSet:
         return set(self._keys)
 
     def add(self, key: str) -> bool:
+        """Pin ``key`` in memory; False when it already was. Persist with ``save``."""
         if key in self._keys:
             return False
         self._keys.add(key)
-        self._save()
         return True
 
     def discard(self, key: str) -> bool:
+        """Unpin ``key`` in memory; False when it was not pinned. Persist with ``save``."""
         if key not in self._keys:
             return False
         self._keys.discard(key)
-        self._save()
         return True
 
-    def _save(self) -> None:
-        tmp = self.path.with_name(f".pins.{uuid.uuid4().hex}.tmp")
-        store_io.write_new_file(tmp, canonical_json({"schema_version": 1, "pins": sorted(self._keys)}), mode=0o600)
-        store_io.rename(tmp, self.path)
-        store_io.fsync_dir(self.path.parent)
+    def save(self) -> None:
+        """Write the set atomically (temp file, fsync, rename, directory fsync); blocking."""
+        with self._save_lock:
+            document = canonical_json({"schema_version": 1, "pins": sorted(self._keys)})
+            tmp = self.path.with_name(f".pins.{uuid.uuid4().hex}.tmp")
+            store_io.write_new_file(tmp, document, mode=0o600)
+            store_io.rename(tmp, self.path)
+            store_io.fsync_dir(self.path.parent)
 
 
 @dataclass

@@ -546,6 +546,9 @@ class StoreService:
                 if self.registry.lease_count(key):  # impossible while marked; kept as a guard
                     report.skipped.append((key, "leased"))
                     continue
+                if key in self.pins:  # likewise: pin() waits out a round that marked its key
+                    report.skipped.append((key, "pinned"))
+                    continue
                 keys.append(key)
             # Each key counts as freed only once removed. Retiring (``defer``: a flock and a rename
             # per key, no fsync) runs inline for the reason given in ``usage``; the key locks it
@@ -697,13 +700,34 @@ class StoreService:
             return await asyncio.to_thread(hold)
 
     async def pin(self, key: str) -> tuple[bool, int, int, str]:
-        record = await asyncio.to_thread(self.store.lookup, key)
-        added = await asyncio.to_thread(self.pins.add, key)
-        residency = await self._hold_resident(key)
+        """Pin ``key``: (already pinned, size, locked bytes, residency). The pin takes effect
+        on the loop right after ``lookup``'s final check (which waits out an eviction round that
+        has marked the key, so the artifact is either gone, ``ArtifactNotFound``, or present and
+        unmarked), before any await: no later round can choose the key. A pin that fails
+        (pins.json not written, payloads not mappable) leaves the key as it was; a cancelled
+        one may stand."""
+        record = await self.lookup(key)
+        added = self.pins.add(key)
+        try:
+            if added:
+                await asyncio.to_thread(self.pins.save)
+            residency = await self._hold_resident(key)
+        except Exception:  # not on cancellation: the thread still saves, so the pin stands
+            if added:
+                self.pins.discard(key)
+                with contextlib.suppress(OSError):
+                    await asyncio.to_thread(self.pins.save)
+            raise
         return (not added, record.size_bytes, self.residency.locked(key), residency)
 
     async def unpin(self, key: str) -> bool:
-        removed = await asyncio.to_thread(self.pins.discard, key)
+        removed = self.pins.discard(key)
+        if removed:
+            try:
+                await asyncio.to_thread(self.pins.save)
+            except OSError:
+                self.pins.add(key)  # pins.json not replaced: still pinned on disk, stay pinned
+                raise
         async with self._pin_lock:
             await asyncio.to_thread(self.residency.drop, key)
         return removed

@@ -1,6 +1,6 @@
 """Store policies end to end: background scrub at a bandwidth cap, serialized admission, the pin
-mlock budget, publications that wait for room held by publications in flight, and acquires that
-race evictions.
+mlock budget, publications that wait for room held by publications in flight, and acquires and
+pins that race evictions.
 
 Real hwrd processes; the only timing assertions are lower bounds that a slow machine cannot break
 (a capped scrub cannot finish faster than its cap allows) or generous upper bounds on waits.
@@ -8,15 +8,18 @@ Real hwrd processes; the only timing assertions are lower bounds that a slow mac
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from hwr.client import ArtifactIdentity, connect
+from hwr.client import ArtifactIdentity, Client, connect
 from hwr.client.errors import ActiveBuildTimeout, ArtifactDenied, ArtifactNotFound, StoreLimitExceeded
 from hwr.client.publisher import specs_for
 
@@ -144,47 +147,102 @@ def test_a_publication_waits_for_room_held_by_publications_in_flight(spawn_daemo
         assert {a["key"] for a in usage["artifacts"]} == {done[0]} and key_a != done[0]
 
 
+ELEMENTS = 1 << 12  # float32 elements of the race tests' artifacts (16 KiB)
+
+
+def _publish_until(daemon, stop: float, seed: int, keys: list[str], failures: list[BaseException],
+                   before_each: Callable[[Client], None] = lambda client: None) -> None:
+    """One client publishing new artifacts until ``stop`` (appending their keys), each publication
+    evicting in a store with room for a few; ``before_each`` runs first each time."""
+    try:
+        with connect(daemon.socket) as client:
+            n = 0
+            while time.monotonic() < stop:
+                before_each(client)
+                n += 1
+                keys.append(client.publish(ArtifactIdentity.simple(f"race-{seed}-{n}"),
+                                           {"w": torch.full((ELEMENTS,), float(n))}, wait_timeout=30))
+    except BaseException as exc:  # reported by the caller's assertion
+        failures.append(exc)
+
+
+def _run_threads(*targets: Callable[[], None]) -> None:
+    threads = [threading.Thread(target=t) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+
+
 def test_acquires_racing_evictions_never_deny_an_artifact(spawn_daemon) -> None:
     """Clients acquire artifacts that other clients' publications are evicting (a store with
     room for 4): an acquire either leases the artifact or gets ArtifactNotFound. An eviction
     caught half done by a lookup once wrote a deny marker (MANIFEST_CORRUPT, "artifact changed
     since it was validated"), after which the identity could not be published again."""
-    elements = 1 << 12
-    limit = 4 * (elements * 4 + 136)
-    daemon = spawn_daemon("--store-limit-bytes", str(limit))
+    daemon = spawn_daemon("--store-limit-bytes", str(4 * (ELEMENTS * 4 + 136)))
     keys: list[str] = []
-    counts = {"leased": 0, "not_found": 0, "published": 0}
+    counts = {"leased": 0, "not_found": 0}
     failures: list[BaseException] = []
+
+    def acquire_newest(client: Client) -> None:
+        for key in keys[-6:]:  # the newest: most are about to be evicted, some are gone
+            try:
+                with client.acquire(key):
+                    counts["leased"] += 1
+            except ArtifactNotFound:
+                counts["not_found"] += 1
+
     stop = time.monotonic() + 6.0
-
-    def client_loop(seed: int) -> None:
-        try:
-            with connect(daemon.socket) as client:
-                n = 0
-                while time.monotonic() < stop:
-                    for key in keys[-6:]:  # the newest: most are about to be evicted, some are gone
-                        try:
-                            with client.acquire(key):
-                                counts["leased"] += 1
-                        except ArtifactNotFound:
-                            counts["not_found"] += 1
-                    n += 1
-                    keys.append(client.publish(ArtifactIdentity.simple(f"race-{seed}-{n}"),
-                                               {"w": torch.full((elements,), float(n))}, wait_timeout=30))
-                    counts["published"] += 1
-        except BaseException as exc:  # reported by the assertion below
-            failures.append(exc)
-
-    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    _run_threads(*(functools.partial(_publish_until, daemon, stop, i, keys, failures, acquire_newest)
+                   for i in range(4)))
     assert not failures, failures
-    assert counts["published"] > 20 and counts["leased"] > 20, counts
-    deny = Path(daemon.root) / "deny"
-    assert sorted(os.listdir(deny)) == [], "an eviction was mistaken for corruption"
+    assert len(keys) > 20 and counts["leased"] > 20, (len(keys), counts)
+    assert sorted(os.listdir(Path(daemon.root) / "deny")) == [], "an eviction was mistaken for corruption"
     with connect(daemon.socket) as client:
         # Every identity can still be published (evicted ones again: nothing was denied).
         for seed in range(4):
-            client.publish(ArtifactIdentity.simple(f"race-{seed}-1"), {"w": torch.full((elements,), 1.0)})
+            client.publish(ArtifactIdentity.simple(f"race-{seed}-1"), {"w": torch.full((ELEMENTS,), 1.0)})
+
+
+def test_pins_racing_evictions_pin_a_present_artifact_or_nothing(spawn_daemon) -> None:
+    """An operator pins the newest artifact while publications evict (room for 5): a pin that
+    succeeds keeps its artifact until unpinned, and a pin that fails (the artifact was evicted
+    first) leaves no pin behind. Before the fix, a pin added between an eviction's choice and
+    its rename failed with ArtifactNotFound yet stayed in pins.json, for an artifact gone."""
+    daemon = spawn_daemon("--store-limit-bytes", str(5 * (ELEMENTS * 4 + 136)))
+    pins_file = Path(daemon.root) / "pins.json"
+    keys: list[str] = []
+    failures: list[BaseException] = []
+    counts = {"pinned": 0, "not_found": 0}
+    problems: list[str] = []
+    stop = time.monotonic() + 6.0
+
+    def pinner() -> None:
+        try:
+            with connect(daemon.socket) as client:
+                while time.monotonic() < stop:
+                    if not keys:
+                        time.sleep(0.01)
+                        continue
+                    key = keys[-1]
+                    try:
+                        client.pin(key)
+                    except ArtifactNotFound:
+                        counts["not_found"] += 1
+                        if pins_file.exists() and key in json.loads(pins_file.read_text())["pins"]:
+                            problems.append(f"a failed pin of {key[:12]} stayed in pins.json")
+                            client.unpin(key)
+                        continue
+                    counts["pinned"] += 1
+                    time.sleep(0.005)  # publications keep evicting meanwhile
+                    if key not in {a["key"] for a in client.list_artifacts()}:
+                        problems.append(f"pinned {key[:12]} was evicted")
+                    client.unpin(key)
+        except BaseException as exc:  # reported by the assertion below
+            failures.append(exc)
+
+    _run_threads(pinner, *(functools.partial(_publish_until, daemon, stop, i, keys, failures) for i in range(4)))
+    assert not failures, failures
+    assert counts["pinned"] > 10, counts
+    assert not problems, (problems[:5], len(problems), counts)
+    assert json.loads(pins_file.read_text())["pins"] == []
