@@ -527,14 +527,16 @@ class Client:
                 same = tuple((st.st_dev, st.st_ino) for st in map(os.fstat, fds)) == files
             finally:
                 close_fds(fds)
-            if same:
-                lease._lease_id = lease_id  # the client owns its leases' binding
+            if same and lease.rebind(lease_id):
                 reattached += 1
-            else:
-                with contextlib.suppress(HwrError):
-                    self._peer_exchange({"op": "release", "lease_id": lease_id}, want_fds=False)
+                continue
+            # Other files, or the application closed the lease while it was being reattached
+            # (its close released the old id): the new one is not wanted.
+            with contextlib.suppress(HwrError):
+                self._peer_exchange({"op": "release", "lease_id": lease_id}, want_fds=False)
+            self._open_leases.pop(lease, None)
+            if not same:
                 detached.append(lease.key)
-                self._open_leases.pop(lease, None)
         return {"reattached": reattached, "detached": detached}
 
     def _start_watcher(self) -> None:

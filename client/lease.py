@@ -137,6 +137,16 @@ class MappedLease:
         if os.getpid() == self._owner_pid:
             self._tell_daemon()
 
+    def rebind(self, lease_id: str) -> bool:
+        """Bind this lease to ``lease_id`` (the client's reattach after a daemon restart); False,
+        nothing changed, when it is already closed. Atomic with ``close``, which releases
+        whichever id the lease holds when it closes."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._lease_id = lease_id
+            return True
+
     def _tell_daemon(self) -> None:
         try:
             self._release(self._lease_id)

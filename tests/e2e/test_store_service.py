@@ -271,3 +271,27 @@ def test_restart_keeps_held_artifacts_and_clients_reattach(spawn_daemon) -> None
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_leases_closed_while_the_client_reattaches_leave_none_behind(spawn_daemon) -> None:
+    """After a daemon restart the client reattaches its open leases (a new lease id each) while
+    the application closes them. A close that lands between a reattach's check and its new
+    binding once released the old id and left the new one held by the session: the artifact
+    stayed leased (unevictable) until the client exited."""
+    daemon = spawn_daemon()
+    with connect(daemon.socket) as client:
+        key = _publish(client, "reattach-race")
+    with connect(daemon.socket) as client:
+        client.auto_reconnect = False  # this test drives the reconnect itself
+        for _ in range(5):
+            leases = [client.acquire(key) for _ in range(150)]
+            daemon.kill()
+            daemon = spawn_daemon()
+            closer = threading.Thread(target=lambda leases=leases: [lease.close() for lease in reversed(leases)])
+            reattach = threading.Thread(target=client.reconnect)
+            reattach.start()
+            closer.start()
+            reattach.join(60)
+            closer.join(60)
+            with connect(daemon.socket) as admin:
+                assert admin.leases() == [], "a lease closed during the reattach is still held"
