@@ -38,6 +38,8 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from hwr.daemon.accepting import Acceptor
+
 __all__ = ["Assignment", "GrpcRelay", "InheritedSocket", "assign", "inherited_sockets", "private_grpc_path"]
 
 log = logging.getLogger("hwrd.activation")
@@ -164,8 +166,9 @@ class GrpcRelay:
 
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
+        acceptor = Acceptor(self._listen, "gRPC relay")
         while True:
-            conn, _ = await loop.sock_accept(self._listen)
+            conn = await acceptor.accept()
             task = loop.create_task(self._splice(conn))
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)

@@ -8,7 +8,9 @@ effective one (TOML, each value's source as a comment) and exits 0, or 2 when it
 Under systemd: sockets inherited through ``LISTEN_FDS`` are served (``hwr.daemon.activation``);
 ``READY=1`` is sent once both channels accept connections, ``WATCHDOG=1`` every half
 ``$WATCHDOG_USEC`` from the event loop (a stuck loop stops the pings), ``STOPPING=1`` on
-SIGTERM/SIGINT; SIGHUP reloads what can be reloaded (``hwr.daemon.reload``).
+SIGTERM/SIGINT; SIGHUP reloads what can be reloaded (``hwr.daemon.reload``). At start the soft
+open-files limit is raised to the hard one (``hwr.daemon.accepting``: every session holds a
+connection).
 """
 
 from __future__ import annotations
@@ -127,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         print(describe(config, sources))
         return 0
     logs.configure(config.log_level)
+    from hwr.daemon.accepting import raise_nofile_limit
+
+    soft, _hard = raise_nofile_limit()
+    logging.getLogger("hwrd").info("open-files limit %d", soft)
     try:
         asyncio.run(serve(config, args))
     except HwrError as exc:

@@ -57,8 +57,9 @@ from typing import Any
 import msgspec
 
 from hwr import __version__
-from hwr.client.errors import HwrError, InvalidRequest, PermissionDeniedError
+from hwr.client.errors import DaemonUnavailable, HwrError, InvalidRequest, PermissionDeniedError
 from hwr.client.wire import MAX_FRAME, close_fds
+from hwr.daemon.accepting import Acceptor
 from hwr.daemon.peercred import AllowList, peer_allowed, read_peercred
 from hwr.daemon.sessions import Registry, Session
 
@@ -110,6 +111,7 @@ class PeerServer:
         self._mode = mode
         self._sock = listen_sock
         self._task: asyncio.Task[None] | None = None
+        self._acceptor: Acceptor | None = None
         self._conns: set[_Connection] = set()
 
     async def start(self) -> None:
@@ -122,6 +124,7 @@ class PeerServer:
             sock.listen(512)
             self._sock = sock
         self._sock.setblocking(False)
+        self._acceptor = Acceptor(self._sock, "peer channel", refuse=_refuse)
         self._task = asyncio.get_running_loop().create_task(self._accept_loop())
 
     async def stop_accepting(self) -> None:
@@ -130,6 +133,9 @@ class PeerServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        if self._acceptor is not None:
+            self._acceptor.close()
+            self._acceptor = None
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -144,10 +150,9 @@ class PeerServer:
 
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        assert self._sock is not None
+        assert self._acceptor is not None
         while True:
-            sock, _ = await loop.sock_accept(self._sock)
-            sock.setblocking(False)
+            sock = await self._acceptor.accept()
             conn = _Connection(self, sock, loop)
             self._conns.add(conn)
             conn.ended.add_done_callback(lambda _f, c=conn: self._conns.discard(c))
@@ -457,6 +462,16 @@ def _str(req: dict[str, Any], name: str) -> str:
     if not isinstance(value, str) or not value or len(value) > 256:
         raise PermissionDeniedError(f"peer request field {name!r} is missing or invalid")
     return value
+
+
+def _refuse(sock: socket.socket) -> None:
+    """The greeting of a connection accepted with the spare descriptor while the daemon has
+    none left (``hwr.daemon.accepting``): a typed, retryable error instead of a timeout."""
+    body = _encode(_error(DaemonUnavailable(
+        "hwrd has no file descriptor left for a new session (too many open connections); retry later",
+        details={"reason": "EMFILE"})))
+    sock.settimeout(1.0)
+    sock.sendall(_LEN.pack(len(body)) + body)
 
 
 def _error(exc: HwrError) -> dict[str, Any]:
