@@ -277,6 +277,7 @@ class _Connection(asyncio.Protocol):
         self.session: Session | None = None
         self.buf = bytearray()
         self.busy = False  # a request is in a task; reading is paused until it is answered
+        self.write_paused = False  # the client is not reading its replies (see pause_writing)
         self.closed = False
         self.ended: asyncio.Future[None] = loop.create_future()  # set once the session has ended
         self._tasks: set[asyncio.Task[None]] = set()
@@ -296,6 +297,28 @@ class _Connection(asyncio.Protocol):
         if session is None:
             assert self.transport is not None
             self.transport.close()  # after the refusal frame is flushed
+
+    def pause_writing(self) -> None:
+        """The transport's buffer of unsent replies passed its high-water mark (64 KiB): the
+        client sends requests without reading the replies. Stop reading its requests until it
+        catches up, so the daemon's memory for one connection stays bounded (otherwise every
+        request would add its reply to an unbounded buffer)."""
+        self.write_paused = True
+        self._set_reading()
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self._set_reading()
+        self._pump()
+
+    def _set_reading(self) -> None:
+        """Read requests unless one is in a task (``busy``) or replies are backed up."""
+        if self.transport is None or self.closed:
+            return
+        if self.busy or self.write_paused:
+            self.transport.pause_reading()
+        else:
+            self.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
@@ -332,7 +355,7 @@ class _Connection(asyncio.Protocol):
     # requests ----------------------------------------------------------------------------
     def _pump(self) -> None:
         """Serve every complete frame in the buffer, in order, until one needs a task."""
-        while not self.busy and not self.closed and self.session is not None:
+        while not self.busy and not self.write_paused and not self.closed and self.session is not None:
             try:
                 request = self._next_frame()
             except ConnectionError as exc:
@@ -383,8 +406,7 @@ class _Connection(asyncio.Protocol):
 
     def _later(self, coro: Awaitable[None]) -> None:
         self.busy = True
-        if self.transport is not None and not self.closed:
-            self.transport.pause_reading()
+        self._set_reading()
         task = self.loop.create_task(coro)  # type: ignore[arg-type]
         self._tasks.add(task)
         task.add_done_callback(self._resume)
@@ -396,7 +418,7 @@ class _Connection(asyncio.Protocol):
             self.abort()
         self.busy = False
         if not self.closed and self.transport is not None:
-            self.transport.resume_reading()
+            self._set_reading()
             self._pump()
 
     async def _serve_later(self, request: dict[str, Any]) -> None:
@@ -437,9 +459,11 @@ class _Connection(asyncio.Protocol):
         return True
 
     async def _send_later(self, obj: dict[str, Any], fds: list[int], tail: bytes) -> None:
+        delay = 0.001
         try:
             while not self._send_now(obj, fds, tail):
-                await asyncio.sleep(0.001)  # a client that stopped reading its replies
+                await asyncio.sleep(delay)  # a client that stopped reading its replies
+                delay = min(2 * delay, 0.05)
         finally:
             close_fds(fds)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -20,7 +21,7 @@ import torch
 
 from hwr.client import ArtifactIdentity, Client, connect
 from hwr.client.errors import ArtifactDenied, HwrError, ManifestCorrupt
-from hwr.client.wire import recv_frame, send_frame
+from hwr.client.wire import encode_frame, recv_frame, send_frame
 from hwr.daemon.launcher import DaemonProcess
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
 from hwr.protos.hwr.v1 import hwr_pb2_grpc
@@ -222,3 +223,46 @@ def test_lease_operations_after_fork_are_refused_in_the_child(leased) -> None:
         lease.close()
         assert not any(x["lease_id"] == lease.lease_id for x in publisher.leases())
 
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.timeout(120)
+def test_a_client_that_never_reads_its_replies_cannot_grow_the_daemon(shared_hwrd: DaemonProcess) -> None:
+    """Requests sent without reading the replies: the daemon stops reading from that connection
+    once its unsent replies pass the transport's high-water mark (the client's sends then block),
+    instead of buffering every reply; other sessions are served meanwhile, and once the client
+    reads, every request it sent is answered, in order. Before the fix 19 million pings in 30 s
+    grew the daemon by 270 MiB."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(str(shared_hwrd.socket) + ".peer")
+    with sock:
+        sock.settimeout(10)
+        assert recv_frame(sock)[0]["ok"]
+        send_frame(sock, {"op": "hello", "client_name": "no-reader", "client_version": "0"})
+        assert recv_frame(sock)[0]["ok"]
+        pings = b"".join(encode_frame({"op": "ping"}) for _ in range(4096))
+        before = _rss_kib(shared_hwrd.pid)
+        sock.setblocking(False)
+        sent, stalled_since = 0, None
+        while sent < 400 * len(pings):  # 1.6 million pings if nothing pushes back
+            try:
+                sent += sock.send(memoryview(pings)[sent % len(pings):])
+                stalled_since = None
+            except BlockingIOError:
+                stalled_since = stalled_since or time.monotonic()
+                if time.monotonic() - stalled_since > 2.0:
+                    break  # the daemon stopped reading: what this test wants
+                time.sleep(0.005)
+        grown_mib = (_rss_kib(shared_hwrd.pid) - before) / 1024
+        with connect(shared_hwrd.socket, timeout=10) as other:
+            assert other.status()["sessions"] >= 2
+        assert stalled_since is not None, f"{sent} bytes of requests were taken without a reply being read"
+        assert grown_mib < 16, f"the daemon grew by {grown_mib:.0f} MiB"
+        complete = sent // len(encode_frame({"op": "ping"}))
+        sock.settimeout(10)
+        for _ in range(complete):  # every complete request is answered, in order
+            assert recv_frame(sock)[0] == {"ok": True}
