@@ -53,6 +53,12 @@ from hwr.client.identity import is_key
 
 __all__ = ["Hold", "LeaseJournal", "process_start", "same_process"]
 
+
+def _write_all(fd: int, data: bytes) -> None:
+    view, done = memoryview(data), 0
+    while done < len(data):
+        done += os.write(fd, view[done:])
+
 COMPACT_SLACK = 4096
 #: Strings that need no JSON escaping (ids, hex keys, "checkpoint:<id>"): formatted directly.
 _PLAIN = re.compile(r"[A-Za-z0-9:_.-]{1,200}").fullmatch
@@ -98,6 +104,7 @@ class LeaseJournal:
         self._scheduled = False
         self.recovered: list[Hold] = []
         self.writes = 0  # os.write calls for records (a benchmark/diagnostic counter)
+        self.failures = 0  # failed flushes since the last one that succeeded
 
     @classmethod
     def open(cls, path: Path) -> LeaseJournal:
@@ -142,10 +149,15 @@ class LeaseJournal:
         tmp = self.path.with_name(f".{self.path.name}.{uuid.uuid4().hex}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
-            os.write(fd, b"".join(lines))
-        finally:
-            os.close(fd)
-        os.rename(tmp, self.path)
+            try:
+                _write_all(fd, b"".join(lines))
+            finally:
+                os.close(fd)
+            os.rename(tmp, self.path)
+        except BaseException:  # a full disk: the journal stays as it was, nothing half-written replaces it
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         old, self._fd = self._fd, os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW)
         if old is not None:
             os.close(old)
@@ -178,22 +190,45 @@ class LeaseJournal:
 
     def _tick_flush(self) -> None:
         self._scheduled = False
-        try:
+        with contextlib.suppress(OSError):  # logged by flush; the records stay buffered
             self.flush()
-        except OSError as exc:
-            log.error("lease journal write failed: %s", exc)
+
+    def _failed(self, exc: OSError) -> None:
+        """Log a failed write once per episode (a full disk fails every flush until freed)."""
+        self.failures += 1
+        if self.failures == 1:
+            log.error("lease journal write failed (records kept in memory and retried; acquires "
+                      "are refused meanwhile): %s", exc)
 
     def flush(self) -> None:
-        """Write every buffered record with one ``os.write`` (``O_APPEND``: whole lines)."""
+        """Write every buffered record (``O_APPEND``, normally one ``os.write``: whole lines).
+
+        On a failed write (``OSError``, e.g. ENOSPC) the records not yet written stay buffered,
+        in order, for the next flush, and the error is raised: nothing is dropped, and a write
+        that stopped mid-line is completed by the next one (one writer, ``O_APPEND``). A failed
+        compaction leaves the journal as it was (logged; retried at the next flush)."""
         if not self._pending or self._fd is None:
             return
         data, n = b"".join(self._pending), len(self._pending)
         self._pending = []
-        os.write(self._fd, data)
+        view, done = memoryview(data), 0
+        try:
+            while done < len(data):
+                done += os.write(self._fd, view[done:])
+        except OSError as exc:
+            self._pending = [bytes(view[done:])]
+            self._failed(exc)
+            raise
+        if self.failures:
+            log.warning("lease journal writable again after %d failed writes", self.failures)
+            self.failures = 0
         self.writes += 1
         self._lines += n
         if self._lines > 2 * (len(self._live) + len(self._uids)) + COMPACT_SLACK:
-            self._compact()
+            try:
+                self._compact()
+            except OSError as exc:
+                log.warning("lease journal compaction failed, journal kept as it is: %s", exc)
 
     # ------------------------------------------------------------------ recording
     def acquired(self, lease_id: str, key: str, pid: int, start: int, uid: int) -> None:

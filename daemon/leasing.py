@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 from hwr.client.errors import IdentityError, InvalidRequest
 from hwr.client.identity import ArtifactIdentity, is_key
+from hwr.client.wire import close_fds
+from hwr.daemon import store_io
 
 if TYPE_CHECKING:
     from hwr.daemon.server import Daemon
@@ -93,15 +95,24 @@ class Leasing:
 
     def payload_fds(self, record: Any) -> list[int]:
         """Step 3: read-only payload descriptors in manifest order, journal flushed (caller
-        sends and closes them)."""
+        sends and closes them). A journal that cannot be written (a full disk) refuses the
+        acquire with a typed error (``NoSpace``/``StoreIOError``, retryable) and no descriptor
+        leaves: without its record, a restart could not know this process maps the artifact."""
         fds = [fd for _name, fd in self.d.store.open_payloads(record)]
-        self.flush_journal()
+        try:
+            self.flush_journal()
+        except BaseException:
+            close_fds(fds)
+            raise
         return fds
 
     def flush_journal(self) -> None:
         journal = getattr(self.d.store_service, "journal", None)
         if journal is not None:
-            journal.flush()
+            try:
+                journal.flush()
+            except OSError as exc:
+                raise store_io.io_error(exc, "lease journal") from None
 
     def manifest(self, record: Any) -> tuple[bytes, str]:
         """The manifest's JSON bytes and their sha256 (hex), computed once per record."""

@@ -92,3 +92,74 @@ def test_the_hand_formatted_lines_are_the_json_lines(tmp_path_factory, lease_id:
     assert _lines(path) == [{"op": "acquire", "lease": lease_id, "key": key, "pid": pid, "start": start, "uid": uid},
                             {"op": "release", "lease": lease_id}]
     journal.close()
+
+
+def _full_disk_after(monkeypatch, nbytes: int) -> list[int]:
+    """``os.write`` takes ``nbytes`` more bytes in all (a short write at the edge), then fails
+    with ENOSPC until the returned switch is cleared (the disk was freed)."""
+    real = os.write
+    room = [nbytes]
+
+    def write(fd: int, data) -> int:  # type: ignore[no-untyped-def]
+        if not room:
+            return real(fd, data)
+        if room[0] == 0:
+            raise OSError(28, "No space left on device")
+        n = real(fd, bytes(data[:room[0]]))
+        room[0] -= n
+        return n
+
+    monkeypatch.setattr(os, "write", write)
+    return room
+
+
+def test_a_failed_write_keeps_every_record_for_the_next_flush(tmp_path: Path, monkeypatch) -> None:
+    """A full disk stops a flush mid-line: the flush raises, and the unwritten records (the rest
+    of that line included) go out with the next successful flush, in order, as whole lines."""
+    path = tmp_path / "leases.journal"
+    journal = LeaseJournal.open(path)
+    start = process_start(os.getpid()) or 0
+
+    async def run() -> None:  # as in the daemon: records buffered per event-loop tick
+        journal.acquired("one", KEY, os.getpid(), start, 0)
+        journal.flush()
+        room = _full_disk_after(monkeypatch, 30)  # part of the next line only
+        journal.acquired("two", KEY, os.getpid(), start, 0)
+        journal.released("one")
+        try:
+            journal.flush()
+            raise AssertionError("the flush did not report the full disk")
+        except OSError as exc:
+            assert exc.errno == 28
+        await asyncio.sleep(0)  # the tick's flush fails too: logged, records kept
+        assert journal.failures == 2
+        journal.acquired("three", KEY, os.getpid(), start, 0)
+        room.clear()  # the disk was freed
+        await asyncio.sleep(0)
+        assert journal.failures == 0
+
+    asyncio.run(run())
+    assert [(e["op"], e["lease"]) for e in _lines(path)] == [
+        ("acquire", "one"), ("acquire", "two"), ("release", "one"), ("acquire", "three")]
+    journal.close()
+    assert sorted(h.lease_id for h in LeaseJournal.open(path).recovered) == ["three", "two"]
+
+
+def test_a_failed_compaction_keeps_the_journal_and_leaves_no_temp_file(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "leases.journal"
+    journal = LeaseJournal.open(path)
+    start = process_start(os.getpid()) or 0
+    journal.acquired("held", KEY, os.getpid(), start, 0)
+    journal.flush()
+    before = path.read_bytes()
+    room = _full_disk_after(monkeypatch, 0)
+    try:
+        journal._compact()
+        raise AssertionError("the compaction did not report the full disk")
+    except OSError as exc:
+        assert exc.errno == 28
+    room.clear()
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["leases.journal"]
+    journal.close()
+    assert [h.lease_id for h in LeaseJournal.open(path).recovered] == ["held"]

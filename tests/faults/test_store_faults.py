@@ -27,7 +27,7 @@ import torch
 from hwr.client import ArtifactIdentity, connect
 from hwr.client.errors import HwrError, InsufficientCapacity, NoSpace, PublicationFailed, StoreIOError
 
-from .faultkit import Control, check_invariants, publish, tally, wait_for
+from .faultkit import Control, check_invariants, fd_count, model_number, publish, tally, wait_for
 
 EXPECTED = {"ENOSPC": (NoSpace,), "EIO": (PublicationFailed, StoreIOError)}
 
@@ -122,6 +122,61 @@ def test_full_disk_on_a_small_tmpfs(spawn, fault_tmp: Path) -> None:
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
     tally("full tmpfs (typed refusal, eviction, kernel ENOSPC)", tried=3)
+
+
+def _fill(mnt: Path) -> Path:
+    """Take every free block of the filesystem at ``mnt``; returns the filler file."""
+    filler = mnt / "filler"
+    with open(filler, "wb") as f:
+        st = os.statvfs(mnt)
+        with contextlib.suppress(OSError):
+            os.posix_fallocate(f.fileno(), 0, st.f_bavail * st.f_frsize)
+        with contextlib.suppress(OSError):
+            while True:
+                os.write(f.fileno(), b"x" * 4096)
+    assert os.statvfs(mnt).f_bavail == 0
+    return filler
+
+
+def test_acquires_on_a_full_disk_are_refused_typed_and_leak_nothing(spawn, fault_tmp: Path) -> None:
+    """The lease journal cannot be written on a full disk: an acquire is refused with NoSpace
+    (no descriptor leaves without its journal record), and nothing leaks. Before the fix each
+    refusal was an untyped internal error that leaked the payload descriptors, so an evicted
+    artifact's blocks stayed allocated after deletion, and the journal dropped the buffered
+    records of other leases."""
+    mnt = fault_tmp / "mnt"
+    _mount_tmpfs(mnt, "4m")
+    try:
+        daemon = spawn(root=mnt / "store")
+        with connect(daemon.socket) as client:
+            keys = [publish(client, f"journal-{n}", n, 1 << 16) for n in range(2)]
+            held = client.acquire(keys[0])  # granted before the disk filled: must survive it
+            baseline = fd_count(daemon.pid)
+            filler = _fill(mnt)
+            refused = 0
+            for n in range(300):  # the journal's last page may take a few more records first
+                try:
+                    client.acquire(keys[n % 2]).close()
+                except NoSpace as exc:
+                    assert "lease journal" in exc.message and exc.retryable
+                    refused += 1
+            assert refused >= 250, f"only {refused} of 300 acquires refused on a full disk"
+            assert fd_count(daemon.pid) <= baseline, "refused acquires leaked descriptors"
+            held.close()  # its release record waits in memory for room
+            filler.unlink()
+            with client.acquire(keys[1]) as lease:
+                assert model_number(lease) == 1
+            assert client.leases() == []
+        check_invariants(daemon)
+        daemon.kill()  # the journal on disk, not the daemon's memory, must tell the truth
+        daemon = spawn(daemon=daemon)
+        with connect(daemon.socket) as client:
+            assert client.leases() == [] and {a["key"] for a in client.list_artifacts()} == set(keys)
+        check_invariants(daemon)
+        daemon.stop()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    tally("full disk at acquire (lease journal refused typed, no descriptor leaked)", tried=300)
 
 
 def _n(lease) -> int:  # type: ignore[no-untyped-def]
