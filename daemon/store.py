@@ -537,13 +537,14 @@ class Store:
     def lookup(self, key: str) -> ArtifactRecord:
         """The validated record of ``key`` (see the module docstring for the errors).
 
-        Only a failure confirmed under ``key``'s lock denies the key. Every change this Store
-        makes to ``artifacts/<key>`` (``retire`` for eviction and removal, ``_install`` for a
-        commit, whose directory is briefly at its staging mode after the rename, a quarantine)
-        holds that lock, so a check that failed without it may have caught one of those half
-        done: it is run again under the lock, where it sees the before or the after (gone:
-        ``ArtifactNotFound``). The fast path (a warm record whose fingerprints hold) takes no
-        lock."""
+        Only a failure confirmed under ``key``'s lock denies the key, and a record is only
+        cached under it. Every change this Store makes to ``artifacts/<key>`` (``retire`` for
+        eviction and removal, ``_install`` for a commit, whose directory is briefly at its
+        staging mode after the rename, a quarantine) holds that lock, so a check that failed
+        without it may have caught one of those half done: it is run again under the lock,
+        where it sees the before or the after (gone: ``ArtifactNotFound``). The fast paths (a
+        warm record whose fingerprints hold; no directory at all) take no lock; the first
+        inspection of a directory does."""
         _check_key(key)
         try:
             return self._lookup(key, final=False)
@@ -552,9 +553,10 @@ class Store:
                 return self._lookup(key, final=True)
 
     def _lookup(self, key: str, *, final: bool) -> ArtifactRecord:
-        """``lookup``'s body; ``final`` False raises ``_Unconfirmed`` instead of denying or
-        raising an I/O error (the caller then retries under the key lock), True when the caller
-        holds the key lock."""
+        """``lookup``'s body. ``final`` False (no lock held): a warm record whose fingerprints
+        hold, ``ArtifactDenied`` or ``ArtifactNotFound``; anything else (a failed check, a
+        directory to inspect) raises ``_Unconfirmed`` and the caller retries under the key
+        lock. ``final`` True: the caller holds the key lock."""
         if key in self._denied:
             raise ArtifactDenied(f"artifact {key} is denied", details={"key": key, "reason": self._denied[key]})
         record = self._records.get(key)
@@ -571,11 +573,15 @@ class Store:
         path = self.root / "artifacts" / key
         if not os.path.lexists(path):
             raise ArtifactNotFound(f"no artifact {key}", details={"key": key})
+        if not final:
+            # Inspect (and cache the record) only under the key lock: an inspection racing an
+            # eviction and a re-publication of the key could otherwise cache the old
+            # directory's record over the new one, which every later lookup would then find
+            # "changed" and deny.
+            raise _Unconfirmed
         try:
             record = inspect_artifact(path, key, self.euid)
         except (ManifestCorrupt, ManifestIncompatible, StoreIOError) as err:
-            if not final:
-                raise _Unconfirmed from None
             if isinstance(err, StoreIOError):
                 raise
             if not os.path.lexists(path):  # removed by hand meanwhile: nothing to deny

@@ -6,6 +6,7 @@ import errno
 import hashlib
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -446,16 +447,18 @@ def test_plan_validation_is_not_skipped_for_specs_equal_to_a_planned_one(bad_sha
 
 
 def _retire_at(monkeypatch, store: Store, name: str, target: Path) -> list[Path]:
-    """Make the first ``os.<name>`` call on ``target`` (or a file in it) find the artifact just
-    retired, as when an eviction's rename lands between two of a lookup's system calls."""
+    """On the first ``os.<name>`` call on ``target`` (or a file in it), retire the artifact from
+    another thread, as an eviction does, and give it up to 1 s before the call goes on (it waits
+    for the key lock when the lookup holds it)."""
     real = getattr(os, name)
     trash: list[Path] = []
-    fired: list[bool] = []
+    evictor: list[threading.Thread] = []
 
     def call(path, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if not fired and str(path).startswith(str(target)):
-            fired.append(True)  # first: retire itself calls os.lstat
-            trash.append(store.retire(target.name))
+        if not evictor and str(path).startswith(str(target)):
+            evictor.append(threading.Thread(target=lambda: trash.append(store.retire(target.name))))
+            evictor[0].start()
+            evictor[0].join(1.0)
         return real(path, *args, **kwargs)
 
     monkeypatch.setattr(os, name, call)
@@ -465,20 +468,30 @@ def _retire_at(monkeypatch, store: Store, name: str, target: Path) -> list[Path]
 @pytest.mark.parametrize("cached", [True, False])
 def test_a_lookup_racing_an_eviction_reports_not_found_and_denies_nothing(
         store: Store, monkeypatch, cached: bool) -> None:
-    """An eviction renames the directory away while a lookup checks it (the warm ``lstat``
-    fingerprints, or the first inspection): the artifact is gone, not corrupt. Denying it would
-    refuse every later publication of that identity until an operator allowed it."""
+    """An eviction renames the directory away while a lookup checks it. A warm record's
+    ``lstat`` fingerprints are checked without the key lock: the eviction lands, and the lookup
+    reports the artifact gone. A first inspection holds the key lock: the eviction waits, and
+    the lookup returns the intact artifact. Never a deny: that would refuse every later
+    publication of the identity until an operator allowed it."""
     store.publish(IDENTITY, _tensors())
     if not cached:
         store.deny(IDENTITY.key, "x")
         store.allow(IDENTITY.key)  # drops the validated record: the next lookup inspects
     target = store.root / "artifacts" / IDENTITY.key
     trash = _retire_at(monkeypatch, store, "lstat" if cached else "open", target)
+    if cached:
+        with pytest.raises(ArtifactNotFound):
+            store.lookup(IDENTITY.key)
+    else:
+        assert store.lookup(IDENTITY.key).key == IDENTITY.key
+    deadline = time.monotonic() + 10
+    while not trash and time.monotonic() < deadline:
+        time.sleep(0.01)
+    monkeypatch.undo()
+    assert trash, "the retire never ran: the test raced nothing"
+    store.delete_retired(trash)
     with pytest.raises(ArtifactNotFound):
         store.lookup(IDENTITY.key)
-    monkeypatch.undo()
-    assert trash, "the retire was not triggered: the test did not race anything"
-    store.delete_retired(trash)
     assert store.deny_reason(IDENTITY.key) is None and not list((store.root / "deny").iterdir())
     assert store.publish(IDENTITY, _tensors()).key == IDENTITY.key
     assert _read_back(store, IDENTITY.key)["steps"] == _raw(_tensors()["steps"])
@@ -514,3 +527,48 @@ def test_a_lookup_during_a_commit_rename_waits_for_the_commit(store: Store, monk
     assert "error" not in seen, seen.get("error")
     assert seen["waited"] and seen["record"] == record
     assert store.deny_reason(IDENTITY.key) is None
+
+
+def test_an_inspection_racing_an_eviction_and_a_republication_never_caches_the_old_record(
+        store: Store, monkeypatch) -> None:
+    """A lookup inspects an artifact's directory (no record cached); right after its last check
+    (the payload's descriptor is closed) the key is evicted and published again, with other
+    content, by another thread. The old directory's record must not be cached over the new one:
+    every later lookup would find it "changed since it was validated" and deny a good artifact.
+    The inspection runs under the key lock, so the other thread's eviction waits for it (up to
+    1 s here, then the lookup goes on)."""
+    store.publish(IDENTITY, _tensors())
+    store.deny(IDENTITY.key, "x")
+    store.allow(IDENTITY.key)  # no record cached: the next lookup inspects the directory
+    payload = str(store.root / "artifacts" / IDENTITY.key / "model-00001.safetensors")
+    rebuilt = {**_tensors(), "extra": torch.ones(100)}  # another size: no fingerprint can match
+    real_open, real_close = os.open, os.close
+    payload_fds: list[int] = []
+    other: list[threading.Thread] = []
+
+    def republish() -> None:
+        store.delete_retired([store.retire(IDENTITY.key)])
+        store.publish(IDENTITY, rebuilt)
+
+    def open_(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        fd = real_open(path, *args, **kwargs)
+        if str(path) == payload and not other:
+            payload_fds.append(fd)
+        return fd
+
+    def close(fd: int) -> None:
+        real_close(fd)
+        if fd in payload_fds and not other and threading.current_thread() is threading.main_thread():
+            other.append(threading.Thread(target=republish))
+            other[0].start()
+            other[0].join(1.0)
+
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(os, "close", close)
+    first = store.lookup(IDENTITY.key)
+    other[0].join(10)
+    monkeypatch.undo()
+    assert not other[0].is_alive() and "extra" not in {t.name for t in first.manifest.tensors}
+    assert "extra" in {t.name for t in store.lookup(IDENTITY.key).manifest.tensors}  # the new record
+    assert store.deny_reason(IDENTITY.key) is None
+    assert _read_back(store, IDENTITY.key)["extra"] == _raw(rebuilt["extra"])

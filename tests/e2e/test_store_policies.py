@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -202,6 +203,42 @@ def test_acquires_racing_evictions_never_deny_an_artifact(spawn_daemon) -> None:
         # Every identity can still be published (evicted ones again: nothing was denied).
         for seed in range(4):
             client.publish(ArtifactIdentity.simple(f"race-{seed}-1"), {"w": torch.full((ELEMENTS,), 1.0)})
+
+
+def test_republished_identities_racing_evictions_are_never_denied(spawn_daemon) -> None:
+    """Six clients publish and acquire the same ten identities in a store with room for five,
+    so each key is evicted and published again all the time. A lookup that inspected the
+    evicted directory could cache its record over the new one's; every later lookup then found
+    the artifact "changed since it was validated" and denied it (3 identities in 30 s)."""
+    daemon = spawn_daemon("--store-limit-bytes", str(5 * (ELEMENTS * 4 + 136)))
+    failures: list[BaseException] = []
+    counts = {"published": 0, "leased": 0}
+    stop = time.monotonic() + 8.0
+
+    def client_loop(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            with connect(daemon.socket) as client:
+                while time.monotonic() < stop:
+                    n = rng.randrange(10)
+                    identity = ArtifactIdentity.simple(f"republished-{n}")
+                    if rng.random() < 0.5:
+                        client.publish(identity, {"w": torch.full((ELEMENTS,), float(n))}, wait_timeout=30)
+                        counts["published"] += 1
+                        continue
+                    try:
+                        with client.acquire(identity) as lease:
+                            assert float(lease.tensors["w"][3]) == float(n)
+                            counts["leased"] += 1
+                    except ArtifactNotFound:
+                        pass
+        except BaseException as exc:  # reported by the assertion below
+            failures.append(exc)
+
+    _run_threads(*(functools.partial(client_loop, i) for i in range(6)))
+    assert not failures, failures[:3]
+    assert counts["published"] > 50 and counts["leased"] > 20, counts
+    assert sorted(os.listdir(Path(daemon.root) / "deny")) == []
 
 
 def test_pins_racing_evictions_pin_a_present_artifact_or_nothing(spawn_daemon) -> None:
