@@ -61,10 +61,11 @@ __all__ = [
 BLOCK_BYTES = 32 << 20
 MANIFEST_SCHEMA = "hwr-manifest-1"
 RESTORER_SCHEMA = "hwr-safetensors-1"
-#: User-facing dtype names -> safetensors codes.
+#: User-facing dtype names -> safetensors codes. The codes themselves (any case) are names too:
+#: a producer's ``options()`` carry codes, and ``from_options`` in the worker parses them again.
 DTYPE_ALIASES: Mapping[str, str] = {
-    "bf16": "BF16", "bfloat16": "BF16", "fp16": "F16", "float16": "F16", "half": "F16",
-    "fp32": "F32", "float32": "F32",
+    "bf16": "BF16", "bfloat16": "BF16", "fp16": "F16", "f16": "F16", "float16": "F16", "half": "F16",
+    "fp32": "F32", "f32": "F32", "float32": "F32",
 }  # fmt: skip
 FLOAT_CODES = frozenset({"F64", "F32", "F16", "BF16"})
 

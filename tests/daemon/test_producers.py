@@ -107,3 +107,18 @@ def test_runner_reports_worker_errors_and_kills_on_timeout(short_tmp: Path) -> N
         asyncio.run(run_job({"producer": "cast", "options": {}}, [], timeout=60))  # KeyError in the worker
     with pytest.raises(ProducerTimeout):
         asyncio.run(run_job({}, [], timeout=0.05))
+
+
+@pytest.mark.parametrize(("name", "options"), [
+    ("cast", {"dtype": "bf16"}), ("cast", {"dtype": "fp16", "keep_fp32": ["*norm*"]}),
+    ("cast", {"dtype": "float16"}), ("fp8-per-tensor", {}),
+    ("tp-slice", {"tp_size": 2, "plan": {"rules": [{"pattern": "w", "split": "row"}]}}),
+    ("tp-slice", {"tp_size": 2, "dtype": "fp16"}),
+])
+def test_options_rebuild_the_same_producer(name: str, options: dict) -> None:
+    """The worker process rebuilds the producer from ``options()`` (codes such as "F16", not
+    the user's "fp16"): that must give the same producer. Before the fix every fp16 build
+    failed there with "unsupported dtype 'F16' (bf16, fp16 or fp32)"."""
+    producer = make_producer(name, options)
+    again = make_producer(name, producer.options())
+    assert again.options() == producer.options() and again.policy() == producer.policy()

@@ -234,3 +234,18 @@ def test_hwrctl_sigint_cancels_and_a_publisher_joins_a_running_build(short_tmp: 
             assert pub.outcome == "joined" and pub.key == identity.key
         builder.join(120)
         assert results["build"][0]["key"] == identity.key and results["build"][0]["outcome"] == "built"
+
+
+def test_cast_prewarm_to_fp16_builds_in_the_worker_process(short_tmp: Path, spawn_daemon) -> None:
+    """fp16 end to end: the producer's worker process rebuilds it from its options. Every fp16
+    build used to fail there ("unsupported dtype 'F16'"), bf16 did not."""
+    source = make_checkpoint(short_tmp / "ckpt")
+    daemon = spawn_daemon()
+    with hc.connect(daemon.socket) as client:
+        ckpt = client.add_checkpoint(short_tmp / "ckpt")["checkpoint_id"]
+        [built] = client.prewarm(ckpt, "cast", dtype="fp16")
+        assert built["outcome"] == "built"
+        with client.acquire(built["key"]) as lease:
+            for name, tensor in source.items():
+                expected = tensor.half() if tensor.is_floating_point() else tensor
+                assert torch.equal(lease.tensors[name], expected), name
