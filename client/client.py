@@ -96,6 +96,10 @@ class Client:
             weakref.WeakKeyDictionary())
         self._reconnect_lock = threading.RLock()
         self._watcher: threading.Thread | None = None
+        # Staged publications not yet committed or aborted (see ``_peer_begin_may_wait``).
+        self._publications: weakref.WeakSet[Publisher] = weakref.WeakSet()
+        self._beginning = 0  # publisher() calls between their start and their begin's answer
+        self._publications_lock = threading.Lock()
         try:
             self._peer, hello = _open_session(socket_path, timeout, self._hello_request())
             self._token = str(hello["token"])
@@ -288,9 +292,31 @@ class Client:
 
         from hwr.client.publisher import Publisher
 
-        return Publisher(identity=identity, specs=specs, call=self._call, staging_fds=staging_fds,
-                         wait_timeout=wait_timeout, verify=verify, call_timeout=self.timeout,
-                         format_metadata=format_metadata, peer=peer_begin)
+        with self._publications_lock:
+            self._beginning += 1
+        try:
+            pub = Publisher(identity=identity, specs=specs, call=self._call, staging_fds=staging_fds,
+                            wait_timeout=wait_timeout, verify=verify, call_timeout=self.timeout,
+                            format_metadata=format_metadata, peer=peer_begin,
+                            peer_may_wait=self._peer_begin_may_wait)
+            if pub.staged:
+                with self._publications_lock:
+                    self._publications.add(pub)
+        finally:
+            with self._publications_lock:
+                self._beginning -= 1
+        return pub
+
+    def _peer_begin_may_wait(self) -> bool:
+        """Whether a peer ``publish_begin`` may wait in the daemon (for another publisher of the
+        identity, or for room). It holds this client's peer connection while it waits, and the
+        commit of another publication of this client needs that connection: when that other
+        publication is the build (or holds the room) the begin waits for, the wait could only
+        end at its timeout. So while any other publication of this client is beginning, or
+        staged and not finished, a begin does not wait on the peer channel; it waits through
+        the RPC instead (no connection held)."""
+        with self._publications_lock:
+            return self._beginning <= 1 and all(p.finished for p in self._publications)
 
     def publish(self, identity: ArtifactIdentity, tensors: Mapping[str, torch.Tensor], *,
                 buffers: Sequence[str] = (), wait_timeout: float = 600.0, verify: bool = False) -> str:

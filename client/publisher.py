@@ -122,6 +122,7 @@ class Publisher:
         call_timeout: float = 30.0,
         format_metadata: Mapping[str, Any] | None = None,
         peer: Callable[..., tuple[dict[str, Any], list[int]]] | None = None,
+        peer_may_wait: Callable[[], bool] = lambda: True,
     ) -> None:
         self._call = call
         self._call_timeout = call_timeout
@@ -139,7 +140,7 @@ class Publisher:
         self._digests: dict[str, str] = {}
         self._verify = verify
         started = time.monotonic()
-        peer_wait = min(wait_timeout, PEER_MAX_WAIT_S, call_timeout / 4)
+        peer_wait = min(wait_timeout, PEER_MAX_WAIT_S, call_timeout / 4) if peer_may_wait() else 0.0
         begun = self._begin_peer(identity, specs, format_metadata, peer_wait) if self._peer is not None else None
         if begun is not None and begun[0] == "busy":
             remaining = wait_timeout - (time.monotonic() - started)
@@ -204,6 +205,11 @@ class Publisher:
     @property
     def staged(self) -> bool:
         return self.outcome == "staged"
+
+    @property
+    def finished(self) -> bool:
+        """Committed, aborted, or never staged (joined / already present)."""
+        return self._done
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Copy one tensor's bytes to its place in the staging file (once per tensor)."""

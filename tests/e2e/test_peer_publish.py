@@ -125,6 +125,35 @@ def test_a_second_publisher_waits_past_the_peer_cap_through_the_rpc_and_joins(sh
         assert second._channel is not None  # the rest of the wait went through BeginPublication
 
 
+def test_one_client_publishing_an_identity_from_two_threads_does_not_stall(shared_hwrd) -> None:
+    """Thread A of a client has staged an identity; thread B of the same client publishes it
+    too. B's begin used to wait on the peer channel (up to PEER_MAX_WAIT_S) while holding the
+    client's connection, which A's commit needed: A could not finish the build B waited for
+    until B's peer wait ran out. B now waits through the RPC, A commits at once, B joins."""
+    specs = [TensorSpec("w", torch.float32, (8,))]
+    with connect(shared_hwrd.socket) as client:
+        staged = client.publisher(_identity("self-join"), specs)
+        assert staged.staged
+        result: dict[str, Any] = {}
+
+        def second() -> None:
+            pub = client.publisher(_identity("self-join"), specs, wait_timeout=30)
+            result.update(outcome=pub.outcome, key=pub.key)
+
+        waiter = threading.Thread(target=second)
+        waiter.start()
+        time.sleep(0.3)  # B is waiting for A's build now
+        staged.write("w", torch.full((8,), 3.0))
+        started = time.monotonic()
+        key = staged.commit()
+        took = time.monotonic() - started
+        waiter.join(20)
+        assert took < publisher_mod.PEER_MAX_WAIT_S / 2, f"A's commit waited {took:.2f} s behind B's wait"
+        assert result == {"outcome": "joined", "key": key}
+        with client.acquire(key) as lease:
+            assert float(lease.tensors["w"][0]) == 3.0
+
+
 @pytest.mark.timeout(60)
 def test_a_peer_staged_publication_is_aborted_with_its_session(shared_hwrd) -> None:
     root = shared_hwrd.root
