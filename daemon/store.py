@@ -581,9 +581,7 @@ class Store:
             raise _Unconfirmed
         try:
             record = inspect_artifact(path, key, self.euid)
-        except (ManifestCorrupt, ManifestIncompatible, StoreIOError) as err:
-            if isinstance(err, StoreIOError):
-                raise
+        except (ManifestCorrupt, ManifestIncompatible) as err:
             if not os.path.lexists(path):  # removed by hand meanwhile: nothing to deny
                 raise ArtifactNotFound(f"no artifact {key}", details={"key": key}) from None
             self._deny_for(key, err)
