@@ -62,6 +62,7 @@ def sections(size_mib: int, quick: bool, out: Path) -> dict[str, list[str]]:
                   "--processes", "2" if quick else "4", "--rate", "200" if quick else "1000"],
         "load": [f"{b}/load.py", "--clients", "4" if quick else "16", "--ops", "50" if quick else "200",
                  "--processes", "2" if quick else "4"],
+        "soak": [f"{b}/soak.py", "--seconds", "8" if quick else "30"],
         "idle_penalty": [f"{b}/idle_penalty.py", "--repeats", "5", "--sleeps-ms", "0,10,100"],
         "gpu_dlo": [f"{b}/gpu_dlo.py", "--device", "cpu", "--depth", "4", "--dim", "1024",
                     "--hidden", "4096", "--tokens", "256", "--reps", "3"],
@@ -69,7 +70,7 @@ def sections(size_mib: int, quick: bool, out: Path) -> dict[str, list[str]]:
 
 
 JSON_OUT = {"warm_start", "peers", "scaling", "vllm_omni_store", "startup", "publish", "prewarm", "churn", "load",
-            "idle_penalty"}
+            "soak", "idle_penalty"}
 
 
 def machine() -> dict[str, Any]:
