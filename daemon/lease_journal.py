@@ -53,16 +53,21 @@ from hwr.client.identity import is_key
 
 __all__ = ["Hold", "LeaseJournal", "process_start", "same_process"]
 
-
-def _write_all(fd: int, data: bytes) -> None:
-    view, done = memoryview(data), 0
-    while done < len(data):
-        done += os.write(fd, view[done:])
-
 COMPACT_SLACK = 4096
 #: Strings that need no JSON escaping (ids, hex keys, "checkpoint:<id>"): formatted directly.
 _PLAIN = re.compile(r"[A-Za-z0-9:_.-]{1,200}").fullmatch
 log = logging.getLogger("hwrd.journal")
+
+
+def _write_all(fd: int, data: bytes) -> tuple[bytes, OSError | None]:
+    """Write ``data`` to ``fd`` until done or an error: (the bytes not written, the error)."""
+    view, done = memoryview(data), 0
+    try:
+        while done < len(data):
+            done += os.write(fd, view[done:])
+    except OSError as exc:
+        return bytes(view[done:]), exc
+    return b"", None
 
 
 @dataclass(frozen=True)
@@ -150,9 +155,11 @@ class LeaseJournal:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             try:
-                _write_all(fd, b"".join(lines))
+                _rest, error = _write_all(fd, b"".join(lines))
             finally:
                 os.close(fd)
+            if error is not None:
+                raise error
             os.rename(tmp, self.path)
         except BaseException:  # a full disk: the journal stays as it was, nothing half-written replaces it
             with contextlib.suppress(OSError):
@@ -211,14 +218,11 @@ class LeaseJournal:
             return
         data, n = b"".join(self._pending), len(self._pending)
         self._pending = []
-        view, done = memoryview(data), 0
-        try:
-            while done < len(data):
-                done += os.write(self._fd, view[done:])
-        except OSError as exc:
-            self._pending = [bytes(view[done:])]
-            self._failed(exc)
-            raise
+        rest, error = _write_all(self._fd, data)
+        if error is not None:
+            self._pending = [rest]
+            self._failed(error)
+            raise error
         if self.failures:
             log.warning("lease journal writable again after %d failed writes", self.failures)
             self.failures = 0
