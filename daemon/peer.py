@@ -58,7 +58,7 @@ import msgspec
 
 from hwr import __version__
 from hwr.client.errors import DaemonUnavailable, HwrError, InvalidRequest, PermissionDeniedError
-from hwr.client.wire import MAX_FRAME, close_fds
+from hwr.client.wire import MAX_FRAME, close_fds, send_frame
 from hwr.daemon.accepting import Acceptor
 from hwr.daemon.peercred import AllowList, peer_allowed, read_peercred
 from hwr.daemon.sessions import Registry, Session
@@ -491,11 +491,10 @@ def _str(req: dict[str, Any], name: str) -> str:
 def _refuse(sock: socket.socket) -> None:
     """The greeting of a connection accepted with the spare descriptor while the daemon has
     none left (``hwr.daemon.accepting``): a typed, retryable error instead of a timeout."""
-    body = _encode(_error(DaemonUnavailable(
+    sock.settimeout(1.0)
+    send_frame(sock, _error(DaemonUnavailable(
         "hwrd has no file descriptor left for a new session (too many open connections); retry later",
         details={"reason": "EMFILE"})))
-    sock.settimeout(1.0)
-    sock.sendall(_LEN.pack(len(body)) + body)
 
 
 def _error(exc: HwrError) -> dict[str, Any]:
