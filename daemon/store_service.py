@@ -685,8 +685,9 @@ class StoreService:
             return report, usage.committed_bytes, target, staging
 
     # ------------------------------------------------------------------ pins
-    async def _hold_resident(self, key: str) -> str:
-        record = await asyncio.to_thread(self.store.lookup, key)
+    async def _hold_resident(self, key: str, record: Any = None) -> str:
+        if record is None:
+            record = await asyncio.to_thread(self.store.lookup, key)
 
         def hold() -> str:
             fds = self.store.open_payloads(record)
@@ -711,7 +712,7 @@ class StoreService:
         try:
             if added:
                 await asyncio.to_thread(self.pins.save)
-            residency = await self._hold_resident(key)
+            residency = await self._hold_resident(key, record)  # pinned: the record stays valid
         except Exception:  # not on cancellation: the thread still saves, so the pin stands
             if added:
                 self.pins.discard(key)
