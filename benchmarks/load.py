@@ -142,7 +142,9 @@ def _rss_kib() -> int:
 
 
 # ------------------------------------------------------------------------------ driver
-def _end_state(daemon: Any, baseline_fds: int) -> dict[str, Any]:
+def end_state(daemon: Any, baseline_fds: int, *, ignore_pid: int | None = None) -> dict[str, Any]:
+    """Wait (up to 30 s) until no lease (except ``ignore_pid``'s), publication, staging file or
+    extra daemon descriptor is left, then report what is left and whether that is nothing."""
     from hwr.client import connect
 
     root = Path(daemon.root)
@@ -150,7 +152,7 @@ def _end_state(daemon: Any, baseline_fds: int) -> dict[str, Any]:
     while True:
         with connect(daemon.socket) as client:
             status = client.status()
-            leases = [x for x in client.leases() if x["pid"] != os.getpid()]
+            leases = [x for x in client.leases() if x["pid"] != ignore_pid]
         staging = os.listdir(root / "tmp")
         fds = len(os.listdir(f"/proc/{daemon.pid}/fd"))
         clean = not leases and status["publications"] == 0 and not staging and fds <= baseline_fds
@@ -238,7 +240,7 @@ def _drive(daemon: Any, metrics: Path, ops: int, mix: dict[str, float], base: in
         p.wait(60)
     wall = time.perf_counter() - started
     phases = histogram_window(before, scrape_metrics(metrics), "hwr_publication_phase_seconds", "phase")
-    end = _end_state(daemon, baseline_fds)
+    end = end_state(daemon, baseline_fds, ignore_pid=os.getpid())
     with connect(daemon.socket) as client:
         evictions = client.store_usage()["evictions"]
     return results, wall, end, evictions, phases

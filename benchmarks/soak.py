@@ -17,11 +17,11 @@ of the artifacts, and at the same time:
 Each of these once found a bug (session 7: an eviction mistaken for corruption and denied, a
 stale record cached over a re-published one, a pin left behind for an evicted artifact, a
 client's own publications stalling each other). At the end it checks: no deny marker and no
-quarantined artifact (nothing here corrupts anything), no staging left, no lease left, the
-daemon's descriptors back at their baseline, no internal error or traceback in the daemon's log,
-every client error of an expected kind (a miss, a full store, a leased or pinned artifact), and
-every lease's bytes as published. Prints a table and one JSON line; exits 1 when an invariant
-does not hold.
+quarantined artifact (nothing here corrupts anything); no lease, publication or staging file
+left and the daemon's descriptors back at their baseline (``benchmarks.load.end_state``); no
+internal error or traceback in the daemon's log; every client error of an expected kind (a
+miss, a full store, a leased or pinned artifact); every lease's bytes as published. Prints a
+table and one JSON line; exits 1 when an invariant does not hold.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import hwrd, json_line, md_table
+from benchmarks.load import end_state
 
 ELEMENTS = 1 << 12  # float32 elements per artifact (16 KiB)
 ARTIFACT_BYTES = ELEMENTS * 4 + 136
@@ -153,7 +154,7 @@ def run(seconds: float, clients: int) -> dict[str, Any]:
     tally = Tally()
     limit = ROOM * ARTIFACT_BYTES
     with hwrd(None, "--store-limit-bytes", str(limit)) as daemon:
-        baseline_fds = _count_entries(Path(f"/proc/{daemon.pid}/fd"))
+        baseline_fds = len(os.listdir(f"/proc/{daemon.pid}/fd"))
         stop = time.monotonic() + seconds
         fresh_keys: list[str] = []
         sessions: list[Any] = []
@@ -188,33 +189,24 @@ def run(seconds: float, clients: int) -> dict[str, Any]:
                     tally.run("unpin", lambda key=key: admin.unpin(key["key"]))
         for session in sessions:
             session.close()
-        deadline = time.monotonic() + 10
         with connect(daemon.socket, timeout=60) as admin:
-            while admin.leases() and time.monotonic() < deadline:
-                time.sleep(0.1)
-            leases_left = len(admin.leases())
             usage = admin.store_usage()
-        while _count_entries(Path(f"/proc/{daemon.pid}/fd")) > baseline_fds + 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        left = end_state(daemon, baseline_fds)  # leases, publications, staging, descriptors
         log = daemon.log.read_text(errors="replace")
-        end_state = {
+        state = {
+            **{k: v for k, v in left.items() if k != "clean"},
             "deny_markers": _count_entries(daemon.root / "deny"),
             "quarantined": _count_entries(daemon.root / "quarantine"),
-            "staging_left": _count_entries(daemon.root / "tmp"),
-            "leases_left": leases_left,
-            "daemon_fds": _count_entries(Path(f"/proc/{daemon.pid}/fd")),
-            "daemon_fds_baseline": baseline_fds,
             "internal_errors_logged": log.count("internal error") + log.count("Traceback"),
             "threads_hung": hung,
             "unexpected_client_errors": len(tally.unexpected),
         }
-    clean = (not end_state["deny_markers"] and not end_state["quarantined"] and not end_state["staging_left"]
-             and not leases_left and end_state["daemon_fds"] <= baseline_fds + 2
-             and not end_state["internal_errors_logged"] and not hung and not tally.unexpected)
+    clean = (left["clean"] and not state["deny_markers"] and not state["quarantined"]
+             and not state["internal_errors_logged"] and not hung and not tally.unexpected)
     return {"seconds": seconds, "clients": clients, "store_limit_bytes": limit, "ok": dict(tally.ok),
             "errors": {f"{op}:{code}": n for (op, code), n in sorted(tally.errors.items())},
             "unexpected": tally.unexpected[:20], "evictions": usage.get("evictions", 0),
-            "end_state": end_state, "clean": clean}
+            "end_state": state, "clean": clean}
 
 
 def main(argv: list[str] | None = None) -> int:
