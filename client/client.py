@@ -664,10 +664,30 @@ def _open_session(socket_path: Path, timeout: float,
 
 
 def _open_peer(socket_path: Path, timeout: float) -> socket.socket:
+    """Connect the peer socket within ``timeout``. A full listen backlog (the daemon is busy
+    accepting: a connect with a timeout then fails at once with EAGAIN) is retried, with a
+    growing pause, until ``timeout`` has passed; then ``DaemonUnavailable``."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
+    deadline = time.monotonic() + timeout
+    delay = 0.005
     try:
-        sock.connect(str(peer_path(socket_path)))
+        while True:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            try:
+                sock.connect(str(peer_path(socket_path)))
+                break
+            except BlockingIOError:  # EAGAIN: the backlog is full
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DaemonUnavailable(
+                        f"hwrd on {socket_path} did not accept the connection within {timeout:g} s "
+                        "(its listen backlog stayed full)", details={"socket": str(socket_path)}) from None
+                time.sleep(min(delay, left))
+                delay = min(delay * 2, 0.1)
+        sock.settimeout(timeout)
+    except DaemonUnavailable:
+        sock.close()
+        raise
     except (FileNotFoundError, ConnectionRefusedError) as exc:
         sock.close()
         raise DaemonUnavailable(f"hwrd is not running on {socket_path} ({exc.strerror})",

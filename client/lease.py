@@ -16,7 +16,7 @@ Contract:
 - ``tensors``: name -> CPU tensor aliasing shared page-cache pages (no copy). With the default
   read-only mapping, writing into one faults (SIGSEGV) instead of corrupting other workers'
   weights; ask for ``copy_on_write=True`` to get private, writable pages instead.
-- ``mapped_regions``: one page-aligned region per payload file, for ``cudaHostRegister``.
+- ``mapped_regions``: one page-aligned region per payload file, for ``cudaHostRegister`` (empty once closed).
 - ``close()`` is idempotent and thread-safe: it tells the daemon (only from the process that
   acquired the lease: a forked child never releases its parent's lease) and drops the lease's
   references. The mapping itself is unmapped when the last tensor view is garbage collected, so a
@@ -118,7 +118,9 @@ class MappedLease:
 
     @property
     def mapped_regions(self) -> tuple[MappedRegion, ...]:
-        return self._regions
+        """One region per payload file; empty once the lease is closed (the addresses are no
+        longer mapped: reading one would fault)."""
+        return () if self._closed else self._regions
 
     @property
     def closed(self) -> bool:

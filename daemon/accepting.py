@@ -9,8 +9,14 @@ still connect into its backlog, but nobody accepts them again even after descrip
 episode), so service resumes as soon as descriptors are free. Optionally it keeps one spare
 descriptor (``/dev/null``) to answer the connections that arrive meanwhile: it closes the spare,
 accepts one, hands it to ``refuse`` (which sends a typed error and closes it), and reopens the
-spare; a client then gets a prompt, typed answer instead of a timeout. Connections aborted
-before they were accepted are skipped.
+spare once that connection is closed (its slot is the one the spare gets back); a client then
+gets a prompt, typed answer instead of a timeout, however many arrive. A normal accept happens
+only while the spare is held: when it could not be reopened (another thread took the slot),
+the next connection is the one refused, so the slot it takes is given back at once.
+Connections aborted before they were accepted are skipped. A connection is also refused when,
+once it is accepted, fewer than ``RESERVE`` descriptors would be left: sessions already open
+need a few to serve their requests (each acquire opens its payloads), and a connection that took
+the very last slot would leave them none.
 
 Limits: while descriptors are exhausted, requests on already open connections can still fail
 (each acquire opens its payloads); ``hwrd`` raises its soft ``RLIMIT_NOFILE`` to the hard limit
@@ -36,6 +42,8 @@ EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 #: The connection went away before it was accepted: take the next one.
 _SKIP = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EINTR, errno.EAGAIN})
 _FIRST_DELAY, _MAX_DELAY = 0.01, 1.0
+#: Descriptors kept free for open sessions' requests (see the module docstring).
+RESERVE = 8
 
 
 class Acceptor:
@@ -55,6 +63,13 @@ class Acceptor:
         loop = asyncio.get_running_loop()
         delay = _FIRST_DELAY
         while True:
+            if self.refuse is not None and self._spare is None:
+                self._spare = _open_spare()
+                if self._spare is None:  # out of descriptors: keep none of them, answer and close
+                    if not self._refuse_one():
+                        await asyncio.sleep(delay)
+                        delay = min(delay * 2, _MAX_DELAY)
+                    continue
             try:
                 conn, _ = await loop.sock_accept(self.listen)
             except OSError as exc:
@@ -71,12 +86,17 @@ class Acceptor:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _MAX_DELAY)
                 continue
+            if self.refuse is not None and not self._headroom():
+                if not self._episode:
+                    log.warning("%s: fewer than %d descriptors left; refusing new connections until "
+                                "descriptors are freed", self.name, RESERVE)
+                self._episode += 1
+                self._send_refusal(conn)
+                continue
             if self._episode:
                 log.warning("%s: accepting connections again (%d accepts had failed, %d refused)",
                             self.name, self._episode, self.refused)
                 self._episode = 0
-            if self._spare is None and self.refuse is not None:
-                self._spare = _open_spare()
             conn.setblocking(False)
             return conn
 
@@ -86,18 +106,23 @@ class Acceptor:
             self._spare = None
 
     def _refuse_one(self) -> bool:
-        """Use the spare descriptor to accept and refuse one waiting connection; False when
-        there is no spare, or nothing was waiting."""
-        if self._spare is None or self.refuse is None:
+        """Use the spare descriptor (or, without one, whatever slot is free) to accept and refuse
+        one waiting connection; False when nothing was waiting or no slot was free."""
+        if self.refuse is None:
             return False
-        os.close(self._spare)
-        self._spare = None
+        if self._spare is not None:
+            os.close(self._spare)
+            self._spare = None
         try:
             conn, _ = self.listen.accept()
         except OSError:
-            return False
-        finally:
             self._spare = _open_spare()
+            return False
+        self._send_refusal(conn)
+        return True
+
+    def _send_refusal(self, conn: socket.socket) -> None:
+        assert self.refuse is not None
         try:
             self.refuse(conn)
             self.refused += 1
@@ -105,7 +130,23 @@ class Acceptor:
             log.debug("%s: refusal not sent: %s", self.name, exc)
         finally:
             conn.close()
-        return True
+            if self._spare is None:
+                self._spare = _open_spare()  # the slot the connection held: free again
+
+    def _headroom(self) -> bool:
+        """True when ``RESERVE`` more descriptors could still be opened (probed, then closed)."""
+        if self._spare is None:
+            return False
+        probes: list[int] = []
+        try:
+            for _ in range(RESERVE):
+                probes.append(os.dup(self._spare))
+            return True
+        except OSError:
+            return False
+        finally:
+            for fd in probes:
+                os.close(fd)
 
 
 def _open_spare() -> int | None:

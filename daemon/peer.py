@@ -39,12 +39,16 @@ One SOCK_STREAM Unix socket at ``<socket>.peer``. Per connection:
 
 Only the connection that owns a session can fetch its descriptors: the token alone is useless
 to another process. Descriptors are opened per request and closed right after sending.
+
+Bounds per connection and per uid (sessions, descriptors in flight, partial frames, a stalled
+frame's timeout): ``hwr.daemon.peer_limits``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -60,6 +64,7 @@ from hwr import __version__
 from hwr.client.errors import DaemonUnavailable, HwrError, InvalidRequest, PermissionDeniedError
 from hwr.client.wire import MAX_FRAME, close_fds, send_frame
 from hwr.daemon.accepting import Acceptor
+from hwr.daemon.peer_limits import FREE_BUFFER, READ_SIZE, InflightFds, Ledger, PeerLimits
 from hwr.daemon.peercred import AllowList, peer_allowed, read_peercred
 from hwr.daemon.sessions import Registry, Session
 
@@ -99,6 +104,7 @@ class PeerServer:
         listen_sock: socket.socket | None = None,
         leasing: Any = None,
         publishing: Any = None,
+        limits: PeerLimits | None = None,
     ) -> None:
         self.path = path
         self._registry = registry
@@ -113,6 +119,7 @@ class PeerServer:
         self._task: asyncio.Task[None] | None = None
         self._acceptor: Acceptor | None = None
         self._conns: set[_Connection] = set()
+        self.ledger = Ledger(limits or PeerLimits())
 
     async def start(self) -> None:
         if self._sock is None:
@@ -169,7 +176,15 @@ class PeerServer:
         if not peer_allowed(cred, self._allow()):
             log.warning("refused peer pid=%d uid=%d gid=%d", cred.pid, cred.uid, cred.gid)
             return None, _error(PermissionDeniedError(f"uid {cred.uid} is not on hwrd's allow-list"))
+        if not self.ledger.session_allowed(cred.uid):
+            limit = self.ledger.limits.max_sessions_per_uid
+            log.warning("refused peer pid=%d uid=%d: it has %d sessions open (max_sessions_per_uid)",
+                        cred.pid, cred.uid, limit)
+            return None, _error(DaemonUnavailable(
+                f"uid {cred.uid} has {limit} sessions open, the most hwrd allows one uid; close some",
+                details={"reason": "SESSIONS_PER_UID", "limit": limit}))
         session = self._registry.open_session(cred)
+        self.ledger.session_opened(cred.uid)
         return session, {"ok": True, "session_id": session.session_id, "token": session.token,
                          "pid": cred.pid, "uid": cred.uid}
 
@@ -185,9 +200,8 @@ class PeerServer:
                 return self._acquired(session, req, key, *now)
             except HwrError as exc:
                 return _error(exc), [], b""
-            except Exception:
-                log.exception("internal error in peer operation %s", op)
-                return _error(HwrError(f"internal error in peer operation {op}")), [], b""
+            except Exception as exc:
+                return _internal(op, exc), [], b""
         if op == "release" or op == "hello":
             return self._lease_op_now(session, op, req)
         if op in _PUBLISH_OPS:
@@ -212,9 +226,8 @@ class PeerServer:
             return self._acquired(session, req, key, record, lease)
         except HwrError as exc:
             return _error(exc), [], b""
-        except Exception:
-            log.exception("internal error in peer operation %s", op)
-            return _error(HwrError(f"internal error in peer operation {op}")), [], b""
+        except Exception as exc:
+            return _internal(str(op), exc), [], b""
 
     def _acquired(self, session: Session, req: dict[str, Any], key: str, record: Any,
                   lease: Any) -> tuple[dict[str, Any], list[int], bytes]:
@@ -248,6 +261,8 @@ class PeerServer:
             return {"ok": True, "released": self._leasing.release(session, lease_id)}, [], b""
         except HwrError as exc:
             return _error(exc), [], b""
+        except Exception as exc:  # a bug or an OS error (EMFILE): this request fails, not the session
+            return _internal(op, exc), [], b""
 
     def _dispatch(self, session: Session, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         op = req.get("op")
@@ -264,6 +279,8 @@ class PeerServer:
             return _error(PermissionDeniedError(f"unknown peer operation {str(op)[:40]!r}")), []
         except HwrError as exc:
             return _error(exc), []
+        except Exception as exc:  # a bug or an OS error (EMFILE): this request fails, not the session
+            return _internal(str(op)[:40], exc), []
 
 
 class _Connection(asyncio.Protocol):
@@ -281,10 +298,17 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.ended: asyncio.Future[None] = loop.create_future()  # set once the session has ended
         self._tasks: set[asyncio.Task[None]] = set()
+        self.inflight: InflightFds | None = None  # descriptors sent, maybe not received yet
+        self._charged = 0  # bytes of ``buf`` counted in the server's buffer budget
+        self._reading = True
+        self._partial_since: float | None = None  # when the incomplete first frame began
+        self._frame_timer: asyncio.TimerHandle | None = None
 
     # asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        if hasattr(transport, "max_size"):  # bound what one read adds to the buffer (peer_limits)
+            transport.max_size = READ_SIZE  # type: ignore[attr-defined]
         try:
             session, hello = self.server._greet(self.sock)
         except OSError as exc:
@@ -292,6 +316,8 @@ class _Connection(asyncio.Protocol):
             self.abort()
             return
         self.session = session
+        if session is not None:
+            self.inflight = InflightFds(self.server.ledger, session.cred.uid, self.sock)
         if not self._send_now(hello, [], b""):
             self._later(self._send_later(hello, [], b""))
         if session is None:
@@ -310,19 +336,74 @@ class _Connection(asyncio.Protocol):
         self.write_paused = False
         self._set_reading()
         self._pump()
+        self._account()
 
     def _set_reading(self) -> None:
-        """Read requests unless one is in a task (``busy``) or replies are backed up."""
+        """Read requests unless one is in a task (``busy``), replies are backed up, or this
+        connection's partial frame is over the shared buffer budget (``peer_limits``)."""
         if self.transport is None or self.closed:
             return
-        if self.busy or self.write_paused:
+        ledger = self.server.ledger
+        over = self._charged > 0 and ledger.over_budget()
+        if over:
+            ledger.wait_for_budget(self, self._set_reading)
+        if self.busy or self.write_paused or over:
             self.transport.pause_reading()
+            if (self.busy or self.write_paused) and self._partial_since is not None:
+                self._partial_since = self.loop.time()  # not the client's stall: restart the clock
+            self._reading = False
         else:
             self.transport.resume_reading()
+            self._reading = True
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
         self._pump()
+        self._account()
+
+    def _account(self) -> None:
+        """Charge the buffer to the shared budget and watch an incomplete first frame."""
+        if self.closed:
+            return
+        charge = max(0, len(self.buf) - FREE_BUFFER)
+        if charge != self._charged:
+            delta, self._charged = charge - self._charged, charge
+            self.server.ledger.buffered_changed(delta)
+            if delta > 0 and self.server.ledger.over_budget():
+                self._set_reading()
+        if self._first_frame_incomplete():
+            if self._partial_since is None:
+                self._partial_since = self.loop.time()
+                self._arm_frame_timer(self.server.ledger.limits.frame_timeout_s)
+        else:
+            self._partial_since = None
+
+    def _first_frame_incomplete(self) -> bool:
+        buf = self.buf
+        if not buf:
+            return False
+        return len(buf) < _LEN.size or len(buf) < _LEN.size + _LEN.unpack_from(buf)[0]
+
+    def _arm_frame_timer(self, delay: float) -> None:
+        if self._frame_timer is None:
+            self._frame_timer = self.loop.call_later(delay, self._frame_deadline)
+
+    def _frame_deadline(self) -> None:
+        self._frame_timer = None
+        if self.closed or self._partial_since is None:
+            return
+        if not self._reading and (self.busy or self.write_paused):
+            self._partial_since = self.loop.time()  # the daemon is not reading: not a stall
+        timeout = self.server.ledger.limits.frame_timeout_s
+        left = self._partial_since + timeout - self.loop.time()
+        if left > 0:
+            self._arm_frame_timer(left)
+            return
+        cred = self.session.cred if self.session is not None else None
+        log.warning("peer connection of pid %s uid %s: a request frame is still incomplete after %.0f s "
+                    "(%d bytes buffered); ending the session", cred.pid if cred else "?",
+                    cred.uid if cred else "?", timeout, len(self.buf))
+        self.abort()
 
     def eof_received(self) -> bool:
         return False  # close the transport: EOF ends the session
@@ -332,6 +413,16 @@ class _Connection(asyncio.Protocol):
             return
         self.closed = True
         self.buf.clear()
+        if self._charged:
+            self.server.ledger.buffered_changed(-self._charged)
+            self._charged = 0
+        if self._frame_timer is not None:
+            self._frame_timer.cancel()
+            self._frame_timer = None
+        if self.inflight is not None:
+            self.inflight.close()
+        if self.session is not None:
+            self.server.ledger.session_closed(self.session.cred.uid)
         if exc is not None:
             log.debug("peer connection ended: %s", exc)
         self.loop.create_task(self._end())
@@ -420,6 +511,7 @@ class _Connection(asyncio.Protocol):
         if not self.closed and self.transport is not None:
             self._set_reading()
             self._pump()
+            self._account()
 
     async def _serve_later(self, request: dict[str, Any]) -> None:
         assert self.session is not None
@@ -444,6 +536,8 @@ class _Connection(asyncio.Protocol):
                 return False
             self.transport.write(data)
             return True
+        if fds and self.inflight is not None and not self.inflight.may_send(len(fds)):
+            return False  # the client has not read earlier descriptors (peer_limits)
         try:
             sent = socket.send_fds(self.sock, [data], fds) if fds else self.sock.send(data)
         except (BlockingIOError, InterruptedError):
@@ -451,9 +545,13 @@ class _Connection(asyncio.Protocol):
                 return False
             sent = 0
         except OSError as exc:
+            if fds and exc.errno == errno.ETOOMANYREFS:
+                return False  # the daemon's user has too many descriptors in flight: wait
             log.debug("peer send failed: %s", exc)
             self.abort()
             return True
+        if fds and self.inflight is not None:
+            self.inflight.sent(len(fds))
         if sent < len(data):
             self.transport.write(data[sent:])
         return True
@@ -495,6 +593,17 @@ def _refuse(sock: socket.socket) -> None:
     send_frame(sock, _error(DaemonUnavailable(
         "hwrd has no file descriptor left for a new session (too many open connections); retry later",
         details={"reason": "EMFILE"})))
+
+
+def _internal(op: str, exc: Exception) -> dict[str, Any]:
+    """The error frame of an unexpected failure. An OS error (out of descriptors or memory) is
+    the host's state, not a bug: a warning, no traceback; anything else is logged with one."""
+    if isinstance(exc, OSError):
+        log.warning("peer operation %s failed: %s", op, exc)
+        return _error(HwrError(f"peer operation {op} failed: {exc.strerror or exc}",
+                               details={"errno": errno.errorcode.get(exc.errno or 0, str(exc.errno))}))
+    log.error("internal error in peer operation %s", op, exc_info=exc)
+    return _error(HwrError(f"internal error in peer operation {op}"))
 
 
 def _error(exc: HwrError) -> dict[str, Any]:

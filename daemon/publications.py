@@ -276,6 +276,11 @@ class Publications:
             self._finish(pub, PubState.ABORTED)
         return True
 
+    def live_count(self, session: Session) -> int:
+        """Publications of ``session`` still in flight; forgets the ids of finished ones."""
+        session.publications.intersection_update(self._by_id)
+        return len(session.publications)
+
     async def abort_session(self, session: Session) -> int:
         """Abort every STAGED publication of an ended session (its writer is gone)."""
         count = 0

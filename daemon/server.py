@@ -41,9 +41,11 @@ from hwr.daemon.activation import Assignment, GrpcRelay, private_grpc_path
 from hwr.daemon.config import DaemonConfig
 from hwr.daemon.metrics import Instruments, MetricsServer, exposition
 from hwr.daemon.peer import PeerServer
+from hwr.daemon.peer_limits import PeerLimits
 from hwr.daemon.peer_publish import PeerPublishing
 from hwr.daemon.peercred import AllowList, daemon_allow_list
 from hwr.daemon.publications import Publications
+from hwr.daemon.rpc_decode import add_servicer
 from hwr.daemon.servicer import Servicer, prefix_match
 from hwr.daemon.sessions import Registry, Session
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
@@ -114,10 +116,11 @@ class Daemon:
             on_session_end=self._on_session_end, mode=self.config.socket_mode,
             listen_sock=self.inherited.peer, leasing=self.leasing,
             publishing=PeerPublishing(self.publications, self._open_staging_fds),
+            limits=PeerLimits.from_config(self.config),
         )
         await self._peer.start()
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
-        hwr_pb2_grpc.add_HostWeightRuntimeServicer_to_server(Servicer(self), server)
+        add_servicer(hwr_pb2_grpc.add_HostWeightRuntimeServicer_to_server, Servicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

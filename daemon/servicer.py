@@ -64,7 +64,7 @@ class Servicer(StoreAdminRpc, CheckpointsMixin, hwr_pb2_grpc.HostWeightRuntimeSe
     async def KeepAlive(self, request: pb.KeepAliveRequest, context: Any) -> pb.KeepAliveResponse:
         session = self._session(context)
         return pb.KeepAliveResponse(session_id=session.session_id, lease_count=len(session.leases),
-                                    publication_count=len(session.publications))
+                                    publication_count=self.d.publications.live_count(session))
 
     @rpc
     async def Acquire(self, request: pb.AcquireRequest, context: Any) -> pb.AcquireResponse:
