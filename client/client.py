@@ -339,16 +339,32 @@ class Client:
                 "leases": r.leases, "sessions": r.sessions, "publications": r.publications,
                 "store_bytes": r.store_bytes, "uptime_s": round(r.uptime_s, 3), "pid": r.pid}
 
-    def list_artifacts(self) -> list[dict[str, Any]]:
-        return [_artifact_dict(a) for a in self._call("ListArtifacts", pb.ListArtifactsRequest()).artifacts]
+    def list_artifacts(self, *, include_denied: bool = False) -> list[dict[str, Any]]:
+        """The artifacts the daemon serves; ``include_denied`` adds the denied ones (``state``
+        "denied", ``deny_reason`` the reason code)."""
+        request = pb.ListArtifactsRequest(include_denied=include_denied)
+        return [_artifact_dict(a) for a in self._call("ListArtifacts", request).artifacts]
 
     def inspect(self, key: str) -> dict[str, Any]:
-        r = self._call("InspectArtifact", pb.InspectArtifactRequest(key=key))
+        """One artifact (ready or denied) with its identity, files and tensors; the tensor list
+        comes in pages, so that any tensor count the daemon accepts fits gRPC's message limit."""
+        r = self._call("InspectArtifact", pb.InspectArtifactRequest(key=key, paged=True))
         out = _artifact_dict(r.artifact)
         out["identity"] = _json(r.identity_json)
         manifest = _json(r.manifest_json)
         out["files"] = manifest.get("files", []) if isinstance(manifest, dict) else []
-        out["tensors"] = manifest.get("tensors", []) if isinstance(manifest, dict) else []
+        tensors: list[Any] = list(_json(r.tensors_json) or []) if r.tensors_json else []
+        full_key = r.artifact.key or key
+        while r.tensors_json and r.next_tensor_offset < r.tensor_count:
+            before = r.next_tensor_offset
+            r = self._call("InspectArtifact", pb.InspectArtifactRequest(key=full_key, paged=True,
+                                                                        tensor_offset=before))
+            if r.next_tensor_offset <= before:
+                raise HwrError("hwrd returned an empty page of tensors", details={"key": full_key})
+            tensors += _json(r.tensors_json) or []
+        if not r.tensors_json and not tensors:  # an older daemon: the whole manifest at once
+            tensors = manifest.get("tensors", []) if isinstance(manifest, dict) else []
+        out["tensors"] = tensors
         return out
 
     def leases(self) -> list[dict[str, Any]]:
@@ -787,7 +803,8 @@ def _parse_manifest(data: bytes) -> Manifest:
 def _artifact_dict(a: pb.ArtifactInfo) -> dict[str, Any]:
     return {"key": a.key, "size_bytes": a.size_bytes, "state": STATE_NAMES.get(a.state, "unknown"),
             "leases": a.leases, "model_id": a.model_id, "component": a.component, "dtype": a.dtype,
-            "tensors": a.tensor_count, "created_at": a.created_at, "content_sha256": a.content_sha256}
+            "tensors": a.tensor_count, "created_at": a.created_at, "content_sha256": a.content_sha256,
+            "deny_reason": a.deny_reason}
 
 
 def _json(data: bytes) -> Any:

@@ -41,9 +41,20 @@ def human_bytes(n: int | float) -> str:
     raise AssertionError("unreachable")
 
 
+def printable(text: str) -> str:
+    """``text`` safe for a terminal: every control or format character other than a newline
+    (escape sequences, carriage returns, bidirectional overrides) written as its Python escape
+    (``\\x1b``), so that client-supplied strings (client and model names) cannot move the cursor,
+    recolour or hide output. ``--json`` output is JSON-escaped instead."""
+    if all(c == "\n" or c.isprintable() for c in text):
+        return text
+    return "".join(c if c == "\n" or c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A plain aligned text table (numbers right-aligned)."""
-    cells = [[str(c) for c in row] for row in rows]
+    """A plain aligned text table (numbers right-aligned; cells through ``printable``)."""
+    cells = [[printable(str(c)) for c in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
     numeric = [bool(cells) and all(_is_num(r[i]) for r in cells) for i in range(len(headers))]
 
@@ -82,7 +93,7 @@ def cmd_status(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def cmd_ls(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
-    items = sorted(client.list_artifacts(), key=lambda a: a["created_at"])
+    items = sorted(client.list_artifacts(include_denied=True), key=lambda a: a["created_at"])
     rows = [[a["key"][:16], human_bytes(a["size_bytes"]), a["state"], a["leases"], a["tensors"],
              a["model_id"], a["dtype"], _ago(a["created_at"])] for a in items]
     text = table(["KEY", "SIZE", "STATE", "LEASES", "TENSORS", "MODEL", "DTYPE", "CREATED"], rows)
@@ -94,7 +105,7 @@ def cmd_show(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
     ident = info.get("identity") or {}
     lines = [
         f"key:        {info['key']}",
-        f"state:      {info['state']}",
+        f"state:      {info['state']}" + (f" ({info['deny_reason']})" if info.get("deny_reason") else ""),
         f"size:       {human_bytes(info['size_bytes'])} ({info['size_bytes']} bytes)",
         f"leases:     {info['leases']}",
         f"model:      {info['model_id']} ({ident.get('source', {}).get('revision', '?')})",
@@ -202,9 +213,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hwrctl: {exc.code}: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
     except HwrError as exc:
-        print(f"hwrctl: {exc.code}: {exc}", file=sys.stderr)
+        print(f"hwrctl: {exc.code}: {printable(str(exc))}", file=sys.stderr)
         return EXIT_FAILURE
-    print(json.dumps(document, indent=2, sort_keys=True) if args.json else text)
+    print(json.dumps(document, indent=2, sort_keys=True) if args.json else printable(text))
     return EXIT_OK
 
 

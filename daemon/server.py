@@ -213,18 +213,28 @@ class Daemon:
         self.acquire_seconds += seconds
         self.metrics.observe_acquire(seconds)
 
-    async def artifact_infos(self) -> list[pb.ArtifactInfo]:
+    async def artifact_infos(self, include_denied: bool = False) -> list[pb.ArtifactInfo]:
         records = await asyncio.to_thread(self.store.artifacts)
-        return [self.artifact_info(record) for record in records]
+        infos = [self.artifact_info(record) for record in records]
+        if include_denied:  # inspected from disk (not cached): denied artifacts are few
+            denied = await asyncio.to_thread(self.store.denied_records)
+            infos += [self.artifact_info(r) if r is not None else self.denied_info(k) for k, r in denied]
+        return infos
+
+    def denied_info(self, key: str) -> pb.ArtifactInfo:
+        """The listing entry of a denied key whose directory is gone (quarantined)."""
+        return pb.ArtifactInfo(key=key, state=pb.ARTIFACT_STATE_DENIED, deny_reason=self.store.deny_reason(key) or "",
+                               leases=self.registry.lease_count(key))
 
     def artifact_info(self, record: Any) -> pb.ArtifactInfo:
         """One artifact's listing entry; in memory only (the deny state is a dict lookup: no
         thread hop, which per artifact queued in the default executor under load)."""
         manifest = record.manifest
         identity = manifest.identity
+        reason = self.store.deny_reason(record.key)
         return pb.ArtifactInfo(
-            key=record.key, size_bytes=record.size_bytes,
-            state=pb.ARTIFACT_STATE_DENIED if self.store.is_denied(record.key) else pb.ARTIFACT_STATE_READY,
+            key=record.key, size_bytes=record.size_bytes, deny_reason=reason or "",
+            state=pb.ARTIFACT_STATE_DENIED if reason is not None else pb.ARTIFACT_STATE_READY,
             leases=self.registry.lease_count(record.key), model_id=identity.source.model_id,
             component=identity.component.name, dtype=identity.representation.dtype,
             tensor_count=len(manifest.tensors), created_at=record.created_at,
@@ -232,12 +242,18 @@ class Daemon:
         )
 
     async def resolve_prefix(self, prefix: str) -> str:
+        """A full key among the listed artifacts and the denied ones (``hwrctl show``)."""
         records = await asyncio.to_thread(self.store.artifacts)
-        return prefix_match(prefix, [r.key for r in records])
+        denied = await asyncio.to_thread(self.store.denied_keys)
+        return prefix_match(prefix, sorted({r.key for r in records} | set(denied)))
 
     async def record_any_state(self, key: str) -> Any:
+        """The record of ``key``, ready or denied; None for a denied key whose directory is gone."""
         for record in await asyncio.to_thread(self.store.artifacts):
             if record.key == key:
+                return record
+        for denied, record in await asyncio.to_thread(self.store.denied_records):
+            if denied == key:
                 return record
         raise ArtifactNotFound("no artifact with that key", details={"key": key})
 

@@ -133,7 +133,7 @@ class Servicer(StoreAdminRpc, CheckpointsMixin, hwr_pb2_grpc.HostWeightRuntimeSe
     @rpc
     async def ListArtifacts(self, request: pb.ListArtifactsRequest, context: Any) -> pb.ListArtifactsResponse:
         self._session(context)
-        return pb.ListArtifactsResponse(artifacts=await self.d.artifact_infos())
+        return pb.ListArtifactsResponse(artifacts=await self.d.artifact_infos(request.include_denied))
 
     @rpc
     async def InspectArtifact(
@@ -141,7 +141,17 @@ class Servicer(StoreAdminRpc, CheckpointsMixin, hwr_pb2_grpc.HostWeightRuntimeSe
     ) -> pb.InspectArtifactResponse:
         self._session(context)
         key = await self.d.resolve_prefix(request.key)
-        record = await self.d.record_any_state(key)  # ArtifactNotFound when it is gone (or denied)
+        record = await self.d.record_any_state(key)  # ArtifactNotFound when it is gone
+        if record is None:  # denied, its directory quarantined: only the deny marker is left
+            return pb.InspectArtifactResponse(artifact=self.d.denied_info(key))
+        if request.paged:  # hwr.daemon.inspect_pages
+            from hwr.daemon.inspect_pages import page
+
+            manifest, tensors, count, after = page(self.d.manifest_bytes(record), request.tensor_offset,
+                                                   request.tensor_limit)
+            return pb.InspectArtifactResponse(
+                artifact=self.d.artifact_info(record), identity_json=record.identity_bytes, manifest_json=manifest,
+                tensors_json=tensors, tensor_count=count, next_tensor_offset=after)
         return pb.InspectArtifactResponse(
             artifact=self.d.artifact_info(record), identity_json=record.identity_bytes,
             manifest_json=self.d.manifest_bytes(record))

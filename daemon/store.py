@@ -666,9 +666,35 @@ class Store:
         with self._mutex:
             return [r for k, r in sorted(self._records.items()) if k not in self._denied]
 
+    def denied_keys(self) -> list[str]:
+        with self._mutex:
+            return sorted(self._denied)
+
+    def denied_records(self) -> list[tuple[str, ArtifactRecord | None]]:
+        """Every denied key, by key, with the record of its directory when that is still in
+        ``artifacts/`` and valid (an operator's deny), else None. Inspected here, never cached:
+        a denied artifact is not served."""
+        out: list[tuple[str, ArtifactRecord | None]] = []
+        for key in self.denied_keys():
+            out.append((key, self._inspect_denied(key)))
+        return out
+
+    def _inspect_denied(self, key: str) -> ArtifactRecord | None:
+        path = self.root / "artifacts" / key
+        if not os.path.lexists(path):
+            return None
+        try:
+            return inspect_artifact(path, key, self.euid)
+        except (HwrError, OSError):
+            return None
+
     def verify(self, key: str, progress: Callable[[int, int], None] | None = None) -> ArtifactRecord:
-        """Re-hash every byte; a mismatch quarantines and denies the key, raising ``ChecksumMismatch``."""
-        record = self.lookup(key)
+        """Re-hash every byte; a mismatch quarantines and denies the key, raising ``ChecksumMismatch``.
+        A key an operator denied is verified too (its bytes are judged, the deny stays); one
+        denied because it was found corrupt raises ``ArtifactDenied``."""
+        record = self._inspect_denied(key) if self.deny_reason(key) == OPERATOR_DENIED else None
+        if record is None:
+            record = self.lookup(key)
         fds = self.open_payloads(record)
         try:
             jobs = []
@@ -818,9 +844,12 @@ class Store:
         self._write_deny(_check_key(key), "LIFECYCLE", OPERATOR_DENIED, reason)
 
     def allow(self, key: str) -> None:
-        """Remove a deny marker; the next lookup re-validates from scratch (idempotent)."""
+        """Remove a deny marker and re-validate the artifact at once, so that it is listed again
+        (an artifact that fails validation is denied again, for that reason; idempotent)."""
         _check_key(key)
         self._clear_deny(key)
+        with contextlib.suppress(HwrError):
+            self.lookup(key)
 
     def remove(self, key: str) -> None:
         """Delete the artifact (moved into ``tmp/`` first, so a crash never leaves half of it)."""
@@ -872,6 +901,7 @@ class Store:
         self._write_deny(key, "VALIDATION", exc.code, exc.message)
 
     def _write_deny(self, key: str, stage: str, code: str, message: str) -> None:
+        log.warning("artifact %s denied (%s, %s): %r", key, stage.lower(), code, str(message)[:200])
         document = {"schema_version": 1, "stage": stage, "reason": code, "message": str(message)[:1000]}
         path = self.root / "deny" / f"{key}.json"
         tmp = self.root / "deny" / f".{key}.{uuid.uuid4().hex}.tmp"

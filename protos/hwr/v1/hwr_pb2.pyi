@@ -253,8 +253,10 @@ class ArtifactInfo(_message.Message):
     def __init__(self, key: _Optional[str] = ..., size_bytes: _Optional[int] = ..., state: _Optional[_Union[ArtifactState, str]] = ..., leases: _Optional[int] = ..., model_id: _Optional[str] = ..., component: _Optional[str] = ..., dtype: _Optional[str] = ..., tensor_count: _Optional[int] = ..., created_at: _Optional[float] = ..., content_sha256: _Optional[str] = ..., deny_reason: _Optional[str] = ...) -> None: ...
 
 class ListArtifactsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("include_denied",)
+    INCLUDE_DENIED_FIELD_NUMBER: _ClassVar[int]
+    include_denied: bool
+    def __init__(self, include_denied: _Optional[bool] = ...) -> None: ...
 
 class ListArtifactsResponse(_message.Message):
     __slots__ = ("artifacts",)
@@ -263,20 +265,32 @@ class ListArtifactsResponse(_message.Message):
     def __init__(self, artifacts: _Optional[_Iterable[_Union[ArtifactInfo, _Mapping]]] = ...) -> None: ...
 
 class InspectArtifactRequest(_message.Message):
-    __slots__ = ("key",)
+    __slots__ = ("key", "paged", "tensor_offset", "tensor_limit")
     KEY_FIELD_NUMBER: _ClassVar[int]
+    PAGED_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_LIMIT_FIELD_NUMBER: _ClassVar[int]
     key: str
-    def __init__(self, key: _Optional[str] = ...) -> None: ...
+    paged: bool
+    tensor_offset: int
+    tensor_limit: int
+    def __init__(self, key: _Optional[str] = ..., paged: _Optional[bool] = ..., tensor_offset: _Optional[int] = ..., tensor_limit: _Optional[int] = ...) -> None: ...
 
 class InspectArtifactResponse(_message.Message):
-    __slots__ = ("artifact", "identity_json", "manifest_json")
+    __slots__ = ("artifact", "identity_json", "manifest_json", "tensors_json", "tensor_count", "next_tensor_offset")
     ARTIFACT_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_JSON_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_JSON_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TENSOR_OFFSET_FIELD_NUMBER: _ClassVar[int]
     artifact: ArtifactInfo
     identity_json: bytes
     manifest_json: bytes
-    def __init__(self, artifact: _Optional[_Union[ArtifactInfo, _Mapping]] = ..., identity_json: _Optional[bytes] = ..., manifest_json: _Optional[bytes] = ...) -> None: ...
+    tensors_json: bytes
+    tensor_count: int
+    next_tensor_offset: int
+    def __init__(self, artifact: _Optional[_Union[ArtifactInfo, _Mapping]] = ..., identity_json: _Optional[bytes] = ..., manifest_json: _Optional[bytes] = ..., tensors_json: _Optional[bytes] = ..., tensor_count: _Optional[int] = ..., next_tensor_offset: _Optional[int] = ...) -> None: ...
 
 class LeaseInfo(_message.Message):
     __slots__ = ("lease_id", "key", "session_id", "pid", "uid", "client_name", "acquired_at")
