@@ -18,12 +18,20 @@ _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 
 
+_last: list[tuple[bytes, bytes, list[object]]] = []  # the last manifest split: pages of one show
+
+
 def page(manifest_json: bytes, offset: int, limit: int) -> tuple[bytes, bytes, int, int]:
     """(manifest without tensors, JSON array of the page's tensors, tensor count, next offset)."""
-    manifest = _decode(manifest_json)
-    tensors = manifest.get("tensors", []) if isinstance(manifest, dict) else []
-    if isinstance(manifest, dict):
-        manifest["tensors"] = []
+    if _last and _last[0][0] is manifest_json:  # the daemon's cached bytes: the same manifest
+        _, head, tensors = _last[0]
+    else:
+        manifest = _decode(manifest_json)
+        tensors = manifest.get("tensors", []) if isinstance(manifest, dict) else []
+        if isinstance(manifest, dict):
+            manifest["tensors"] = []
+        head = _encode(manifest)
+        _last[:] = [(manifest_json, head, tensors)]
     limit = min(limit or PAGE_TENSORS, PAGE_TENSORS)
     parts: list[bytes] = []
     size = 0
@@ -33,4 +41,4 @@ def page(manifest_json: bytes, offset: int, limit: int) -> tuple[bytes, bytes, i
         parts.append(part)
         size += len(part) + 1
         end += 1
-    return _encode(manifest), b"[" + b",".join(parts) + b"]", len(tensors), end
+    return head, b"[" + b",".join(parts) + b"]", len(tensors), end
