@@ -8,6 +8,7 @@ every 100 ms and then one verdict; a checksum mismatch is a verdict (ok=false), 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -88,6 +89,10 @@ class StoreAdminRpc:
         key = await self.d.store_service.resolve(request.key)
         was = self.d.store.deny_reason(key) is not None
         await asyncio.to_thread(self.d.store.allow, key)
+        # Re-validate now, so that ls and status list it again before anyone acquires it (one
+        # that fails validation is denied again, for that reason).
+        with contextlib.suppress(HwrError):
+            await asyncio.to_thread(self.d.store.lookup, key)
         return pb.AllowArtifactResponse(key=key, was_denied=was)
 
     @rpc

@@ -844,12 +844,9 @@ class Store:
         self._write_deny(_check_key(key), "LIFECYCLE", OPERATOR_DENIED, reason)
 
     def allow(self, key: str) -> None:
-        """Remove a deny marker and re-validate the artifact at once, so that it is listed again
-        (an artifact that fails validation is denied again, for that reason; idempotent)."""
+        """Remove a deny marker; the next lookup re-validates from scratch (idempotent)."""
         _check_key(key)
         self._clear_deny(key)
-        with contextlib.suppress(HwrError):
-            self.lookup(key)
 
     def remove(self, key: str) -> None:
         """Delete the artifact (moved into ``tmp/`` first, so a crash never leaves half of it)."""
