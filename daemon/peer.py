@@ -413,6 +413,7 @@ class _Connection(asyncio.Protocol):
             return
         self.closed = True
         self.buf.clear()
+        self.server.ledger.forget(self)
         if self._charged:
             self.server.ledger.buffered_changed(-self._charged)
             self._charged = 0

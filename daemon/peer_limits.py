@@ -127,6 +127,9 @@ class Ledger:
     def wait_for_budget(self, owner: object, resume: Callable[[], None]) -> None:
         self._budget_waiters[owner] = resume
 
+    def forget(self, owner: object) -> None:
+        self._budget_waiters.pop(owner, None)
+
     def buffered_changed(self, delta: int) -> None:
         self.buffered += delta
         if delta < 0 and self._budget_waiters and not self.over_budget():
