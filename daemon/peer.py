@@ -64,7 +64,7 @@ from hwr import __version__
 from hwr.client.errors import DaemonUnavailable, HwrError, InvalidRequest, PermissionDeniedError
 from hwr.client.wire import MAX_FRAME, close_fds, send_frame
 from hwr.daemon.accepting import Acceptor
-from hwr.daemon.peer_limits import FREE_BUFFER, READ_SIZE, InflightFds, Ledger, PeerLimits
+from hwr.daemon.peer_limits import READ_SIZE, FrameWatch, InflightFds, Ledger, PeerLimits
 from hwr.daemon.peercred import AllowList, peer_allowed, read_peercred
 from hwr.daemon.sessions import Registry, Session
 
@@ -299,10 +299,8 @@ class _Connection(asyncio.Protocol):
         self.ended: asyncio.Future[None] = loop.create_future()  # set once the session has ended
         self._tasks: set[asyncio.Task[None]] = set()
         self.inflight: InflightFds | None = None  # descriptors sent, maybe not received yet
-        self._charged = 0  # bytes of ``buf`` counted in the server's buffer budget
-        self._reading = True
-        self._partial_since: float | None = None  # when the incomplete first frame began
-        self._frame_timer: asyncio.TimerHandle | None = None
+        self.frames = FrameWatch(server.ledger, loop, self, lambda: self.busy or self.write_paused,
+                                 self._stalled)
 
     # asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -343,18 +341,15 @@ class _Connection(asyncio.Protocol):
         connection's partial frame is over the shared buffer budget (``peer_limits``)."""
         if self.transport is None or self.closed:
             return
-        ledger = self.server.ledger
-        over = self._charged > 0 and ledger.over_budget()
+        over = self.frames.over()
         if over:
-            ledger.wait_for_budget(self, self._set_reading)
+            self.server.ledger.wait_for_budget(self, self._set_reading)
         if self.busy or self.write_paused or over:
             self.transport.pause_reading()
-            if (self.busy or self.write_paused) and self._partial_since is not None:
-                self._partial_since = self.loop.time()  # not the client's stall: restart the clock
-            self._reading = False
+            if self.busy or self.write_paused:
+                self.frames.restart()  # not the client's stall
         else:
             self.transport.resume_reading()
-            self._reading = True
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
@@ -363,41 +358,11 @@ class _Connection(asyncio.Protocol):
 
     def _account(self) -> None:
         """Charge the buffer to the shared budget and watch an incomplete first frame."""
+        if not self.closed and self.frames.account(self.buf):
+            self._set_reading()
+
+    def _stalled(self, timeout: float) -> None:
         if self.closed:
-            return
-        charge = max(0, len(self.buf) - FREE_BUFFER)
-        if charge != self._charged:
-            delta, self._charged = charge - self._charged, charge
-            self.server.ledger.buffered_changed(delta)
-            if delta > 0 and self.server.ledger.over_budget():
-                self._set_reading()
-        if self._first_frame_incomplete():
-            if self._partial_since is None:
-                self._partial_since = self.loop.time()
-                self._arm_frame_timer(self.server.ledger.limits.frame_timeout_s)
-        else:
-            self._partial_since = None
-
-    def _first_frame_incomplete(self) -> bool:
-        buf = self.buf
-        if not buf:
-            return False
-        return len(buf) < _LEN.size or len(buf) < _LEN.size + _LEN.unpack_from(buf)[0]
-
-    def _arm_frame_timer(self, delay: float) -> None:
-        if self._frame_timer is None:
-            self._frame_timer = self.loop.call_later(delay, self._frame_deadline)
-
-    def _frame_deadline(self) -> None:
-        self._frame_timer = None
-        if self.closed or self._partial_since is None:
-            return
-        if not self._reading and (self.busy or self.write_paused):
-            self._partial_since = self.loop.time()  # the daemon is not reading: not a stall
-        timeout = self.server.ledger.limits.frame_timeout_s
-        left = self._partial_since + timeout - self.loop.time()
-        if left > 0:
-            self._arm_frame_timer(left)
             return
         cred = self.session.cred if self.session is not None else None
         log.warning("peer connection of pid %s uid %s: a request frame is still incomplete after %.0f s "
@@ -413,13 +378,7 @@ class _Connection(asyncio.Protocol):
             return
         self.closed = True
         self.buf.clear()
-        self.server.ledger.forget(self)
-        if self._charged:
-            self.server.ledger.buffered_changed(-self._charged)
-            self._charged = 0
-        if self._frame_timer is not None:
-            self._frame_timer.cancel()
-            self._frame_timer = None
+        self.frames.close()
         if self.inflight is not None:
             self.inflight.close()
         if self.session is not None:

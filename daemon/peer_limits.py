@@ -29,22 +29,25 @@ A local client that is careless or hostile must not be able to deny service to t
 from __future__ import annotations
 
 import array
+import asyncio
 import fcntl
 import resource
 import socket
+import struct
 import termios
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["InflightFds", "Ledger", "PeerLimits", "unread_bytes"]
+__all__ = ["FrameWatch", "InflightFds", "Ledger", "PeerLimits", "unread_bytes"]
 
 #: Bytes of an incomplete frame a connection may buffer outside the shared budget.
 FREE_BUFFER = 64 << 10
 #: Largest read per ``recv`` on a peer connection (asyncio's default is 256 KiB): what one
 #: connection can add to its buffer before the budget is checked again.
 READ_SIZE = 64 << 10
+_LEN = struct.Struct(">I")  # the peer frame's length prefix (hwr.client.wire)
 
 
 @dataclass(frozen=True)
@@ -190,3 +193,73 @@ class InflightFds:
         self.ledger.inflight_by_uid[self.uid] -= n
         if self.ledger.inflight_by_uid[self.uid] <= 0:
             del self.ledger.inflight_by_uid[self.uid]
+
+
+class FrameWatch:
+    """One connection's share of the buffer budget, and the clock of its incomplete frame.
+
+    ``account(buf)`` after the buffer changed: charges it (True when the connection must now
+    stop reading: over the budget) and starts the clock when the first frame is incomplete.
+    ``restart()`` when the daemon, not the client, stops reading (a request in service):
+    that time is not the client's stall. ``on_stall`` runs once the frame is
+    ``frame_timeout_s`` old; ``close()`` undoes the charge.
+    """
+
+    def __init__(self, ledger: Ledger, loop: asyncio.AbstractEventLoop, owner: object,
+                 daemon_paused: Callable[[], bool], on_stall: Callable[[float], None]) -> None:
+        self.ledger = ledger
+        self.loop = loop
+        self.owner = owner
+        self.daemon_paused = daemon_paused
+        self.on_stall = on_stall
+        self.charged = 0
+        self.since: float | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def over(self) -> bool:
+        return self.charged > 0 and self.ledger.over_budget()
+
+    def account(self, buf: bytearray) -> bool:
+        charge = max(0, len(buf) - FREE_BUFFER)
+        grew = charge > self.charged
+        if charge != self.charged:
+            delta, self.charged = charge - self.charged, charge
+            self.ledger.buffered_changed(delta)
+        if buf and (len(buf) < _LEN.size or len(buf) < _LEN.size + _LEN.unpack_from(buf)[0]):
+            if self.since is None:
+                self.since = self.loop.time()
+                self._arm(self.ledger.limits.frame_timeout_s)
+        else:
+            self.since = None
+        return grew and self.ledger.over_budget()
+
+    def restart(self) -> None:
+        if self.since is not None:
+            self.since = self.loop.time()
+
+    def close(self) -> None:
+        self.ledger.forget(self.owner)
+        if self.charged:
+            self.ledger.buffered_changed(-self.charged)
+            self.charged = 0
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.since = None
+
+    def _arm(self, delay: float) -> None:
+        if self._timer is None:
+            self._timer = self.loop.call_later(delay, self._deadline)
+
+    def _deadline(self) -> None:
+        self._timer = None
+        if self.since is None:
+            return
+        if self.daemon_paused():
+            self.since = self.loop.time()
+        timeout = self.ledger.limits.frame_timeout_s
+        left = self.since + timeout - self.loop.time()
+        if left > 0:
+            self._arm(left)
+        else:
+            self.on_stall(timeout)
