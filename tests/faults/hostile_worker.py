@@ -13,6 +13,8 @@ Attacks:
 - ``partial CONNS``: CONNS connections, each announcing a 1 MiB frame and sending all of it but
   one byte (as far as the daemon reads); the result counts the connections the daemon ended.
 - ``hold CONNS``: CONNS connections held open; the result counts greetings by ``code``.
+- ``named NAME KEY``: one session named NAME (terminal escape sequences, say) holding a lease
+  on KEY, so that the operator's listings show the name.
 """
 
 from __future__ import annotations
@@ -135,6 +137,24 @@ def hold(path: str, conns: int) -> dict:
     return {"connections": len(socks), "codes": codes, "_keep": socks}
 
 
+def named(path: str, name: str, key: str) -> dict:
+    import array
+
+    sock = connect(path)
+    greeting(sock)
+    sock.sendall(frame({"op": "hello", "client_name": name, "client_version": name[:16]}))
+    hello = greeting(sock)
+    sock.sendall(frame({"op": "acquire", "key": key, "have": "0" * 64}))
+    fds = array.array("i")
+    _msg, ancdata, _flags, _addr = sock.recvmsg(1, socket.CMSG_SPACE(64 * fds.itemsize))
+    for _level, _kind, data in ancdata:
+        fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    for fd in fds:
+        os.close(fd)
+    ready()
+    return {"named": bool(hello.get("ok")), "descriptors": len(fds), "_keep": [sock]}
+
+
 def ended_by_daemon(socks: list[socket.socket]) -> int:
     """How many of ``socks`` the daemon has closed (EOF or reset)."""
     count = 0
@@ -169,6 +189,8 @@ def main(argv: list[str]) -> int:
         result = partial(path, int(args[0]))
     elif attack == "hold":
         result = hold(path, int(args[0]))
+    elif attack == "named":
+        result = named(path, args[0], args[1])
     else:
         raise SystemExit(f"unknown attack {attack!r}")
     sys.stdin.readline()  # the test's go-ahead: it has checked the innocent clients meanwhile

@@ -424,3 +424,33 @@ def test_undecodable_protobuf(artifact: Callable[..., tuple[DaemonProcess, str, 
     assert all(c[1:] == ("INVALID_ARGUMENT", "INVALID_ARGUMENT") for c in codes), codes
     assert "Traceback" not in log and "Exception deserializing" not in log, log[-3000:]
     assert not failures and attack.crashes == 0
+
+
+@pytest.mark.timeout(120)
+def test_escape_sequences_in_client_strings(artifact: Callable[..., tuple[DaemonProcess, str, str]],
+                                            attack: Attack) -> None:
+    """A client name and a model id with terminal escape sequences (clear screen, colours, a
+    carriage return, a right-to-left override): the operator's tables show them escaped."""
+    daemon, _key, _digest = artifact()
+    evil = "\x1b[2J\x1b[31mowned\r\u202e"
+    with connect(daemon.socket) as client:
+        evil_key = publish(client, f"model{evil}", 3, 1024)
+    worker = Worker("named", f"{daemon.socket}.peer", f"client{evil}", evil_key, as_nobody=True)
+    try:
+        worker.ready()
+        outputs = [subprocess.run([sys.executable, "-m", "hwr.daemon.ctl", "--socket", str(daemon.socket), *args],
+                                  capture_output=True, text=True, timeout=60)
+                   for args in (["leases"], ["ls"], ["show", evil_key[:12]])]
+        report = worker.result()
+    finally:
+        worker.kill()
+    raw = [out.args[-1] for out in outputs if any(c in out.stdout for c in "\x1b\r\u202e")]
+    attack.tried = len(outputs)
+    attack.crashes = 0 if alive(daemon) else 1
+    attack.others_failed = len(raw) + sum(out.returncode != 0 for out in outputs)
+    attack.complete = True
+    print(f"\nescape sequences: {report}; hwrctl printed raw control characters in: {raw}")
+    assert report == {"named": True, "descriptors": 1}, report
+    assert not raw and all(out.returncode == 0 for out in outputs), [out.stderr for out in outputs]
+    assert "client\\x1b[2J" in outputs[0].stdout and "model\\x1b[2J" in outputs[1].stdout + outputs[2].stdout
+    assert attack.crashes == 0
