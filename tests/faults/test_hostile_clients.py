@@ -7,9 +7,10 @@ at all. Attackers are separate processes (``hostile_worker.py``), as uid ``nobod
 per-uid bound is what protects the others; limits are lowered (flags, ``prlimit``) so that
 each attack reaches them in seconds.
 
-Counted after the checks, per attack: attacks tried, daemon crashes, other clients' operations
-failed (printed at the end of the run: ``hwr hostile clients: ...``); a failing run prints
-non-zero counts, or ``incomplete`` for a test that stopped before counting.
+Counted after the checks, per attack: attacks tried, daemon crashes (gone, not answering, or a
+traceback in its log), other clients' operations failed; printed at the end of the run
+(``hwr hostile clients: ...``). A failing run prints non-zero counts, or ``incomplete`` for a
+test that stopped before counting.
 """
 
 from __future__ import annotations
@@ -185,11 +186,16 @@ def rss_mib(pid: int) -> float:
     raise AssertionError("no VmRSS")
 
 
-def alive(daemon: DaemonProcess) -> bool:
+def crashes(daemon: DaemonProcess) -> int:
+    """1 when the daemon is gone, does not answer, or logged a traceback (a bug it survived)."""
     if daemon.proc is None or daemon.proc.poll() is not None:
-        return False
-    with connect(daemon.socket, timeout=10) as client:
-        return client.status()["pid"] == daemon.pid
+        return 1
+    try:
+        with connect(daemon.socket, timeout=10) as client:
+            answered = client.status()["pid"] == daemon.pid
+    except HwrError:
+        return 1
+    return 0 if answered and "Traceback" not in daemon.log.read_text(errors="replace") else 1
 
 
 @pytest.fixture
@@ -226,7 +232,7 @@ def test_acquires_without_reading_replies(artifact: Callable[..., tuple[DaemonPr
     finally:
         worker.kill()
     attack.tried = report["sent"]
-    attack.crashes = 0 if alive(daemon) else 1
+    attack.crashes = crashes(daemon)
     attack.others_failed = len(failures)
     attack.complete = True
     print(f"\nunread acquires: {report}; innocent: {ops} operations, failures {failures[:3]}")
@@ -260,7 +266,7 @@ def test_partial_frames(artifact: Callable[..., tuple[DaemonProcess, str, str]],
     finally:
         worker.kill()
     attack.tried = report["connections"]
-    attack.crashes = 0 if alive(daemon) else 1
+    attack.crashes = crashes(daemon)
     attack.others_failed = len(failures)
     attack.complete = True
     grew = peak - before
@@ -311,7 +317,7 @@ def test_connection_burst_past_the_open_files_limit(
     time.sleep(1.5)
     ops, failures = innocent.finish()
     attack.tried = report["connections"]
-    attack.crashes = 0 if alive(daemon) else 1
+    attack.crashes = crashes(daemon)
     attack.others_failed = sum(a not in ("session", "EMFILE") for a in answers) + len(failures)
     attack.complete = True
     print(f"\nburst: {report}; later clients: {answers}; afterwards {ops} operations, failures {failures[:3]}")
@@ -336,7 +342,7 @@ def test_sessions_per_uid(artifact: Callable[..., tuple[DaemonProcess, str, str]
     finally:
         worker.kill()
     attack.tried = report["connections"]
-    attack.crashes = 0 if alive(daemon) else 1
+    attack.crashes = crashes(daemon)
     attack.others_failed = len(failures)
     attack.complete = True
     print(f"\nsessions per uid: {report}; innocent: {ops} operations, failures {failures[:3]}")
@@ -383,7 +389,7 @@ def test_full_listen_backlog(artifact: Callable[..., tuple[DaemonProcess, str, s
         os.kill(daemon.pid, signal.SIGCONT)
     thread.join(60)
     attack.tried = len(flood)
-    attack.crashes = 0 if alive(daemon) else 1
+    attack.crashes = crashes(daemon)
     attack.others_failed = 0 if result.get("value") == 7.0 else 1
     attack.complete = True
     print(f"\nbacklog of {len(flood)} connections: the innocent connect: {result}")
@@ -416,7 +422,7 @@ def test_undecodable_protobuf(artifact: Callable[..., tuple[DaemonProcess, str, 
                     codes.append((method, exc.code().name, metadata.get("hwr-error-code", "")))
     ops, failures = innocent.finish()
     attack.tried = len(codes)
-    attack.crashes = 0 if alive(daemon) else 1
+    attack.crashes = crashes(daemon)
     attack.others_failed = len(failures)
     attack.complete = True
     log = daemon.log.read_text(errors="replace")
@@ -446,7 +452,7 @@ def test_escape_sequences_in_client_strings(artifact: Callable[..., tuple[Daemon
         worker.kill()
     raw = [out.args[-1] for out in outputs if any(c in out.stdout for c in "\x1b\r\u202e")]
     attack.tried = len(outputs)
-    attack.crashes = 0 if alive(daemon) else 1
+    attack.crashes = crashes(daemon)
     attack.others_failed = len(raw) + sum(out.returncode != 0 for out in outputs)
     attack.complete = True
     print(f"\nescape sequences: {report}; hwrctl printed raw control characters in: {raw}")
