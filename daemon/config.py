@@ -47,6 +47,19 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     allow_uids: tuple[int, ...] = ()
     allow_gids: tuple[int, ...] = ()
     max_leases_per_session: int = 4096
+    # --- peer channel limits against careless or hostile local clients (hwr.daemon.peer_limits) ---
+    # Open sessions (peer connections) per uid; a connection past it gets a typed refusal.
+    max_sessions_per_uid: int = 1024
+    # Descriptors sent to a client that it has not received yet (the kernel refuses every
+    # further descriptor send of the daemon with ETOOMANYREFS once all of them pass its
+    # open-files limit): replies beyond these wait until the client reads.
+    max_inflight_fds_per_connection: int = 1024
+    max_inflight_fds_per_uid: int = 4096
+    # Bytes of partial request frames buffered over all connections (each may hold 64 KiB
+    # beyond it); a connection past it is not read until others drain.
+    peer_buffer_budget_bytes: int = 64 << 20
+    # A request frame that is not complete this long after its first byte ends the session.
+    peer_frame_timeout_s: float = 10.0
     publication_wait_timeout_s: float = 600.0
     shutdown_grace_s: float = 10.0
     log_level: str = "info"
@@ -70,19 +83,6 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # lock, not the disk); fewer give a shorter tail at low rates. Measured: BENCHMARKS.md.
     commit_threads: int = 8
     adopt: bool = False  # adopt a root written by vLLM-Omni 0.30's in-process store (hwr.daemon.adoption)
-    # --- peer channel limits against careless or hostile local clients (hwr.daemon.peer_limits) ---
-    # Open sessions (peer connections) per uid; a connection past it gets a typed refusal.
-    max_sessions_per_uid: int = 1024
-    # Descriptors sent to a client that it has not received yet (the kernel refuses every
-    # further descriptor send of the daemon with ETOOMANYREFS once all of them pass its
-    # open-files limit): replies beyond these wait until the client reads.
-    max_inflight_fds_per_connection: int = 1024
-    max_inflight_fds_per_uid: int = 4096
-    # Bytes of partial request frames buffered over all connections (each may hold 64 KiB
-    # beyond it); a connection past it is not read until others drain.
-    peer_buffer_budget_bytes: int = 64 << 20
-    # A request frame that is not complete this long after its first byte ends the session.
-    peer_frame_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.socket_mode <= 0o777:
@@ -90,6 +90,10 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         if self.max_leases_per_session < 1:
             raise ConfigError("max_leases_per_session must be positive",
                               details={"key": "max_leases_per_session"})
+        for name in ("max_sessions_per_uid", "max_inflight_fds_per_connection", "max_inflight_fds_per_uid",
+                     "peer_buffer_budget_bytes", "peer_frame_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive", details={"key": name})
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ConfigError("log_level must be debug, info, warning or error", details={"key": "log_level"})
         for name in ("store_limit_bytes", "artifact_limit_bytes", "min_free_bytes", "mlock_budget_bytes",
@@ -97,10 +101,6 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative", details={"key": name})
         for name in ("scrub_interval_s", "housekeeping_interval_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive", details={"key": name})
-        for name in ("max_sessions_per_uid", "max_inflight_fds_per_connection", "max_inflight_fds_per_uid",
-                     "peer_buffer_budget_bytes", "peer_frame_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive", details={"key": name})
         if not 1 <= self.commit_threads <= 64:

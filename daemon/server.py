@@ -111,12 +111,12 @@ class Daemon:
         for path in self._owned_socket_paths():
             _claim_socket_path(path)
         self._peer = PeerServer(
-            peer_path(self.socket_path), registry=self.registry, allow=lambda: self._allow,
+            peer_path(self.socket_path), limits=PeerLimits.from_config(self.config),
+            registry=self.registry, allow=lambda: self._allow,
             open_lease_fds=self._open_lease_fds, open_staging_fds=self._open_staging_fds,
             on_session_end=self._on_session_end, mode=self.config.socket_mode,
             listen_sock=self.inherited.peer, leasing=self.leasing,
             publishing=PeerPublishing(self.publications, self._open_staging_fds),
-            limits=PeerLimits.from_config(self.config),
         )
         await self._peer.start()
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
