@@ -95,7 +95,7 @@ def cmd_status(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
 def cmd_ls(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
     items = sorted(client.list_artifacts(include_denied=True), key=lambda a: a["created_at"])
     rows = [[a["key"][:16], human_bytes(a["size_bytes"]), a["state"], a["leases"], a["tensors"],
-             a["model_id"], a["dtype"], _ago(a["created_at"])] for a in items]
+             a["model_id"], a["dtype"], _ago(a["created_at"]) if a["created_at"] else "-"] for a in items]
     text = table(["KEY", "SIZE", "STATE", "LEASES", "TENSORS", "MODEL", "DTYPE", "CREATED"], rows)
     return items, text if items else text + "\n(no artifacts)"
 

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from hwr.client.client import Client
-from hwr.client.errors import ChecksumMismatch, InvalidRequest
+from hwr.client.errors import ChecksumMismatch, InvalidRequest, error_from_code
 from hwr.daemon.ctl import human_bytes, register, table
 
 __all__: list[str] = []
@@ -69,11 +69,16 @@ def cmd_verify(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
     bad = [r for r in results if not r["ok"]]
     if bad:
         leases = [f"{x['lease_id']} (pid {x['pid']})" for r in bad for x in r["affected_leases"]]
-        raise ChecksumMismatch(
+        codes = {r["error_code"] for r in bad}
+        # A mismatch is CHECKSUM_MISMATCH; one other code (a denied or vanished artifact) is kept.
+        code = codes.pop() if len(codes) == 1 else "CHECKSUM_MISMATCH"
+        message = (
             f"{len(bad)} of {len(results)} artifacts failed verification: "
             + ", ".join(f"{r['key'][:16]} {r['error_code']}{' quarantined' if r['quarantined'] else ''}" for r in bad)
-            + (f"; leases already granted: {', '.join(leases)}" if leases else "; no leases were granted on them"),
-            details={"keys": ",".join(r["key"] for r in bad)})
+            + (f"; leases already granted: {', '.join(leases)}" if leases else "; no leases were granted on them"))
+        details = {"keys": ",".join(r["key"] for r in bad)}
+        raise ChecksumMismatch(message, details=details) if code == "CHECKSUM_MISMATCH" else error_from_code(
+            code, message, details)
     rows = [[r["key"][:16], human_bytes(r["size_bytes"]), "ok"] for r in results]
     return results, table(["KEY", "SIZE", "VERDICT"], rows) if rows else "(no artifacts)"
 
