@@ -41,6 +41,7 @@ import msgspec
 
 from hwr import __version__
 from hwr.client.errors import (
+    CheckpointNotFound,
     DaemonUnavailable,
     HwrError,
     InvalidRequest,
@@ -49,7 +50,7 @@ from hwr.client.errors import (
 )
 from hwr.client.identity import ArtifactIdentity, is_key
 from hwr.client.manifest import Manifest
-from hwr.client.paths import default_socket, peer_path
+from hwr.client.paths import checkpoint_ref, default_socket, peer_path
 from hwr.client.wire import MAX_FRAME, SESSION_KEY, close_fds, error_from_rpc, recv_frame, send_frame
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
 from hwr.protos.hwr.v1 import hwr_pb2_grpc
@@ -406,20 +407,24 @@ class Client:
                                files=[(f.name, f.size) for f in response.files], fds=fds,
                                release=self._release, populate=populate)
 
-    def prewarm(self, checkpoint: str, producer: str, *, dtype: str = "", keep_fp32: Sequence[str] = (),
+    def prewarm(self, checkpoint: str | os.PathLike[str], producer: str, *, dtype: str = "",
+                keep_fp32: Sequence[str] = (),
                 tp_size: int = 0, tp_plan: bytes = b"", tp_ranks: Sequence[int] = (),
                 timeout_s: float = 0.0, wait_timeout_s: float = 0.0,
                 on_progress: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
         """Build artifacts from a registered checkpoint in the daemon; returns one dict per rank
         (``key``, ``tp_rank``, ``outcome``, ``size_bytes``, ``content_sha256``, ...).
 
+        ``checkpoint`` is an id, a unique id prefix, or a registered path (resolved as by
+        ``checkpoint_ref``: a relative path is taken from this process's working directory).
         Blocks until the build ends (no gRPC deadline: the daemon's producer timeout bounds it).
         A ``KeyboardInterrupt`` while waiting cancels the call, which cancels the build in the
         daemon (the producer is killed, nothing is published), and is re-raised.
         """
         self._check_usable()
+        ref = checkpoint_ref(checkpoint)
         request = pb.PrewarmRequest(
-            checkpoint=checkpoint, producer=producer, dtype=dtype, keep_fp32=list(keep_fp32),
+            checkpoint=ref, producer=producer, dtype=dtype, keep_fp32=list(keep_fp32),
             tp_size=tp_size, tp_plan=tp_plan, tp_ranks=list(tp_ranks),
             timeout_ms=int(timeout_s * 1000), wait_timeout_ms=int(wait_timeout_s * 1000))
         call = self._stub.Prewarm(request, metadata=self._metadata)
@@ -439,7 +444,12 @@ class Client:
                                "build_seconds": round(a.build_seconds, 3)}
                               for a in message.result.artifacts]
         except grpc.RpcError as exc:
-            raise error_from_rpc(exc) from None
+            error = error_from_rpc(exc)
+            if isinstance(error, CheckpointNotFound) and ref != checkpoint:
+                error = CheckpointNotFound(f"no checkpoint registered at {ref} (the path {os.fspath(checkpoint)!r} "
+                                           "made absolute; registered ones: `hwrctl checkpoints`)",
+                                           details={**error.details, "given": os.fspath(checkpoint)[:300]})
+            raise error from None
         except BaseException:
             call.cancel()
             raise

@@ -135,8 +135,8 @@ def checkpoint_id_for(sources: Sequence[tuple[str, str]]) -> str:
 def resolve_checkpoint_prefix(prefix: str, ids: Sequence[str]) -> str:
     """Pure: the one id starting with ``prefix`` (4 to 64 lowercase hex digits)."""
     if not 4 <= len(prefix) <= 64 or not set(prefix) <= _HEX:
-        raise InvalidRequest("a checkpoint id prefix needs 4 to 64 lowercase hex digits",
-                             details={"checkpoint": prefix[:80]})
+        raise InvalidRequest(f"{prefix[:80]!r} is not a checkpoint id or id prefix (4 to 64 lowercase hex "
+                             "digits) nor an absolute registered path", details={"checkpoint": prefix[:80]})
     matches = [i for i in ids if i.startswith(prefix)]
     if not matches:
         raise CheckpointNotFound("no registered checkpoint matches", details={"checkpoint": prefix})
@@ -228,19 +228,24 @@ class Checkpoints:
             st = os.stat(path)
         except OSError as exc:
             raise InvalidRequest(f"cannot read {path}: {exc.strerror}", details={"path": str(path)}) from None
-        if not stat.S_ISDIR(st.st_mode):
-            raise InvalidRequest(f"{path} is not a directory", details={"path": str(path)})
-        names = sorted(_safetensors_files(path))
+        # A directory, or one .safetensors file: a one-file checkpoint (that file alone, not its
+        # directory's other files), registered under the file's path.
+        one_file = stat.S_ISREG(st.st_mode) and path.name.endswith(".safetensors")
+        if not stat.S_ISDIR(st.st_mode) and not one_file:
+            raise InvalidRequest(f"{path} is neither a directory nor a .safetensors file: pass a checkpoint "
+                                 "directory or one .safetensors file", details={"path": str(path)})
+        root = path.parent if one_file else path
+        names = [path.name] if one_file else sorted(_safetensors_files(path))
         if not names:
             raise InvalidRequest(f"{path} holds no .safetensors files", details={"path": str(path)})
         if len(names) > MAX_FILES:
             raise InvalidRequest("too many safetensors files", details={"limit": MAX_FILES})
         files: list[CheckpointFile] = []
         fds: list[int] = []
-        model_id, revision = path.name, "local"
+        model_id, revision = (path.name.removesuffix(".safetensors") if one_file else path.name), "local"
         try:
             for name in names:
-                cfile, fd, link = self._open_file(path, name)
+                cfile, fd, link = self._open_file(root, name)
                 fds.append(fd)
                 files.append(cfile)
                 if link is not None:
@@ -319,13 +324,23 @@ class Checkpoints:
         return value
 
     def get(self, ref: str) -> Checkpoint:
-        """A checkpoint by id, unique id prefix, or registered path."""
+        """A checkpoint by id, unique id prefix, or registered absolute path (the path as
+        registered, or one naming the same file or directory through other symlinks)."""
         with self._lock:
             if ref.startswith("/"):
                 for ckpt in self._by_id.values():
                     if str(ckpt.path) == os.path.abspath(ref):
                         return ckpt
-                raise CheckpointNotFound("no checkpoint registered at that path", details={"path": ref[:300]})
+                real = os.path.realpath(ref)
+                for ckpt in self._by_id.values():
+                    if os.path.realpath(ckpt.path) == real:
+                        return ckpt
+                raise CheckpointNotFound(f"no checkpoint registered at {ref[:300]} (see `hwrctl checkpoints`)",
+                                         details={"path": ref[:300]})
+            if "/" in ref:
+                # A relative path means nothing to the daemon (its working directory is not the caller's).
+                raise InvalidRequest(f"a registered path must be absolute here, got {ref[:300]!r}",
+                                     details={"checkpoint": ref[:300]})
             return self._by_id[resolve_checkpoint_prefix(ref, list(self._by_id))]
 
     def list(self) -> list[Checkpoint]:

@@ -3,13 +3,14 @@
 - ``hwrctl checkpoints [--json]``: registered checkpoints (``--json``: array of objects with
   ``checkpoint_id``, ``path``, ``model_id``, ``revision``, ``files``, ``tensors``, ``size_bytes``,
   ``source_kind``, ``state``, ``leases``).
-- ``hwrctl checkpoints add PATH [--json]``: register a directory (or HF snapshot) on the
-  daemon's host; prints its id.
+- ``hwrctl checkpoints add PATH [--json]``: register a directory (or HF snapshot), or one
+  ``.safetensors`` file as a one-file checkpoint, on the daemon's host; prints its id.
 - ``hwrctl prewarm CHECKPOINT --producer NAME [--dtype bf16] [--keep-fp32 PATTERN]...
   [--tp-size N --tp-plan FILE [--tp-rank R]...] [--timeout S] [--json]``: build artifacts in the
-  daemon with a progress bar on stderr. ``--json`` prints ``{"checkpoint", "producer", "keys",
-  "artifacts"}``. Ctrl-C cancels the build (the daemon kills the producer and discards its
-  staging) and exits 1 with ``BUILD_CANCELLED``.
+  daemon with a progress bar on stderr. CHECKPOINT is an id, a unique id prefix, or a registered
+  path, relative ones taken from the current directory (``checkpoint_ref``). ``--json`` prints
+  ``{"checkpoint", "producer", "keys", "artifacts"}``. Ctrl-C cancels the build (the daemon kills
+  the producer and discards its staging) and exits 1 with ``BUILD_CANCELLED``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ __all__ = ["cmd_checkpoints", "cmd_prewarm"]
 
 def _checkpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", nargs="?", choices=("add",), help="add: register PATH")
-    p.add_argument("path", nargs="?", help="checkpoint directory (for add)")
+    p.add_argument("path", nargs="?", help="checkpoint directory or one .safetensors file (for add)")
 
 
 @register("checkpoints", "list registered checkpoints, or `checkpoints add PATH` to register one",
@@ -55,7 +56,8 @@ def cmd_checkpoints(client: Client, args: argparse.Namespace) -> tuple[Any, str]
 
 
 def _prewarm_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="checkpoint id (or unique prefix) or registered path")
+    p.add_argument("checkpoint", help="checkpoint id (or unique prefix) or registered path (a relative one is "
+                   "taken from the current directory; name a hex-named directory as ./NAME)")
     p.add_argument("--producer", required=True, help="cast, tp-slice or fp8-per-tensor")
     p.add_argument("--dtype", default="", help="bf16 or fp16 (cast default bf16)")
     p.add_argument("--keep-fp32", action="append", default=[], metavar="PATTERN",
