@@ -37,7 +37,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["demo_identity", "main", "run_workers", "summarize", "worker_threads"]
+from hwr.client.errors import HwrError
+
+__all__ = ["DemoFailed", "demo_identity", "main", "run_workers", "summarize", "worker_threads"]
 
 MiB = 1 << 20
 
@@ -127,7 +129,7 @@ def run_workers(mode: str, n: int, args: argparse.Namespace, socket: Path, check
             assert proc.stdout is not None
             line = proc.stdout.readline()
             if not line.startswith("READY "):
-                raise RuntimeError(f"a {mode} worker failed before it was ready")
+                raise DemoFailed(f"a {mode} worker failed before it was ready (its error is printed above)")
             reports.append(json.loads(line[6:]))
         for proc, report in zip(procs, reports, strict=True):
             report["pss_kib"] = _pss_kib(proc.pid)
@@ -176,7 +178,11 @@ def _demo(args: argparse.Namespace) -> int:
           flush=True)
     sockdir = Path(tempfile.mkdtemp(prefix="hwrd-demo-"))
     daemon = DaemonProcess(workdir / "store", sockdir / "hwrd.sock")
-    daemon.start()
+    try:
+        daemon.start()
+    except (RuntimeError, TimeoutError) as exc:
+        raise DemoFailed(f"hwrd did not start on {workdir / 'store'} (its log: {daemon.log}); "
+                         f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}") from None
     print(f"[2/6] hwrd running: pid {daemon.pid}, socket {daemon.socket}, store {workdir / 'store'}", flush=True)
     try:
         from hwr.client import connect
@@ -240,7 +246,25 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--no-offload", action="store_true", help="serve from host tensors without DLO")
     w.add_argument("--threads", type=int, default=0, help="torch compute threads (0: torch's default)")
     args = parser.parse_args(argv)
-    return _worker(args) if args.cmd == "worker" else _demo(args)
+    try:
+        return _worker(args) if args.cmd == "worker" else _demo(args)
+    except DemoFailed as exc:
+        return _fail(str(exc))
+    except ModuleNotFoundError as exc:
+        # A venv made by hand or half-installed: name the package, not the import chain.
+        return _fail(f"the Python package {exc.name!r} is missing from {sys.prefix}; install hwr with its "
+                     "dependencies: `bash scripts/setup.sh` (or `pip install -e .` in this venv)")
+    except HwrError as exc:
+        return _fail(f"{exc.code}: {exc}")
+
+
+class DemoFailed(Exception):
+    """A step of the demo failed; the message is one line saying which and where to look."""
+
+
+def _fail(message: str) -> int:
+    print(f"hwr.demo: {message}", file=sys.stderr, flush=True)
+    return 1
 
 
 if __name__ == "__main__":
