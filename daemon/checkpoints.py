@@ -1,7 +1,8 @@
 """The checkpoint registry: canonical safetensors checkpoints owned (and kept mmapped) by hwrd.
 
-A checkpoint is a directory of ``*.safetensors`` files (searched up to ``MAX_DEPTH`` levels), or a
-Hugging Face cache snapshot (``.../models--org--name/snapshots/<rev>/``). ``add`` validates every
+A checkpoint is a directory of ``*.safetensors`` files (searched up to ``MAX_DEPTH`` levels), a
+Hugging Face cache snapshot (``.../models--org--name/snapshots/<rev>/``), or one ``.safetensors``
+file (that file alone, registered under its own path). ``add`` validates every
 header strictly (``read_header``, alignment not required: foreign writers may not pad) and gives
 each file a *source identity*:
 
