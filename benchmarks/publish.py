@@ -15,7 +15,8 @@ paths alike; each row reports the median and the min. Paths:
   process (``warm_start.worker_upstream_publish``: it reads the tensors from the saved file and
   writes, hashes and fsyncs in-process), when ``vllm_omni.host_weight_runtime`` imports.
 
-Goal (issue 3/7 follow-up): hwrd at least as fast as vLLM-Omni, ideally close to ``save_file``.
+Goal: hwrd publish at least as fast as vLLM-Omni's store (both hash and fsync), ideally close to
+``save_file + fsync`` (the durable write alone).
 Prints a markdown table, then one JSON line.
 """
 
@@ -115,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     print(common.md_table(["path", "median s", "min s", "GiB/s (median)"], rows))
     medians = {name: round(statistics.median(v), 3) for name, v in times.items()}
     goal = medians.get("vLLM-Omni publish")
+    if goal is not None:
+        print(f"\ngoal hwrd publish at least as fast as vLLM-Omni publish: "
+              f"{'met' if medians['hwrd publish'] <= goal else 'MISSED'} "
+              f"({medians['hwrd publish']:.2f} s vs {goal:.2f} s, median)")
     common.json_line({"benchmark": "publish", "gib": round(gib, 3), "tensors": len(tensors), "repeats": args.repeats,
                       "median_s": medians, "runs_s": {k: [round(x, 3) for x in v] for k, v in times.items()},
                       "hwrd_phases_median_s": {k: round(statistics.median(v), 3) for k, v in phases.items()},

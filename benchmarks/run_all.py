@@ -59,7 +59,7 @@ def sections(size_mib: int, quick: bool, out: Path) -> dict[str, list[str]]:
         "publish": [f"{b}/publish.py", "--size-gib", f"{s / 1024:g}", "--repeats", "2" if quick else "3"],
         "prewarm": [f"{b}/prewarm.py", "--size-gib", f"{max(0.25, 4 * s / 1024):g}"],
         "churn": [f"{b}/churn.py", "--clients", "16" if quick else "64", "--ops", "50" if quick else "100",
-                  "--processes", "2" if quick else "4", "--rate", "200" if quick else "1000"],
+                  "--processes", "2" if quick else "4", "--rate-of-capacity", "0.7"],
         "load": [f"{b}/load.py", "--clients", "4" if quick else "16", "--ops", "50" if quick else "200",
                  "--processes", "2" if quick else "4"],
         "soak": [f"{b}/soak.py", "--seconds", "8" if quick else "30"],
@@ -97,7 +97,8 @@ def markdown_of(text: str) -> str:
     """The tables, headings and goal/summary lines of a benchmark's output."""
     keep = []
     for line in text.splitlines():
-        if line.startswith(("|", "#")) or re.match(r"^(Goal|goal|hwrd|warm start|checkpoint|versions|plot|\*\*)", line):
+        if line.startswith(("|", "#")) or re.match(
+                r"^(Goal|goal|Closed loop|Floor|hwrd|warm start|checkpoint|versions|plot|\*\*)", line):
             keep.append(line)
         elif keep and keep[-1] != "" and not line.strip():
             keep.append("")

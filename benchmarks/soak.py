@@ -14,7 +14,7 @@ of the artifacts, and at the same time:
   from two threads of one client, leases, releases);
 - an ``operator`` pins, unpins, verifies, evicts by hand, collects garbage and lists.
 
-Each of these once found a bug (session 7: an eviction mistaken for corruption and denied, a
+Each of these once found a bug (an eviction mistaken for corruption and denied, a
 stale record cached over a re-published one, a pin left behind for an evicted artifact, a
 client's own publications stalling each other). At the end it checks: no deny marker and no
 quarantined artifact (nothing here corrupts anything); no lease, publication or staging file

@@ -1,4 +1,4 @@
-"""Cold vs warm worker startup of the demo DiT, with 1 and 4 workers, in one run (issue 5).
+"""Cold vs warm worker startup of the demo DiT, with 1 and 4 workers, in one run.
 
     .venv/bin/python benchmarks/startup.py [--size-gib 2.0] [--workers 1,4] [--repeats 3] [--quick]
 
@@ -144,6 +144,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{os.cpu_count()} CPUs, load average before {load_before}, after {results['load_after']}\n")
     print(md_table(["workers", "start", "outcome", "DLO transfer", "startup (median)", "first forward (median)",
                     "compute (same forward again)", "weights PSS (all workers)", "vs one copy"], rows))
+    for n, r in results["runs"].items():
+        x, pss = r["speedup_first_forward"], r["warm"]["weights_vs_one_copy"]
+        print(f"\ngoal warm first forward >= 10x sooner than cold, {n} worker(s): "
+              f"{'met' if x >= 10 else 'MISSED'} ({x:.1f}x, bit-identical: {r['bit_identical']})"
+              + (f"; aggregate weight PSS of {n} warm workers <= 1.2x one copy: "
+                 f"{'met' if pss <= 1.2 else 'MISSED'} ({pss:.2f}x)" if int(n) > 1 else ""))
     json_line(results, args.json_out)
     return 0
 

@@ -288,7 +288,7 @@ class Client:
 
         def peer_begin(request: dict[str, Any], timeout: float | None = None) -> tuple[dict[str, Any], list[int]]:
             if request.get("op") != "publish_begin":
-                return peer(request, timeout)  # commit/abort belong to this session: never retried
+                return peer(request, timeout)  # commit/abort belong to the current session: never retried
             return self._with_reconnect(lambda: peer(request))
 
         from hwr.client.publisher import Publisher

@@ -184,7 +184,7 @@ class Publications:
             raise PublicationFailed(f"the publication was cancelled: {self._cancelled[publication_id]}",
                                     details={"publication_id": publication_id})
         if pub is None or pub.session_id != session.session_id:
-            raise PermissionDeniedError("no such publication in this session")
+            raise PermissionDeniedError("no such publication in the caller's session")
         if token is not None and not secrets.compare_digest(pub.token, token):
             raise PermissionDeniedError("wrong publication token")
         return pub

@@ -128,11 +128,11 @@ class Registry:
         """The lease whose descriptors the session's own peer connection asks for."""
         lease = session.leases.get(lease_id)
         if lease is None or not hmac.compare_digest(lease.token, token):
-            raise PermissionDeniedError("no such lease in this session")
+            raise PermissionDeniedError("no such lease in the caller's session")
         return lease
 
     def release(self, session: Session, lease_id: str) -> bool:
-        """Release one lease of ``session``; False if it was already released by this session."""
+        """Release one lease of ``session``; False if ``session`` already released it."""
         lease = session.leases.pop(lease_id, None)
         if lease is None:
             if lease_id in self._leases:

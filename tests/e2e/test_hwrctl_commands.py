@@ -38,7 +38,7 @@ CASES: dict[str, Case] = {
     "gc": lambda c: ([], 0),
     "usage": lambda c: ([], 0),
     "checkpoints": lambda c: ([], 0),
-    # A registered checkpoint needs a real model directory (issue 7's tests cover building);
+    # A registered checkpoint needs a real model directory (tests/e2e/test_prewarm.py covers building);
     # here the daemon answers a missing one with a typed error: exit 1, one stderr line.
     "prewarm": lambda c: (["no-such-checkpoint", "--producer", "cast"], 1),
 }

@@ -84,7 +84,7 @@ def test_peer_publication_errors_equal_the_rpc_errors_and_the_connection_stays_u
                     [[7, "F32", [1], "parameter", "weight"]]):
             assert isinstance(peer_error(client, {"op": "publish_begin", "identity": ident.decode(),
                                                    "tensors": bad}), InvalidRequest), bad
-        # Commit or abort of a publication this session does not own: PERMISSION_DENIED on both.
+        # Commit or abort of a publication the client's session does not own: PERMISSION_DENIED on both.
         peer = peer_error(client, {"op": "publish_commit", "publication_id": "nope"})
         rpc = rpc_error(shared_hwrd, token, "CommitPublication", pb.CommitPublicationRequest(publication_id="nope"))
         assert isinstance(peer, PermissionDeniedError) and (peer.code, peer.message) == (rpc.code, rpc.message)

@@ -1,4 +1,4 @@
-"""Issue 5 end to end: modes, cold -> warm, fallbacks, injected failures, concurrent cold starts."""
+"""Worker startup end to end: modes, cold -> warm, fallbacks, injected failures, concurrent cold starts."""
 
 from __future__ import annotations
 

@@ -131,7 +131,7 @@ def test_malformed_requests_get_invalid_argument_with_details(
         assert key in {a["key"] for a in artifacts}
         failures = []
         for label, rpc, request, code, detail in MALFORMED:
-            if request is None:  # needs a live publication of this session
+            if request is None:  # needs a live publication of the client's session
                 request = pb.CommitPublicationRequest(publication_id=staged.publication_id,
                                                       expected_sha256={"w": "not-a-digest"})
             try:

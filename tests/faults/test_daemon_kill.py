@@ -1,7 +1,7 @@
 """SIGKILL of the daemon, and of clients, at random points under client load (seeded).
 
 Quick size (CI): ``pytest tests/faults/test_daemon_kill.py`` runs 6 daemon kills and 8 client
-kills. Long size (issue 6's acceptance: 20 daemon kills; more for soak)::
+kills. Long size (20 daemon kills; more for soak)::
 
     HWR_FAULT_ROUNDS=20 HWR_FAULT_SEED=1 .venv/bin/python -m pytest tests/faults/test_daemon_kill.py -q
 

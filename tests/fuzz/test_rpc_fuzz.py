@@ -173,7 +173,7 @@ def test_every_rpc_answers_malformed_input_with_a_typed_error(fuzz_daemon, metho
             _tidy(client, method.name, response)
 
     run()
-    # The daemon is still serving and this session still works.
+    # The daemon is still serving and the client's session still works.
     assert client.status()["artifacts"] >= 0
     assert codes, method.name
 

@@ -174,7 +174,7 @@ class HostWeightRuntimeServicer:
         (lease_id, lease_token). Status: OK; NOT_FOUND (LOCAL_MISS: no artifact, a miss);
         FAILED_PRECONDITION (ARTIFACT_DENIED: denied or quarantined); DATA_LOSS (MANIFEST_CORRUPT,
         CHECKSUM_MISMATCH, MANIFEST_INCOMPATIBLE: the artifact was just denied, do not retry);
-        RESOURCE_EXHAUSTED (too many leases for this session).
+        RESOURCE_EXHAUSTED (too many leases for the caller's session).
         For a checkpoint reference, manifest_json is empty, key is the checkpoint id and files are
         the checkpoint's safetensors files (relative names); the client builds tensors from their
         headers. Extra status: NOT_FOUND (CHECKPOINT_NOT_FOUND); FAILED_PRECONDITION
@@ -209,7 +209,7 @@ class HostWeightRuntimeServicer:
 
     def CommitPublication(self, request, context):
         """Validates, hashes, fsyncs and atomically renames the staging into the store.
-        Status: OK; PERMISSION_DENIED (not a publication of this session); FAILED_PRECONDITION
+        Status: OK; PERMISSION_DENIED (not a publication of the caller's session); FAILED_PRECONDITION
         (PUBLICATION_FAILED: a writer still holds the staging open, or it was aborted);
         DATA_LOSS (CHECKSUM_MISMATCH against expected digests, MANIFEST_CORRUPT);
         ALREADY_EXISTS (IDENTITY_COLLISION: another content exists for this identity; it stays);
@@ -221,7 +221,7 @@ class HostWeightRuntimeServicer:
 
     def AbortPublication(self, request, context):
         """Abandons a publication and reclaims its staging. Idempotent.
-        Status: OK; PERMISSION_DENIED (not a publication of this session).
+        Status: OK; PERMISSION_DENIED (not a publication of the caller's session).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
