@@ -188,6 +188,17 @@ def generic_heading(name: str) -> str:
     return f"## {name} (`benchmarks/{name}.py`)"
 
 
+PLOT = re.compile(r"^!\[([^]]*)\]\(benchmarks/([\w.-]+\.png)\)\s*$", re.MULTILINE)
+
+
+def plots(text: str, out: Path) -> str:
+    """Keep a plot link only when the run drew that plot (``<out>/<name>.png``; --write copies it)."""
+    def keep(m: re.Match[str]) -> str:
+        return m.group(0) if (out / m.group(2)).exists() else f"(no plot in this run: {m.group(2)} was not drawn)"
+
+    return PLOT.sub(keep, text)
+
+
 def render(out: Path, template: Template) -> str:
     results, names = load_run(out)
     ordered = [n for n in template.sections if n in names] + [n for n in names if n not in template.sections]
@@ -203,10 +214,10 @@ def render(out: Path, template: Template) -> str:
                       "What it measures: see the script's docstring (no prose for it in "
                       "benchmarks/report_template.md yet)."]
         else:
-            parts += [prose.heading, prose.what]
+            parts += [prose.heading, plots(prose.what, out)]
         parts += [command_line(name, entries.get(name)), "### Latest tables", section_tables(out, name)]
         if prose is not None and prose.read:
-            parts.append(prose.read)
+            parts.append(plots(prose.read, out))
     missing = [n for n in template.sections if n not in names]
     if missing:
         parts.append(f"Sections described in the template but not in this run: {', '.join(missing)}.")

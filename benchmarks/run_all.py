@@ -11,7 +11,9 @@ own subprocess (the benchmarks are scripts; a failing one is reported and the re
 the parameters printed before it starts. Written to ``--out`` (default ``bench-out/``, gitignored):
 ``<section>.log`` (the full output), ``<section>.md`` (its markdown tables and goal lines),
 ``results.json`` (machine, command, sizes, load average before and after each section, every
-section's JSON result) and ``scaling.png`` (warm start and aggregate PSS with 1, 2, 4, 8 workers).
+section's JSON result), ``scaling.png`` (warm start and aggregate PSS with 1, 2, 4, 8 workers) and
+``churn_latency.png`` (latency against the offered load, as fractions of the measured capacity).
+``benchmarks/report.py <out> --write`` renders BENCHMARKS.md from the folder.
 
 Peers (the ``bench`` extra: runai-model-streamer, fastsafetensors, matplotlib; the ``vllm`` extra for
 vLLM-Omni) are measured where installed and listed as "not installed" otherwise. Timings on a
@@ -59,7 +61,8 @@ def sections(size_mib: int, quick: bool, out: Path) -> dict[str, list[str]]:
         "publish": [f"{b}/publish.py", "--size-gib", f"{s / 1024:g}", "--repeats", "2" if quick else "3"],
         "prewarm": [f"{b}/prewarm.py", "--size-gib", f"{max(0.25, 4 * s / 1024):g}"],
         "churn": [f"{b}/churn.py", "--clients", "16" if quick else "64", "--ops", "50" if quick else "100",
-                  "--processes", "2" if quick else "4", "--rate-of-capacity", "0.7"],
+                  "--processes", "2" if quick else "4", "--rate-of-capacity", "0.7",
+                  "--sweep", "0.4,0.9" if quick else "0.3,0.5,0.9", "--png", str(out / "churn_latency.png")],
         "load": [f"{b}/load.py", "--clients", "4" if quick else "16", "--ops", "50" if quick else "200",
                  "--processes", "2" if quick else "4"],
         "soak": [f"{b}/soak.py", "--seconds", "8" if quick else "30"],

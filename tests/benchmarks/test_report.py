@@ -83,3 +83,10 @@ def test_template_errors_are_reported() -> None:
     t = report.parse_template("ignored\n<!-- intro -->\n# T\n\nhi\n<!-- section a -->\n## A\nwhat\n"
                               "<!-- latest -->\nread\n")
     assert t.intro == "# T\n\nhi" and t.sections["a"] == report.Section("## A", "what", "read")
+
+
+def test_a_plot_is_linked_only_when_the_run_drew_it(tmp_path: Path) -> None:
+    prose = "before\n![Latency](benchmarks/churn_latency.png)\nafter"
+    assert report.plots(prose, tmp_path) == "before\n(no plot in this run: churn_latency.png was not drawn)\nafter"
+    (tmp_path / "churn_latency.png").write_bytes(b"\x89PNG")
+    assert report.plots(prose, tmp_path) == prose
