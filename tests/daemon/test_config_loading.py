@@ -139,7 +139,7 @@ def test_commit_threads_sizes_the_publication_pool(tmp_path: Path) -> None:
         pytest.skip("a system config file would set the values under test")
 
     cfg, _ = load_config_with_sources(None, env={"HWR_ROOT": "/r", "HWR_SOCKET": "/s"}, flag_text={})
-    assert cfg.commit_threads == COMMIT_THREADS == 8  # the measured default (BENCHMARKS.md)
+    assert cfg.commit_threads == COMMIT_THREADS == 8  # the measured default (daemon/config.py)
     cfg, sources = load_config_with_sources(None, env={"HWR_ROOT": "/r", "HWR_SOCKET": "/s",
                                                        "HWR_COMMIT_THREADS": "3"})
     assert cfg.commit_threads == 3 and sources.by_key["commit_threads"] == "env HWR_COMMIT_THREADS"
