@@ -36,7 +36,7 @@ sys.path.insert(0, str(HERE))
 from summary import summary_rows  # noqa: E402
 
 TEMPLATE = HERE / "report_template.md"
-MARKER = re.compile(r"^<!-- (intro|summary|section ([\w.-]+)|latest) -->\s*$")
+MARKER = re.compile(r"^<!-- (intro|summary|reproduce|section ([\w.-]+)|latest) -->\s*$")
 HEADING = re.compile(r"^(#{1,6}) ")
 
 
@@ -54,6 +54,7 @@ class Template:
     intro: str
     summary: str
     sections: dict[str, Section]
+    reproduce: str = ""
 
 
 def parse_template(text: str) -> Template:
@@ -75,7 +76,7 @@ def parse_template(text: str) -> Template:
                 blocks.append((m.group(1), []))
         elif blocks:
             blocks[-1][1].append(line)
-    intro = summary = ""
+    intro = summary = reproduce = ""
     sections: dict[str, Section] = {}
     for kind, lines in blocks:
         body = "\n".join(lines)
@@ -83,6 +84,8 @@ def parse_template(text: str) -> Template:
             intro = body.strip()
         elif kind == "summary":
             summary = body.strip()
+        elif kind == "reproduce":
+            reproduce = body.strip()
         else:
             name = kind.split(" ", 1)[1]
             what, _, read = body.partition("\0latest")
@@ -91,7 +94,7 @@ def parse_template(text: str) -> Template:
             if not HEADING.match(heading):
                 raise ValueError(f"section {name}: its first line must be a heading, not {heading!r}")
             sections[name] = Section(heading.strip(), what.strip(), read.strip())
-    return Template(intro, summary, sections)
+    return Template(intro, summary, sections, reproduce)
 
 
 def load_run(out: Path) -> tuple[dict[str, Any], list[str]]:
@@ -206,7 +209,7 @@ def render(out: Path, template: Template) -> str:
     anchors = {n: github_anchor(template.sections[n].heading if n in template.sections else generic_heading(n))
                for n in ordered}
     parts = [template.intro, "## The run", header(results, names), "## Summary", summary_table(results, anchors),
-             template.summary]
+             template.summary, template.reproduce]
     for name in ordered:
         prose = template.sections.get(name)
         if prose is None:
