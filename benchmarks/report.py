@@ -181,7 +181,7 @@ def summary_table(results: dict[str, Any], anchors: dict[str, str]) -> str:
     rows = summary_rows(results)
     if not rows:
         return "(no section of this run yields a summary row)"
-    head = ["what is measured", "hwr", "best peer in the same run", "hwr ahead by", "limit", "section"]
+    head = ["what is measured", "hwr", "best peer in the same run", "peer / hwr", "limit", "section"]
     out = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     out += ["| " + " | ".join(c.replace("|", "\\|") for c in r.cells(anchors)) + " |" for r in rows]
     return "\n".join(out)
