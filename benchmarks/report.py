@@ -107,8 +107,9 @@ def load_run(out: Path) -> tuple[dict[str, Any], list[str]]:
 
 
 def relative(command: str) -> str:
-    """A command with the checkout's absolute paths made relative (it runs from the repo root)."""
-    return command.replace(f"{REPO}/", "")
+    """A command with the checkout's absolute paths made relative (it runs from the repo root) and
+    run_all's temporary folder (the demo's ``--workdir``) named as such."""
+    return re.sub(r"\S*/hwr-run-all-[^/\s]+/", "<run_all tmpdir>/", command.replace(f"{REPO}/", ""))
 
 
 def machine_line(results: dict[str, Any]) -> str:
