@@ -131,7 +131,7 @@ def vllm_omni_store(r: dict[str, Any]) -> list[Row]:
 def demo(r: dict[str, Any]) -> list[Row]:
     cold, warm = r["cold"]["first_forward_s"] * 1e3, r["warm"]["first_forward_s"] * 1e3
     mib = r["model_mib"]
-    n = len(r["with_hwrd"].get("outcomes", [])) or "N"
+    n = r["with_hwrd"]["workers"]
     return [Row(f"demo DiT ({mib:.0f} MiB bf16): start to first forward, warm (lease) vs cold (checkpoint)",
                 ms(warm), f"cold start: {ms(cold)}", times(cold, warm)),
             Row(f"demo DiT: weight memory of {n} workers", f"{r['with_hwrd']['weights_pss_mib'] / mib:.2f}x one copy",
