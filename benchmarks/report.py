@@ -159,7 +159,14 @@ def section_tables(out: Path, name: str) -> str:
             lines = lines[1:]
         if lines and lines[0].startswith("`"):  # the command line: rendered from results.json
             lines = lines[1:]
-    return demote("\n".join(lines).strip())
+    # Each line a script prints outside a table is a statement of its own (a goal, a total):
+    # a blank line between two of them keeps markdown from running them into one paragraph.
+    spaced: list[str] = []
+    for line in lines:
+        if spaced and line.strip() and spaced[-1].strip() and not (line.startswith("|") and spaced[-1].startswith("|")):
+            spaced.append("")
+        spaced.append(line)
+    return demote("\n".join(spaced).strip())
 
 
 def command_line(name: str, entry: dict[str, Any] | None) -> str:
@@ -192,7 +199,7 @@ def generic_heading(name: str) -> str:
     return f"## {name} (`benchmarks/{name}.py`)"
 
 
-PLOT = re.compile(r"^!\[([^]]*)\]\(benchmarks/([\w.-]+\.png)\)\s*$", re.MULTILINE)
+PLOT = re.compile(r"^!\[([^]]*)\]\(benchmarks/([\w.-]+\.png)\)[ \t]*$", re.MULTILINE)
 
 
 def plots(text: str, out: Path) -> str:
