@@ -120,6 +120,13 @@ def machine_line(results: dict[str, Any]) -> str:
             f"safetensors {m.get('safetensors', '?')}" + (f", {peers}" if peers else ""))
 
 
+def short_machine(results: dict[str, Any]) -> str:
+    m = results.get("machine", {})
+    return (f"{m.get('nproc', '?')} CPUs ({m.get('cpu', '?')}), {m.get('mem_gib', '?')} GiB, "
+            f"torch {m.get('torch', '?')}, safetensors {m.get('safetensors', '?')}, "
+            f"the run of {results.get('date', '?')}")
+
+
 def header(results: dict[str, Any], names: list[str]) -> str:
     entries = results.get("sections", {})
     failed = [n for n, e in entries.items() if e.get("rc") != 0]
@@ -226,7 +233,8 @@ def render(out: Path, template: Template) -> str:
                       "benchmarks/report_template.md yet)."]
         else:
             parts += [prose.heading, plots(prose.what, out)]
-        parts += [command_line(name, entries.get(name)), "### Latest tables", section_tables(out, name)]
+        parts += [command_line(name, entries.get(name)) + f"  \n**Machine:** {short_machine(results)} (versions of "
+                  "everything: [the run](#the-run))", "### Latest tables", section_tables(out, name)]
         if prose is not None and prose.read:
             parts.append(plots(prose.read, out))
     missing = [n for n in template.sections if n not in names]
