@@ -28,12 +28,17 @@ def test_sections_cover_every_benchmark_and_scale_with_the_size(tmp_path: Path) 
     assert big["scaling"][big["scaling"].index("--size-mib") + 1] == "1024"
     assert big["warm_start"][big["warm_start"].index("--size-gib") + 1] == "1"
     assert big["scaling"][big["scaling"].index("--workers") + 1] == "1,2,4,8"
+    # churn paces at a fraction of the capacity it measured, and draws latency under load
+    assert big["churn"][big["churn"].index("--rate-of-capacity") + 1] == "0.7" and "--rate" not in big["churn"]
+    assert big["churn"][big["churn"].index("--png") + 1] == str(tmp_path / "churn_latency.png")
 
 
 def test_markdown_and_json_extraction() -> None:
-    text = "noise\n## Title\n\n| a | b |\n| --- | --- |\n| 1 | 2 |\nmore noise\nGoal x: met\n{\"k\": 1}\n"
+    text = ("noise\n## Title\n\n| a | b |\n| --- | --- |\n| 1 | 2 |\nmore noise\nGoal x: met\n"
+            "Closed loop, 8 clients: p99 2 ms\n{\"k\": 1}\n")
     md = run_all.markdown_of(text)
     assert "| 1 | 2 |" in md and "## Title" in md and "Goal x: met" in md and "noise" not in md
+    assert "Closed loop, 8 clients: p99 2 ms" in md
     assert run_all.last_json(text) == {"k": 1}
     assert run_all.last_json("no json here\n{broken") is None
 
