@@ -238,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nrun_all: {results['wall_s']} s in all; sizes: {size} MiB bf16; "
           f"{len(names) - len(failed)}/{len(names)} sections ok{'; FAILED: ' + ', '.join(failed) if failed else ''}; "
           f"tables in {out}/*.md, JSON in {out}/results.json"
-          + (f", plot {out}/scaling.png" if "scaling" in names else ""))
+          + "".join(f", plot {png}" for png in sorted(out.glob("*.png")))
+          + f"; the report: {Path(PY).name} benchmarks/report.py {out} --write")
     return 1 if failed else 0
 
 
