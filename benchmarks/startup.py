@@ -17,8 +17,9 @@ done): the part of the first forward that both starts pay and no loader can remo
 
 Every number is the median over the N workers of one run, then the median over repeats; the
 speed-up is the median of the per-repeat speed-ups. The machine is shared: the load average
-before and after is printed. Goals: warm startup to first forward >= 10x faster than cold;
-aggregate weight PSS of 4 warm workers <= 1.2x one model copy. Prints a markdown table, then
+before and after is printed. Goals: at 2 GiB (the default), warm startup to first forward >= 10x
+faster than cold (smaller models: reported, not judged, since the forward itself, paid by both,
+bounds the ratio); aggregate weight PSS of 4 warm workers <= 1.2x one model copy. Prints a markdown table, then
 one JSON line.
 """
 
@@ -146,8 +147,10 @@ def main(argv: list[str] | None = None) -> int:
                     "compute (same forward again)", "weights PSS (all workers)", "vs one copy"], rows))
     for n, r in results["runs"].items():
         x, pss = r["speedup_first_forward"], r["warm"]["weights_vs_one_copy"]
-        print(f"\ngoal warm first forward >= 10x sooner than cold, {n} worker(s): "
-              f"{'met' if x >= 10 else 'MISSED'} ({x:.1f}x, bit-identical: {r['bit_identical']})"
+        verdict = ("met" if x >= 10 else "MISSED") if args.size_gib >= 2 else \
+            f"reported, not judged below 2 GiB: the forward itself takes {r['warm']['compute_ms']:.0f} ms"
+        print(f"\ngoal warm first forward >= 10x sooner than cold, {n} worker(s): {verdict} "
+              f"({x:.1f}x, bit-identical: {r['bit_identical']})"
               + (f"; aggregate weight PSS of {n} warm workers <= 1.2x one copy: "
                  f"{'met' if pss <= 1.2 else 'MISSED'} ({pss:.2f}x)" if int(n) > 1 else ""))
     json_line(results, args.json_out)

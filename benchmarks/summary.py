@@ -143,7 +143,7 @@ def startup(r: dict[str, Any]) -> list[Row]:
     rows = []
     for n, run in r["runs"].items():
         warm, cold = run["warm"]["first_forward_ms"], run["cold"]["first_forward_ms"]
-        rows.append(Row(f"worker startup to first forward, {n} worker(s) at once, warm vs cold (goal >= 10x)",
+        rows.append(Row(f"worker startup to first forward, {n} worker(s) at once, warm vs cold (goal at 2 GiB: >= 10x)",
                         ms(warm), f"cold start: {ms(cold)}", times(cold, warm),
                         f"the forward itself: {ms(run['warm']['compute_ms'])}"))
     return rows
