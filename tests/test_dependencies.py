@@ -51,6 +51,41 @@ def _toml(tables: Mapping[str, Mapping[str, TomlValue]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def sibling_modules() -> list[str]:
+    """Modules that benchmarks/ and tests/ import by bare name (their folder is on ``sys.path``).
+
+    Derived from the files, so a new helper module needs no entry in pyproject.toml.
+    """
+    names = {p.stem for folder in ("benchmarks", "tests") for p in (ROOT / folder).rglob("*.py")}
+    names |= {p.name for p in (ROOT / "tests").rglob("*") if p.is_dir() and (p / "__init__.py").exists()}
+    return sorted(names)
+
+
+def write_config(name: str, deps: Sequence[str], work: Path, *, exclude: Sequence[str] = (),
+                 ignore: Sequence[str] = ()) -> Path:
+    """A pyproject.toml with ``deps`` as its dependencies and this project's ``[tool.deptry]``."""
+    deptry = dict(PYPROJECT["tool"]["deptry"])
+    deptry["exclude"] = [*deptry.get("exclude", []), *exclude]
+    deptry["known_first_party"] = [*deptry.get("known_first_party", []), *sibling_modules()]
+    if ignore:
+        deptry["ignore"] = list(ignore)
+    path = work / f"pyproject-{name}.toml"
+    path.write_text(_toml({
+        "project": {"name": f"hwr-{name}", "version": "0", "dependencies": list(deps)},
+        "tool.deptry": deptry,
+    }))
+    return path
+
+
+def whole_config(work: Path) -> Path:
+    """Every declared dependency, base and all extras (deptry's DEP002 needs them as one list)."""
+    project = PYPROJECT["project"]
+    deps = list(project["dependencies"])
+    for extra in project["optional-dependencies"].values():
+        deps += extra
+    return write_config("whole", deps, work)
+
+
 def scope_config(scope: str, work: Path) -> Path:
     """A pyproject.toml declaring only the base dependencies plus ``scope``'s extras."""
     spec = PYPROJECT["tool"]["hwr"]["dependency-scopes"][scope]
@@ -58,17 +93,9 @@ def scope_config(scope: str, work: Path) -> Path:
     deps = list(project["dependencies"])
     for extra in spec["extras"]:
         deps += project["optional-dependencies"][extra]
-    deptry = dict(PYPROJECT["tool"]["deptry"])
-    deptry["exclude"] = [*deptry.get("exclude", []), *spec.get("exclude", [])]
     # Within one scope, a dependency used only elsewhere is expected: unused ones are the
     # whole-tree run's business.
-    deptry["ignore"] = ["DEP002"]
-    path = work / f"pyproject-{scope}.toml"
-    path.write_text(_toml({
-        "project": {"name": f"hwr-scope-{scope}", "version": "0", "dependencies": deps},
-        "tool.deptry": deptry,
-    }))
-    return path
+    return write_config(f"scope-{scope}", deps, work, exclude=spec.get("exclude", []), ignore=["DEP002"])
 
 
 def deptry(roots: Sequence[str | Path], config: Path, work: Path) -> list[dict[str, object]]:
@@ -97,7 +124,7 @@ def undeclared(findings: Sequence[Mapping[str, object]]) -> list[Mapping[str, ob
 
 
 def test_every_import_in_the_tree_is_declared(tmp_path: Path) -> None:
-    findings = deptry(["."], ROOT / "pyproject.toml", tmp_path)
+    findings = deptry(["."], whole_config(tmp_path), tmp_path)
     assert not findings, "undeclared or unused dependencies:\n" + describe(findings)
 
 
@@ -119,14 +146,14 @@ def _module(tmp_path: Path, folder: str, source: str) -> Path:
 def test_the_check_fails_on_an_import_nothing_declares(tmp_path: Path) -> None:
     pkg = _module(tmp_path, "client", "import torch\nimport yaml_not_declared_anywhere\n")
     # Only the module is scanned, so most declared packages are unused here: look at imports only.
-    findings = undeclared(deptry([pkg], ROOT / "pyproject.toml", tmp_path))
+    findings = undeclared(deptry([pkg], whole_config(tmp_path), tmp_path))
     assert [(f["error"]["code"], f["module"]) for f in findings] == [("DEP001", "yaml_not_declared_anywhere")]  # type: ignore[index]
 
 
 def test_the_base_scope_fails_on_a_test_extra_import(tmp_path: Path) -> None:
     # hypothesis is declared (test extra), so the whole-tree run accepts it; base code may not use it.
     pkg = _module(tmp_path, "client", "import grpc\nimport torch\nfrom hypothesis import given\n")
-    assert not undeclared(deptry([pkg], ROOT / "pyproject.toml", tmp_path))
+    assert not undeclared(deptry([pkg], whole_config(tmp_path), tmp_path))
     findings = deptry([pkg], scope_config("base", tmp_path), tmp_path)
     assert [f["module"] for f in findings] == ["hypothesis"]
     assert {f["error"]["code"] for f in findings} <= UNDECLARED  # type: ignore[index]
