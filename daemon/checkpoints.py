@@ -31,10 +31,10 @@ reads any path its own user can read (registration is an operator action on the 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
-import mmap
 import os
 import re
 import stat
@@ -51,11 +51,14 @@ from hwr.client.errors import (
     HwrError,
     InvalidRequest,
     ManifestCorrupt,
+    PermissionDeniedError,
     StoreIOError,
 )
 from hwr.client.identity import canonical_json
 from hwr.client.safetensors_header import Header, TensorEntry, read_header
 from hwr.daemon import store_io
+from hwr.daemon.caller_access import OPEN_FLAGS, CallerOpener
+from hwr.daemon.peercred import PeerCred
 
 __all__ = [
     "Checkpoint",
@@ -74,7 +77,7 @@ HASH_CHUNK = 16 << 20
 _HEX = frozenset("0123456789abcdef")
 _REV = re.compile(r"^[0-9a-f]{40}$")
 _BLOB = re.compile(r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$")
-_OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+_OPEN = OPEN_FLAGS  # O_NONBLOCK too: a FIFO planted under a registered name never blocks a reopen
 
 
 @dataclass(frozen=True)
@@ -157,7 +160,8 @@ class CheckpointFile:
 
 @dataclass
 class Checkpoint:
-    """A registered checkpoint; owns one read-only descriptor and mapping per file."""
+    """A registered checkpoint; owns one read-only descriptor per file (never a mapping: a file
+    another user can truncate would fault the daemon with SIGBUS on the next touch)."""
 
     checkpoint_id: str
     path: Path
@@ -168,7 +172,7 @@ class Checkpoint:
     tensors: dict[str, tuple[int, TensorEntry]]
     modified: bool = False
     _fds: list[int] = field(default_factory=list, repr=False)
-    _maps: list[mmap.mmap] = field(default_factory=list, repr=False)
+    registrant: PeerCred | None = field(default=None, repr=False)  # None: the daemon's own rights
 
     @property
     def size_bytes(self) -> int:
@@ -180,11 +184,7 @@ class Checkpoint:
             else "content-sha256"
 
     def close(self) -> None:
-        """Drop the mappings and descriptors (idempotent)."""
-        maps, self._maps = self._maps, []
-        for m in maps:
-            with contextlib.suppress(BufferError):
-                m.close()
+        """Drop the descriptors (idempotent)."""
         fds, self._fds = self._fds, []
         for fd in fds:
             with contextlib.suppress(OSError):
@@ -202,14 +202,18 @@ class Checkpoints:
 
     # --------------------------------------------------------------- lifecycle
     def open(self) -> list[tuple[str, HwrError]]:
-        """Create the state dir, load the digest cache, re-register remembered paths."""
+        """Create the state dir, load the digest cache, re-register remembered paths (each with
+        the rights of the caller that registered it)."""
         with contextlib.suppress(FileExistsError):
             self.state_dir.mkdir(mode=0o700)
         self._digests = _load_json(self.state_dir / "digests.json", dict)
         report = []
-        for path in _load_json(self.state_dir / "registry.json", list):
+        for entry in _load_json(self.state_dir / "registry.json", list):
+            path, cred = _registry_entry(entry)
+            if path is None:
+                continue
             try:
-                self.add(Path(path), remember=False)
+                self.add(Path(path), remember=False, cred=cred)
             except HwrError as exc:
                 log.warning("checkpoint %s not re-registered: %s", path, exc)
                 report.append((str(path), exc))
@@ -222,9 +226,17 @@ class Checkpoints:
             self._by_id.clear()
 
     # --------------------------------------------------------------- registry
-    def add(self, path: Path, *, remember: bool = True) -> tuple[Checkpoint, bool]:
-        """Validate and register ``path``; returns ``(checkpoint, added)``."""
+    def add(self, path: Path, *, remember: bool = True, cred: PeerCred | None = None) -> tuple[Checkpoint, bool]:
+        """Validate and register ``path`` with ``cred``'s rights; returns ``(checkpoint, added)``.
+
+        ``cred`` is the caller (``None``: the daemon itself). The directory and every file are
+        opened with the caller's rights (``hwr.daemon.caller_access``), never with the daemon's;
+        a ``*.safetensors`` entry that is a symlink leaving the checkpoint directory is refused
+        (except an exact HF snapshot -> blob link); errors name files and checks, never bytes
+        read from them.
+        """
         path = Path(os.path.abspath(path))
+        opener = CallerOpener(cred) if cred is not None else None
         try:
             st = os.stat(path)
         except OSError as exc:
@@ -236,6 +248,12 @@ class Checkpoints:
             raise InvalidRequest(f"{path} is neither a directory nor a .safetensors file: pass a checkpoint "
                                  "directory or one .safetensors file", details={"path": str(path)})
         root = path.parent if one_file else path
+        if opener is not None and not one_file:  # may the caller list it? (the walk runs as the daemon)
+            (probe,) = opener.open_all([Path(os.path.realpath(path))])
+            if isinstance(probe, OSError):
+                raise PermissionDeniedError(f"cannot read {path}: {probe.strerror}",
+                                            details={"path": str(path)})
+            os.close(probe)
         names = [path.name] if one_file else sorted(_safetensors_files(path))
         if not names:
             raise InvalidRequest(f"{path} holds no .safetensors files", details={"path": str(path)})
@@ -245,10 +263,15 @@ class Checkpoints:
         fds: list[int] = []
         model_id, revision = (path.name.removesuffix(".safetensors") if one_file else path.name), "local"
         try:
-            for name in names:
-                cfile, fd, link = self._open_file(root, name)
-                fds.append(fd)
-                files.append(cfile)
+            targets = [self._resolve(root, name) for name in names]
+            reals = [real for real, _link in targets]
+            opened = opener.open_all(reals) if opener is not None else [_open_own(r) for r in reals]
+            fds.extend(fd for fd in opened if isinstance(fd, int))
+            for name, (real, link), fd in zip(names, targets, opened, strict=True):
+                if isinstance(fd, OSError):
+                    error = PermissionDeniedError if fd.errno in (errno.EACCES, errno.EPERM) else InvalidRequest
+                    raise error(f"cannot open {name}: {fd.strerror}", details={"file": name})
+                files.append(self._check_file(fd, real, name, link))
                 if link is not None:
                     model_id, revision = link.model_id, link.revision
             tensors = _index(files)
@@ -259,10 +282,8 @@ class Checkpoints:
                     for fd in fds:
                         os.close(fd)
                     return existing, False
-                maps = [mmap.mmap(fd, f.fingerprint.size, prot=mmap.PROT_READ)
-                        for fd, f in zip(fds, files, strict=True)]
                 ckpt = Checkpoint(ckpt_id, path, model_id, revision, tuple(files), time.time(), tensors,
-                                  _fds=fds, _maps=maps)
+                                  _fds=fds, registrant=cred)
                 if existing is not None:
                     existing.close()
                 self._by_id[ckpt_id] = ckpt
@@ -276,7 +297,10 @@ class Checkpoints:
                     os.close(fd)
             raise
 
-    def _open_file(self, root: Path, name: str) -> tuple[CheckpointFile, int, HfBlobLink | None]:
+    @staticmethod
+    def _resolve(root: Path, name: str) -> tuple[Path, HfBlobLink | None]:
+        """The file to open for ``name``: an exact HF blob, or the entry's real path, which
+        must stay inside the checkpoint directory."""
         entry = root / name
         try:
             lst = os.lstat(entry)
@@ -286,38 +310,64 @@ class Checkpoints:
         link = hf_blob_link(entry, target)
         if link is not None and not _plain_path(link.blob_path):
             link = None
-        real = link.blob_path if link is not None else Path(os.path.realpath(entry))
+        if link is not None:
+            return link.blob_path, link
+        real = Path(os.path.realpath(entry))
+        if not real.is_relative_to(os.path.realpath(root)):
+            raise PermissionDeniedError(f"{name} is a symlink leaving the checkpoint directory",
+                                        details={"file": name})
+        return real, None
+
+    def _check_file(self, fd: int, real: Path, name: str, link: HfBlobLink | None) -> CheckpointFile:
+        """Validate an opened file: a regular file (checked before any read: a FIFO or device
+        is never read), a valid header, its source identity, unchanged throughout."""
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidRequest(f"{name} is not a regular file", details={"file": name})
+        before = FileFingerprint.of(st)
         try:
-            fd = os.open(real, _OPEN)
+            header = read_header(fd, require_alignment=False)
+        except ManifestCorrupt as exc:
+            # Only the failed check's name: a value parsed from the bytes (a "header length",
+            # a tensor name) would echo the contents of a file the caller may not read.
+            check = str(exc.details.get("check", "header"))[:40]
+            raise ManifestCorrupt(f"{name} is not a valid safetensors file (failed check: {check})",
+                                  details={"file": name, "check": check}) from None
         except OSError as exc:
-            raise InvalidRequest(f"cannot open {entry}: {exc.strerror}", details={"file": name}) from None
-        try:
-            before = FileFingerprint.of(os.fstat(fd))
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise InvalidRequest(f"{name} is not a regular file", details={"file": name})
-            try:
-                header = read_header(fd, require_alignment=False)
-            except ManifestCorrupt as exc:
-                raise ManifestCorrupt(f"{name}: {exc.message}", details={**exc.details, "file": name}) from None
-            if link is not None:
-                source = f"immutable-blob:{link.blob_hash}"
-            else:
-                source = "sha256:" + self._content_digest(fd, real, before, name)
-            _check_unchanged(fd, real, before, name)
-            return CheckpointFile(name, real, before, source, header), fd, link
-        except BaseException:
-            os.close(fd)
-            raise
+            raise InvalidRequest(f"cannot read {name}: {exc.strerror}", details={"file": name}) from None
+        if link is not None:
+            source = f"immutable-blob:{link.blob_hash}"
+        else:
+            source = "sha256:" + self._content_digest(fd, real, before, name)
+        _check_unchanged(fd, real, before, name)
+        return CheckpointFile(name, real, before, source, header)
 
     def _content_digest(self, fd: int, path: Path, before: FileFingerprint, name: str) -> str:
+        """SHA-256 of the file read with ``pread`` into one reused buffer, never through a mapping:
+        a client that truncates the file mid-hash makes the read come up short
+        (``CheckpointModified``), where a mapped page past the new end would kill hwrd (SIGBUS)."""
         cache_key = f"{path}|{before.cache_key()}"
         cached = self._digests.get(cache_key)
         if cached is not None:
             return cached
         digest = hashlib.sha256()
-        with mmap.mmap(fd, before.size, prot=mmap.PROT_READ) as mapped, memoryview(mapped) as view:
-            for start in range(0, before.size, HASH_CHUNK):
-                digest.update(view[start:start + HASH_CHUNK])
+        buffer = bytearray(min(HASH_CHUNK, before.size) or 1)
+        with contextlib.suppress(OSError):  # advice only
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        with memoryview(buffer) as view:
+            offset = 0
+            while offset < before.size:
+                want = min(len(buffer), before.size - offset)
+                try:
+                    got = os.preadv(fd, [view[:want]], offset)
+                except OSError as exc:
+                    raise CheckpointModified(f"{name} could not be read while hashed: {exc.strerror}",
+                                             details={"file": name}) from None
+                if got <= 0:
+                    raise CheckpointModified(f"{name} became shorter while it was hashed",
+                                             details={"file": name})
+                digest.update(view[:got])
+                offset += got
         _check_unchanged(fd, path, before, name)
         value = digest.hexdigest()
         with self._lock:
@@ -389,8 +439,14 @@ class Checkpoints:
         _write_json(self.state_dir / "digests.json", self._digests)
 
     def _save_registry(self) -> None:
-        paths = sorted({str(c.path) for c in self._by_id.values()})
-        _write_json(self.state_dir / "registry.json", paths)
+        """One entry per path: the path alone when the daemon registered it, else with the
+        registrant's uid, gid and groups (a restart re-opens the files with those rights)."""
+        entries: dict[str, object] = {}
+        for c in self._by_id.values():
+            cred = c.registrant
+            entries[str(c.path)] = str(c.path) if cred is None else {
+                "path": str(c.path), "uid": cred.uid, "gid": cred.gid, "groups": list(cred.groups)}
+        _write_json(self.state_dir / "registry.json", [entries[p] for p in sorted(entries)])
 
 
 # ------------------------------------------------------------------- helpers
@@ -403,6 +459,25 @@ def _safetensors_files(root: Path) -> Iterator[str]:
         for fname in filenames:
             if fname.endswith(".safetensors") and not fname.startswith("."):
                 yield str((Path(dirpath) / fname).relative_to(root))
+
+
+def _open_own(path: Path) -> int | OSError:
+    try:
+        return os.open(path, _OPEN)
+    except OSError as exc:
+        return exc
+
+
+def _registry_entry(entry: object) -> tuple[str | None, PeerCred | None]:
+    """A ``registry.json`` entry: a path (the daemon's rights) or ``{path, uid, gid, groups}``."""
+    if isinstance(entry, str):
+        return entry, None
+    if isinstance(entry, dict):
+        path, uid, gid, groups = (entry.get(k) for k in ("path", "uid", "gid", "groups"))
+        if (isinstance(path, str) and isinstance(uid, int) and isinstance(gid, int) and isinstance(groups, list)
+                and all(isinstance(g, int) for g in groups)):
+            return path, PeerCred(0, uid, gid, tuple(groups))
+    return None, None
 
 
 def _plain_path(path: Path) -> bool:

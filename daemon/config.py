@@ -84,6 +84,13 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # (64 clients x 500 ops, alternated runs on 2 cores): 8 threads 906-984 ops/s, 4 threads 900-932.
     commit_threads: int = 8
     adopt: bool = False  # adopt a root written by vLLM-Omni 0.30's in-process store (hwr.daemon.adoption)
+    # --- roles (hwr.daemon.roles): root and the daemon's own uid hold every role. publish_*
+    # both empty = everyone allowed to connect may publish; operator_* both empty = nobody else
+    # may register checkpoints, prewarm, deny/allow, pin, evict, gc, verify, pull or push. ---
+    publish_uids: tuple[int, ...] = ()
+    publish_gids: tuple[int, ...] = ()
+    operator_uids: tuple[int, ...] = ()
+    operator_gids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.socket_mode <= 0o777:
