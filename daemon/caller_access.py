@@ -4,12 +4,11 @@
 
 - the caller is root or the daemon's own uid: opened directly (the caller already has at least
   the daemon's rights on them);
-- hwrd runs as root (it can take another uid): the paths are opened by a forked child that
-  drops to the caller's uid, primary gid and supplementary groups (``setgroups``,
-  ``setresgid``, ``setresuid``: the kernel checks every directory and the file against the
-  caller) and passes the descriptors back over a socket pair (SCM_RIGHTS). The child runs only
-  system calls and ``_exit``s (no daemon code after the fork, which is what makes forking a
-  threaded process safe);
+- hwrd runs as root (it can take another uid): the paths are opened by a helper process (a
+  fresh interpreter, not a fork of the threaded daemon) that drops to the caller's
+  supplementary groups, gid and uid (``setgroups``, ``setresgid``, ``setresuid``: the kernel
+  checks every directory and the file against the caller) and passes the descriptors back over
+  a socket pair (SCM_RIGHTS);
 - otherwise (hwrd is an ordinary user and cannot take the caller's identity): the daemon opens
   the file and grants it only when the mode bits of the opened file and of every directory on
   its path give the caller read (file) and search (directories) rights; a file or directory
@@ -18,18 +17,20 @@
 Every open is ``O_RDONLY|O_NOFOLLOW|O_NONBLOCK|O_CLOEXEC`` (a FIFO or device never blocks the
 opener: the caller checks ``S_ISREG`` on the descriptor before reading). Results keep the order
 of the paths; an entry is a descriptor or the ``OSError`` its open raised (``EACCES`` for a
-refusal by the mode-bit check). Limits: the child costs one ``fork`` (page tables of the
-daemon copied) per call, so callers batch their paths; the mode-bit check reads the directories'
+refusal by the mode-bit check). Limits: the helper costs one interpreter start (tens of
+milliseconds) per call, so callers batch their paths; the mode-bit check reads the directories'
 modes after the open, so a directory whose mode changes in between is judged on its new mode.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
+import json
+import logging
 import os
-import signal
 import socket
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -40,6 +41,28 @@ __all__ = ["OPEN_FLAGS", "CallerOpener", "mode_grants"]
 OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 HELPER_TIMEOUT_S = 60.0
 _ACL_XATTR = "system.posix_acl_access"
+log = logging.getLogger("hwrd.access")
+
+# Run as ``python -I -S -c _HELPER`` (a fresh interpreter: nothing of the daemon's state, such as
+# gRPC's threads, crosses into it). It drops to the caller's groups, gid and uid before opening
+# anything; stdin: one JSON request; one message per path on the passed SOCK_SEQPACKET socket:
+# b"ok" with the descriptor, or b"E<errno>".
+_HELPER = """
+import json, os, socket, sys
+req = json.loads(sys.stdin.buffer.read())
+os.setgroups(req["groups"])
+os.setresgid(req["gid"], req["gid"], req["gid"])
+os.setresuid(req["uid"], req["uid"], req["uid"])
+sock = socket.socket(fileno=req["sock"])
+for path in req["paths"]:
+    try:
+        fd = os.open(path, req["flags"])
+    except OSError as exc:
+        sock.send(b"E%d" % exc.errno)
+        continue
+    socket.send_fds(sock, [b"ok"], [fd])
+    os.close(fd)
+"""
 
 
 def mode_grants(st: os.stat_result, cred: PeerCred, bits: int) -> bool:
@@ -70,32 +93,22 @@ class CallerOpener:
 
     # ------------------------------------------------------------------ hwrd runs as root
     def _open_in_helper(self, paths: Sequence[Path]) -> list[int | OSError]:
-        encoded = [os.fsencode(p) for p in paths]  # everything the child needs, before the fork
         cred = self.cred
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         results: list[int | OSError] = []
         try:
-            pid = os.fork()
-            if pid == 0:  # the child: only system calls, then _exit (never returns to the daemon)
-                code = 1
-                try:
-                    mine.close()
-                    os.setgroups(list(cred.groups))
-                    os.setresgid(cred.gid, cred.gid, cred.gid)
-                    os.setresuid(cred.uid, cred.uid, cred.uid)
-                    for path in encoded:
-                        try:
-                            fd = os.open(path, OPEN_FLAGS)
-                        except OSError as exc:
-                            theirs.send(b"E%d" % exc.errno)
-                            continue
-                        socket.send_fds(theirs, [b"ok"], [fd])
-                        os.close(fd)
-                    code = 0
-                finally:
-                    os._exit(code)
+            request = json.dumps({"uid": cred.uid, "gid": cred.gid, "groups": list(cred.groups),
+                                  "flags": OPEN_FLAGS, "sock": theirs.fileno(),
+                                  "paths": [os.fsdecode(p) for p in paths]})
+            proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _HELPER], stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, pass_fds=(theirs.fileno(),),
+                cwd="/", env={}, start_new_session=True)
             theirs.close()
             try:
+                assert proc.stdin is not None
+                proc.stdin.write(request.encode())
+                proc.stdin.close()
                 mine.settimeout(HELPER_TIMEOUT_S)
                 for path in paths:
                     try:
@@ -112,9 +125,15 @@ class CallerOpener:
                             os.close(fd)
                         raise OSError(errno.EIO, "the access check could not take the caller's identity")
             finally:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait(HELPER_TIMEOUT_S)
+                assert proc.stderr is not None
+                err = proc.stderr.read()
+                proc.stderr.close()
+                if proc.returncode and err:
+                    log.warning("access helper exited %s: %s", proc.returncode,
+                                err.decode(errors="replace")[-500:])
         except BaseException:
             for fd in results:
                 if isinstance(fd, int):
