@@ -91,6 +91,9 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     publish_gids: tuple[int, ...] = ()
     operator_uids: tuple[int, ...] = ()
     operator_gids: tuple[int, ...] = ()
+    # Client publications up to this many payload bytes stage in sealed memfds (they cannot grow
+    # past their size: hwr.daemon.memfd_staging); larger ones stage in files. 0: always files.
+    memfd_staging_max_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         if not 0 <= self.socket_mode <= 0o777:
@@ -111,6 +114,9 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         for name in ("scrub_interval_s", "housekeeping_interval_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive", details={"key": name})
+        if self.memfd_staging_max_bytes < 0:
+            raise ConfigError("memfd_staging_max_bytes must not be negative",
+                              details={"key": "memfd_staging_max_bytes"})
         if not 1 <= self.commit_threads <= 64:
             raise ConfigError("commit_threads must be between 1 and 64", details={"key": "commit_threads"})
         if self.metrics_listen:

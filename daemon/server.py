@@ -105,6 +105,9 @@ class Daemon:
         self.publications = Publications(self.store, gate=self.store_service,
                                          commit_threads=self.config.commit_threads,
                                          on_phase=self.metrics.observe_publication_phase)
+        from hwr.daemon.memfd_staging import MemfdStagings
+
+        self.publications.memfd_staging = MemfdStagings(self.config.memfd_staging_max_bytes)
         await self.store_service.start(self.publications)
         from hwr.daemon.checkpoints import Checkpoints
 
@@ -282,6 +285,10 @@ class Daemon:
         from hwr.daemon.roles import PUBLISH
 
         self.roles.require(session.cred, PUBLISH, "open staging descriptors")
+        pub = self.publications.staged_publication(session, publication_id, token)
+        memfds = self.publications.memfd_staging
+        if memfds is not None and memfds.eligible(pub.staging):  # sealed: cannot grow at all
+            return memfds.descriptors(pub.publication_id, pub.staging)
         fds: list[int] = []
         try:
             for path in self.publications.staging_paths(session, publication_id, token):

@@ -4,13 +4,16 @@ The publisher is this test process holding its real staging descriptors. It allo
 past the end of a staging file (``fallocate(FALLOC_FL_KEEP_SIZE)``: the size stays as planned),
 keeps writing after its publication was cancelled, and only then lets go. hwrd must refuse the
 commit, cancel the publication at the next housekeeping round, take the blocks back although the
-descriptor stays open, and remove the file once the descriptor is closed.
+descriptor stays open, and remove the file once the descriptor is closed. A small publication
+stages in a sealed memfd instead, which cannot grow at all.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
+import mmap
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -33,8 +36,10 @@ _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_
 
 def allocate_past_end(fd: int, nbytes: int) -> None:
     if _libc.fallocate(fd, FALLOC_FL_KEEP_SIZE, 0, nbytes) != 0:
-        errno = ctypes.get_errno()
-        pytest.skip(f"fallocate(KEEP_SIZE) unsupported here: {os.strerror(errno)}")
+        code = ctypes.get_errno()
+        if code == errno.EPERM:  # a sealed memfd
+            raise PermissionError(code, os.strerror(code))
+        pytest.skip(f"fallocate(KEEP_SIZE) unsupported here: {os.strerror(code)}")
 
 
 def staged(client: object, name: str) -> tuple[object, int]:
@@ -45,6 +50,14 @@ def staged(client: object, name: str) -> tuple[object, int]:
     return pub, os.dup(pub._fds[0])
 
 
+def commit_raw(client: object, pub: object) -> str:
+    """``publish_commit`` on the peer channel, keeping the publication if it fails (as
+    ``Publisher.commit`` would not: it aborts on a failure)."""
+    request = {"op": "publish_commit", "publication_id": pub._publication_id}  # type: ignore[attr-defined]
+    reply, _fds, _tail = client._peer_exchange(request, want_fds=False)  # type: ignore[attr-defined]
+    return str(reply["key"])
+
+
 def tmp_entries(root: Path) -> list[str]:
     return sorted(os.listdir(root / "tmp"))
 
@@ -52,7 +65,8 @@ def tmp_entries(root: Path) -> list[str]:
 @pytest.mark.timeout(120)
 def test_blocks_allocated_past_the_end_fail_the_commit(
         spawn_daemon: Callable[..., DaemonProcess], short_tmp: Path) -> None:
-    daemon = spawn_daemon("--housekeeping-interval-s", "3600")  # only the commit's check acts
+    # File staging (memfds off) and no housekeeping: only the commit's check acts.
+    daemon = spawn_daemon("--housekeeping-interval-s", "3600", "--memfd-staging-max-bytes", "0")
     with connect(daemon.socket) as client:
         pub, fd = staged(client, "bounds/commit")
         allocate_past_end(fd, 64 * MIB)
@@ -68,7 +82,7 @@ def test_blocks_allocated_past_the_end_fail_the_commit(
 @pytest.mark.timeout(120)
 def test_an_overgrown_staging_is_cancelled_and_reclaimed_while_the_writer_holds_it(
         spawn_daemon: Callable[..., DaemonProcess], short_tmp: Path) -> None:
-    daemon = spawn_daemon("--housekeeping-interval-s", "0.2")
+    daemon = spawn_daemon("--housekeeping-interval-s", "0.2", "--memfd-staging-max-bytes", "0")
     with connect(daemon.socket) as client:
         pub, fd = staged(client, "bounds/cancel")
         allocate_past_end(fd, 64 * MIB)
@@ -84,3 +98,29 @@ def test_an_overgrown_staging_is_cancelled_and_reclaimed_while_the_writer_holds_
         with pytest.raises(PublicationFailed):
             pub.commit()  # type: ignore[attr-defined]
         assert client.status()["artifacts"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_small_publication_stages_in_a_sealed_memfd_that_cannot_grow(
+        spawn_daemon: Callable[..., DaemonProcess], short_tmp: Path) -> None:
+    daemon = spawn_daemon()
+    with connect(daemon.socket) as client:
+        pub, fd = staged(client, "bounds/memfd")
+        planned = os.fstat(fd).st_size
+        assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+        for grow in (lambda: allocate_past_end(fd, 64 * MIB), lambda: os.posix_fallocate(fd, 0, 64 * MIB),
+                     lambda: os.pwrite(fd, b"x", planned), lambda: os.ftruncate(fd, 64 * MIB)):
+            with pytest.raises(PermissionError):
+                grow()
+        assert os.fstat(fd).st_size == planned
+        mapped = mmap.mmap(fd, planned)  # a writable mapping at commit time: refused, stays staged
+        pub._close_fds()  # type: ignore[attr-defined]
+        with pytest.raises(PublicationFailed):
+            commit_raw(client, pub)
+        mapped.close()
+        key = commit_raw(client, pub)
+        with pytest.raises(PermissionError):  # frozen: the descriptor still held cannot change it
+            os.pwrite(fd, b"\xff" * 16, planned - 16)
+        os.close(fd)
+        with client.acquire(key) as lease:
+            assert bool((lease.tensors["w"] == 0).all())
