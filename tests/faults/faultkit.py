@@ -110,15 +110,6 @@ def model_number(lease) -> int:  # type: ignore[no-untyped-def]
     return int(lease.manifest.identity.source.model_id.rsplit("-", 1)[1])
 
 
-def _holds_bytes(path: Path) -> bool:
-    """Whether a ``tmp/`` entry (a file or a directory of files) holds any size or blocks."""
-    try:
-        entries = [path / name for name in os.listdir(path)] if path.is_dir() else [path]
-        return any(st.st_size or st.st_blocks for st in (os.lstat(e) for e in entries))
-    except FileNotFoundError:
-        return False
-
-
 def check_invariants(daemon, *, held: Iterable[str] = (), live_pids: Iterable[int] = (),  # type: ignore[no-untyped-def]
                      settle_s: float = 20.0) -> dict[str, Any]:
     root = Path(daemon.root)
@@ -131,9 +122,7 @@ def check_invariants(daemon, *, held: Iterable[str] = (), live_pids: Iterable[in
         def settled() -> bool:
             state["publications"] = client.status()["publications"]
             state["foreign_leases"] = [x for x in client.leases() if x["pid"] not in live | {me}]
-            # A discarded staging whose (live) writer still holds a descriptor stays, truncated
-            # to nothing, until the writer lets go: only entries still holding bytes count.
-            state["tmp"] = [e for e in os.listdir(root / "tmp") if _holds_bytes(root / "tmp" / e)]
+            state["tmp"] = os.listdir(root / "tmp")
             return not (state["publications"] or state["foreign_leases"] or state["tmp"])
 
         wait_for(settled, settle_s, lambda: f"dead clients' leases, publications and staging to go: {state}")
