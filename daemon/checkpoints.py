@@ -1,4 +1,4 @@
-"""The checkpoint registry: canonical safetensors checkpoints owned (and kept mmapped) by hwrd.
+"""The checkpoint registry: canonical safetensors checkpoints registered with (and kept open by) hwrd.
 
 A checkpoint is a directory of ``*.safetensors`` files (searched up to ``MAX_DEPTH`` levels), a
 Hugging Face cache snapshot (``.../models--org--name/snapshots/<rev>/``), or one ``.safetensors``
@@ -24,8 +24,13 @@ Modification after registration: ``check`` compares each file's ``lstat`` and th
 descriptor's ``fstat`` with the registered fingerprint; a difference marks the checkpoint
 ``modified`` for good and raises ``CheckpointModified`` (leases and prewarm are refused).
 Limits: detection relies on the kernel updating mtime/ctime (an ``mmap`` write is only seen once
-written back); a file modified and restored within one timestamp tick is not detected; the daemon
-reads any path its own user can read (registration is an operator action on the daemon's host).
+written back); a file modified and restored within one timestamp tick is not detected.
+
+Access: registration is an operator action (``hwr.daemon.roles``), and files are opened with the
+registering caller's rights (``hwr.daemon.caller_access``), never the daemon's; each file is
+opened ``O_NONBLOCK`` and checked to be regular before any read, and hashed with ``pread``, never
+through a mapping (the daemon maps no file a client can truncate). A registered checkpoint's
+files are then leased to every uid with the acquire role: registering vouches for that.
 """
 
 from __future__ import annotations
