@@ -5,11 +5,12 @@ staging descriptors a client receives are not the staging files but one memfd pe
 exactly (``ftruncate``), holding the file's header, and sealed ``F_SEAL_GROW|F_SEAL_SHRINK``:
 the kernel refuses every write past the end, ``ftruncate`` and ``fallocate`` beyond the size, so
 the publisher can consume nothing beyond its reservation, and the pages it writes are charged to
-its own memory cgroup. At commit ``drain`` adds ``F_SEAL_WRITE`` (refused with EBUSY while the
-publisher still has a writable shared mapping of it: the commit then fails as with a staging
-file still held open, and the publication stays staged), which freezes the bytes for every
-descriptor whoever holds it, copies them into the daemon-only staging file, and closes the
-memfd; the commit then proceeds as for any staging.
+its own memory cgroup. At commit ``drain`` copies the bytes into the daemon-only staging file
+and closes the daemon's memfd; the commit then hashes and installs that copy as for any
+staging, so writes the publisher makes afterwards (or during the copy: then the copy holds a
+mix of its own bytes, which its ``expected_sha256`` catches) change nothing others are served.
+No ``F_SEAL_WRITE`` is needed for that, and adding it can stall for a page still referenced
+(the kernel waits for such pins in 100 ms steps).
 
 Limits: the bytes pass through memory (the memfd) and are copied once more into the staging
 file, so this is for small publications (churn), not for multi-GiB ones, which keep file
@@ -20,7 +21,6 @@ descriptor after the commit keeps that memory, charged to itself. Daemon-side pr
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
 import threading
@@ -56,22 +56,13 @@ class MemfdStagings:
             return [os.dup(fd) for fd in memfds]
 
     def drain(self, publication_id: str, staging: Any) -> None:
-        """Freeze the memfds (``F_SEAL_WRITE``) and copy them into the staging files; a no-op
-        for a publication that never got memfds. ``PublicationFailed`` while a writable mapping
-        remains (nothing is copied; a retry after unmapping works)."""
+        """Copy the memfds into the staging files and close them; a no-op for a publication
+        that never got memfds. The copy is the daemon's own file: whatever the publisher
+        writes to its memfd afterwards changes nothing that is hashed or served."""
         with self._lock:
             memfds = self._by_pub.get(publication_id)
         if memfds is None:
             return
-        for fd, (name, _path, _size) in zip(memfds, staging.files, strict=True):
-            try:
-                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
-            except OSError as exc:
-                if exc.errno == errno.EBUSY:
-                    raise PublicationFailed(
-                        "a writer still has the staging mapped writable; unmap it before committing",
-                        details={"file": name}) from None
-                raise
         for fd, (name, path, size) in zip(memfds, staging.files, strict=True):
             try:
                 _copy(fd, path, size)
