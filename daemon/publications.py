@@ -234,7 +234,7 @@ class Publications:
             executor they would make every quick hop (acquire lookups) queue behind an fsync."""
             opened: dict[str, int] = {}  # checked descriptors, hashed through by the commit
             try:
-                if self.memfd_staging is not None:  # freeze and copy the memfds into the files
+                if self.memfd_staging is not None:  # memfd staging: copy it into the files first
                     self.memfd_staging.drain(pub.publication_id, pub.staging)
                 for path in paths:
                     opened[path.name] = open_sole(path)
