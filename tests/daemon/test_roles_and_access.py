@@ -101,3 +101,30 @@ def test_a_malformed_header_error_never_carries_bytes_of_the_file(short_tmp: Pat
     text = refused.value.message + repr(refused.value.details)
     assert "10000" not in text and "root:" not in text
     assert refused.value.details == {"file": "m.safetensors", "check": "length"}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="taking another uid needs root")
+def test_a_restart_re_registers_a_checkpoint_with_its_registrants_rights(short_tmp: Path) -> None:
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    short_tmp.chmod(0o755)
+    directory = short_tmp / "ckpt"
+    directory.mkdir(mode=0o755)
+    save_file({"w": torch.ones(4)}, directory / "m.safetensors")
+    os.chmod(directory / "m.safetensors", 0o644)
+    nobody = cred(65534, gid=65534)
+    first = Checkpoints(short_tmp / "state")
+    first.open()
+    first.add(directory, cred=nobody)
+    first.close()
+    (entry,) = json.loads((short_tmp / "state" / "registry.json").read_text())
+    assert entry == {"path": str(directory), "uid": 65534, "gid": 65534, "groups": []}
+    os.chmod(directory / "m.safetensors", 0o600)  # now only root (hwrd here) could read it
+    second = Checkpoints(short_tmp / "state")
+    ((path, error),) = second.open()
+    assert path == str(directory) and isinstance(error, PermissionDeniedError)
+    assert second.list() == []
+    second.close()
