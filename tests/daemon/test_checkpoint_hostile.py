@@ -97,12 +97,14 @@ def test_a_fifo_named_safetensors_never_blocks_registration_or_other_calls(
     threads = [threading.Thread(target=register) for _ in range(8)]
     for thread in threads:
         thread.start()
-    with connect(hwrd.socket, timeout=10) as client:  # answered while the adds run
+    # Answered while the adds run (a hung worker thread would make these time out: the bound
+    # is loose because a loaded 2-core machine is slow, not because anything may block).
+    with connect(hwrd.socket, timeout=20) as client:
         for _ in range(5):
             began = time.monotonic()
             client.status()
             client.list_checkpoints()
-            assert time.monotonic() - began < 5.0
+            assert time.monotonic() - began < 15.0
     for thread in threads:
         thread.join(60)
     assert not any(t.is_alive() for t in threads)
