@@ -38,15 +38,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import json
 import logging
 import os
-import re
 import stat
 import threading
 import time
-import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,101 +54,40 @@ from hwr.client.errors import (
     InvalidRequest,
     ManifestCorrupt,
     PermissionDeniedError,
-    StoreIOError,
 )
-from hwr.client.identity import canonical_json
 from hwr.client.safetensors_header import Header, TensorEntry, read_header
-from hwr.daemon import store_io
 from hwr.daemon.caller_access import OPEN_FLAGS, CallerOpener
+from hwr.daemon.checkpoint_files import (
+    MAX_DEPTH,
+    FileFingerprint,
+    HfBlobLink,
+    checkpoint_id_for,
+    hf_blob_link,
+    load_json,
+    plain_path,
+    registry_entry,
+    resolve_checkpoint_prefix,
+    safetensors_files,
+    write_json,
+)
 from hwr.daemon.peercred import PeerCred
 
 __all__ = [
+    "MAX_DEPTH",
     "Checkpoint",
     "CheckpointFile",
     "Checkpoints",
     "FileFingerprint",
+    "HfBlobLink",
     "checkpoint_id_for",
     "hf_blob_link",
     "resolve_checkpoint_prefix",
 ]
 
 log = logging.getLogger("hwrd.checkpoints")
-MAX_DEPTH = 3
 MAX_FILES = 4096
 HASH_CHUNK = 16 << 20
-_HEX = frozenset("0123456789abcdef")
-_REV = re.compile(r"^[0-9a-f]{40}$")
-_BLOB = re.compile(r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$")
 _OPEN = OPEN_FLAGS  # O_NONBLOCK too: a FIFO planted under a registered name never blocks a reopen
-
-
-@dataclass(frozen=True)
-class FileFingerprint:
-    size: int
-    device: int
-    inode: int
-    mtime_ns: int
-    ctime_ns: int
-
-    @classmethod
-    def of(cls, st: os.stat_result) -> FileFingerprint:
-        return cls(st.st_size, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
-
-    def cache_key(self) -> str:
-        return f"{self.device}:{self.inode}:{self.size}:{self.mtime_ns}:{self.ctime_ns}"
-
-
-@dataclass(frozen=True)
-class HfBlobLink:
-    model_id: str
-    revision: str
-    blob_hash: str
-    blob_path: Path
-
-
-def hf_blob_link(file_path: Path, link_target: str | None) -> HfBlobLink | None:
-    """Pure: the HF blob a snapshot link points at, or None unless the topology is exact.
-
-    ``file_path`` is the absolute, unresolved path of the snapshot entry; ``link_target`` its
-    ``readlink`` (None when it is not a symlink).
-    """
-    if link_target is None:
-        return None
-    parts = file_path.parts
-    for i in range(len(parts) - 3, 0, -1):
-        if parts[i] == "snapshots" and parts[i - 1].startswith("models--"):
-            repo, rev, rel = parts[i - 1], parts[i + 1], parts[i + 2:]
-            break
-    else:
-        return None
-    pieces = repo.removeprefix("models--").split("--")
-    if not _REV.match(rev) or not rel or len(pieces) < 1 or not all(pieces):
-        return None
-    ups = len(rel) + 1
-    prefix = "../" * ups + "blobs/"
-    if not link_target.startswith(prefix) or not _BLOB.match(link_target[len(prefix):]):
-        return None
-    blob_hash = link_target[len(prefix):]
-    repo_dir = Path(*parts[:i])
-    return HfBlobLink("/".join(pieces), rev, blob_hash, repo_dir / "blobs" / blob_hash)
-
-
-def checkpoint_id_for(sources: Sequence[tuple[str, str]]) -> str:
-    """Pure: the checkpoint id of ``[(relative name, source identity)]`` (order independent)."""
-    return hashlib.sha256(canonical_json([list(p) for p in sorted(sources)])).hexdigest()
-
-
-def resolve_checkpoint_prefix(prefix: str, ids: Sequence[str]) -> str:
-    """Pure: the one id starting with ``prefix`` (4 to 64 lowercase hex digits)."""
-    if not 4 <= len(prefix) <= 64 or not set(prefix) <= _HEX:
-        raise InvalidRequest(f"{prefix[:80]!r} is not a checkpoint id or id prefix (4 to 64 lowercase hex "
-                             "digits) nor an absolute registered path", details={"checkpoint": prefix[:80]})
-    matches = [i for i in ids if i.startswith(prefix)]
-    if not matches:
-        raise CheckpointNotFound("no registered checkpoint matches", details={"checkpoint": prefix})
-    if len(matches) > 1:
-        raise InvalidRequest("ambiguous checkpoint id prefix", details={"checkpoint": prefix})
-    return matches[0]
 
 
 @dataclass(frozen=True)
@@ -211,10 +147,10 @@ class Checkpoints:
         the rights of the caller that registered it)."""
         with contextlib.suppress(FileExistsError):
             self.state_dir.mkdir(mode=0o700)
-        self._digests = _load_json(self.state_dir / "digests.json", dict)
+        self._digests = load_json(self.state_dir / "digests.json", dict)
         report = []
-        for entry in _load_json(self.state_dir / "registry.json", list):
-            path, cred = _registry_entry(entry)
+        for entry in load_json(self.state_dir / "registry.json", list):
+            path, cred = registry_entry(entry)
             if path is None:
                 continue
             try:
@@ -259,7 +195,7 @@ class Checkpoints:
                 raise PermissionDeniedError(f"cannot read {path}: {probe.strerror}",
                                             details={"path": str(path)})
             os.close(probe)
-        names = [path.name] if one_file else sorted(_safetensors_files(path))
+        names = [path.name] if one_file else sorted(safetensors_files(path))
         if not names:
             raise InvalidRequest(f"{path} holds no .safetensors files", details={"path": str(path)})
         if len(names) > MAX_FILES:
@@ -313,7 +249,7 @@ class Checkpoints:
         except OSError as exc:
             raise InvalidRequest(f"cannot read {entry}: {exc.strerror}", details={"file": name}) from None
         link = hf_blob_link(entry, target)
-        if link is not None and not _plain_path(link.blob_path):
+        if link is not None and not plain_path(link.blob_path):
             link = None
         if link is not None:
             return link.blob_path, link
@@ -356,7 +292,7 @@ class Checkpoints:
         if cached is not None:
             return cached
         digest = hashlib.sha256()
-        buffer = bytearray(min(HASH_CHUNK, before.size) or 1)
+        buffer = bytearray(min(HASH_CHUNK, before.size))
         with contextlib.suppress(OSError):  # advice only
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         with memoryview(buffer) as view:
@@ -441,7 +377,7 @@ class Checkpoints:
 
     # --------------------------------------------------------------- persistence
     def _save_digests(self) -> None:
-        _write_json(self.state_dir / "digests.json", self._digests)
+        write_json(self.state_dir / "digests.json", self._digests)
 
     def _save_registry(self) -> None:
         """One entry per path: the path alone when the daemon registered it, else with the
@@ -451,49 +387,15 @@ class Checkpoints:
             cred = c.registrant
             entries[str(c.path)] = str(c.path) if cred is None else {
                 "path": str(c.path), "uid": cred.uid, "gid": cred.gid, "groups": list(cred.groups)}
-        _write_json(self.state_dir / "registry.json", [entries[p] for p in sorted(entries)])
+        write_json(self.state_dir / "registry.json", [entries[p] for p in sorted(entries)])
 
 
 # ------------------------------------------------------------------- helpers
-def _safetensors_files(root: Path) -> Iterator[str]:
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        depth = len(Path(dirpath).relative_to(root).parts)
-        if depth >= MAX_DEPTH:
-            dirnames.clear()
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        for fname in filenames:
-            if fname.endswith(".safetensors") and not fname.startswith("."):
-                yield str((Path(dirpath) / fname).relative_to(root))
-
-
 def _open_own(path: Path) -> int | OSError:
     try:
         return os.open(path, _OPEN)
     except OSError as exc:
         return exc
-
-
-def _registry_entry(entry: object) -> tuple[str | None, PeerCred | None]:
-    """A ``registry.json`` entry: a path (the daemon's rights) or ``{path, uid, gid, groups}``."""
-    if isinstance(entry, str):
-        return entry, None
-    if isinstance(entry, dict):
-        path, uid, gid, groups = (entry.get(k) for k in ("path", "uid", "gid", "groups"))
-        if (isinstance(path, str) and isinstance(uid, int) and isinstance(gid, int) and isinstance(groups, list)
-                and all(isinstance(g, int) for g in groups)):
-            return path, PeerCred(0, uid, gid, tuple(groups))
-    return None, None
-
-
-def _plain_path(path: Path) -> bool:
-    """True when every component of ``path`` below ``/`` is not a symlink and the leaf is a regular file."""
-    try:
-        for parent in reversed(path.parents[:-1]):
-            if stat.S_ISLNK(os.lstat(parent).st_mode):
-                return False
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except OSError:
-        return False
 
 
 def _check_unchanged(fd: int, path: Path, expected: FileFingerprint, name: str) -> None:
@@ -517,25 +419,3 @@ def _index(files: Sequence[CheckpointFile]) -> dict[str, tuple[int, TensorEntry]
     if not tensors:
         raise InvalidRequest("the checkpoint holds no tensors")
     return tensors
-
-
-def _load_json(path: Path, kind: type) -> object:
-    try:
-        value = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        return kind()
-    except (OSError, ValueError) as exc:
-        log.warning("ignoring unreadable %s: %s", path, exc)
-        return kind()
-    return value if isinstance(value, kind) else kind()
-
-
-def _write_json(path: Path, value: object) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        store_io.write_new_file(tmp, json.dumps(value, sort_keys=True).encode(), mode=0o600)
-        store_io.rename(tmp, path)
-        store_io.fsync_dir(path.parent)
-    except OSError as exc:
-        store_io.remove_tree(tmp)
-        raise StoreIOError(f"cannot persist {path.name}: {exc.strerror}") from None
