@@ -128,3 +128,21 @@ def test_a_restart_re_registers_a_checkpoint_with_its_registrants_rights(short_t
     assert path == str(directory) and isinstance(error, PermissionDeniedError)
     assert second.list() == []
     second.close()
+
+
+def test_role_keys_are_applied_by_a_reload(short_tmp: Path) -> None:
+    from types import SimpleNamespace
+
+    import msgspec
+
+    from hwr.daemon.reload import Reloader, plan_reload
+
+    old = load_config(env={"HWR_ROOT": str(short_tmp), "HWR_SOCKET": str(short_tmp / "s")})
+    new = msgspec.structs.replace(old, operator_uids=(1000,), publish_gids=(7,))
+    daemon = SimpleNamespace(config=old, roles=roles_from(old))
+    reloader = Reloader.__new__(Reloader)  # only the decision and its application are exercised
+    reloader.daemon = daemon
+    plan = plan_reload(old, new, reloader.can_apply)
+    assert set(plan.applied) == {"operator_uids", "publish_gids"} and not plan.refused
+    reloader._apply(plan)
+    assert daemon.roles.grants(cred(1000), OPERATOR) and not daemon.roles.grants(cred(1001, gid=8), PUBLISH)
