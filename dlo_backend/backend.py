@@ -282,7 +282,9 @@ class LayerwiseOffloadBackend:
             ]
         self._enter(EnableStep.REGISTER_HOST)
         if cuda and self._lease is not None and self._group is None:
-            self._registration = register_regions(self._lease.mapped_regions, opts.host_registration_limit_gib)
+            self._registration = register_regions(
+                self._lease.mapped_regions, opts.host_registration_limit_gib, device=_device_index(opts.device)
+            )
         self._enter(EnableStep.ALLOCATE)
         self._allocate()
         self._enter(EnableStep.INSTALL_HOOKS)
@@ -508,6 +510,11 @@ class LayerwiseOffloadBackend:
             for index, ref in enumerate(source.refs):
                 ref.current().data = _host_copy(self._slots.tensor_view(0, layout, index))
             stream.mark_free(0)  # the next gather overwrites slot 0 only after these copies
+
+
+def _device_index(device: torch.device) -> int:
+    """The CUDA ordinal of ``device`` (``cuda`` alone means the current device)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _host_copy(value: torch.Tensor) -> torch.Tensor:
