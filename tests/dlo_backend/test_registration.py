@@ -9,11 +9,11 @@ it is read, so an uncleared one makes the next kernel launch (``launch()``) rais
 from __future__ import annotations
 
 import pytest
-from cuda_fake import ALREADY_REGISTERED, READ_ONLY, FakeCudaRuntime
+from cuda_fake import ALREADY_REGISTERED, PORTABLE, READ_ONLY, FakeCudaRuntime
 
 from hwr.client.carrier import MappedRegion
 from hwr.dlo_backend.cudart import HOST_REGISTER_READ_ONLY_SUPPORTED, HOST_REGISTER_SUPPORTED
-from hwr.dlo_backend.registration import register_regions
+from hwr.dlo_backend.registration import CHUNK_BYTES, Chunk, chunks, register_regions
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -110,3 +110,42 @@ def test_regions_over_the_budget_are_not_registered() -> None:
     runtime = FakeCudaRuntime()
     assert register_regions(_regions(2 * GIB), 1, runtime=runtime) is None
     assert runtime.calls == []
+
+
+def test_registration_and_unregistration_run_on_the_target_device_and_are_portable() -> None:
+    runtime = FakeCudaRuntime(current=0)
+    regions = _regions(4 * PAGE, 2 * PAGE)
+    got = register_regions(regions, 0, device=3, runtime=runtime)
+    assert got is not None and got.device == 3
+    assert runtime.current == 0  # the caller's current device is restored
+    assert {device for name, _, device in runtime.calls if name == "register"} == {3}
+    assert all(r.flags == PORTABLE | READ_ONLY for r in runtime.registered)
+    # Portable: any device's copies see the pages as pinned, not only device 3's.
+    assert all(runtime.pinned_for(0, r.address, r.length) for r in regions)
+    assert got.close() == []
+    assert {device for name, _, device in runtime.calls if name == "unregister"} == {3}
+    assert runtime.current == 0 and runtime.registered == []
+
+
+def test_a_large_region_is_registered_in_chunks_that_cover_it_exactly() -> None:
+    runtime = FakeCudaRuntime()
+    length = 2 * CHUNK_BYTES + 5 * PAGE
+    region = MappedRegion("big", 1 << 44, length, True)
+    assert chunks(region) == [
+        Chunk(region.address, CHUNK_BYTES),
+        Chunk(region.address + CHUNK_BYTES, CHUNK_BYTES),
+        Chunk(region.address + 2 * CHUNK_BYTES, 5 * PAGE),
+    ]
+    got = register_regions([region], 0, runtime=runtime)
+    assert got is not None and got.nbytes == length and len(runtime.registered) == 3
+    assert runtime.pinned_for(0, region.address, length)
+    assert got.close() == [] and runtime.registered == []
+
+
+def test_a_chunk_failing_midway_unregisters_the_chunks_before_it() -> None:
+    runtime = FakeCudaRuntime(fail_register_at={2})
+    region = MappedRegion("big", 1 << 44, 3 * CHUNK_BYTES, True)
+    assert register_regions([region], 0, device=1, runtime=runtime) is None
+    assert runtime.registered == []
+    assert [name for name, _, _ in runtime.calls] == ["register"] * 3 + ["unregister"] * 2
+    runtime.launch()
