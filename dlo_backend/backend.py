@@ -30,7 +30,9 @@ Teardown order (``_teardown``, shared by failure rollback and ``disable``):
    blocks get their originals (module source) or CPU copies of the lease views, and AllGather
    blocks are gathered one last time into CPU tensors (a collective: call ``disable`` on every
    rank) unless the backend is poisoned;
-4. release staging, device slots, shards and lanes;
+4. synchronize the compute lane (every stream a forward ran on), then release staging,
+   device slots, shards and lanes: the caching allocator would otherwise hand the slots' memory
+   to the next allocation on their allocating stream while another stream still reads it;
 5. undo ``cudaHostRegister`` (if that fails the lease stays open: unmapping registered memory
    is undefined behaviour);
 6. close the lease (and the carrier, in case enable failed before taking it).
@@ -351,6 +353,12 @@ class LayerwiseOffloadBackend:
             self._transfer = DirectTransfer(hosts, self._layouts, self._slots, copy_lane)
         else:
             self._transfer = StagedTransfer(hosts, self._layouts, self._slots, copy_lane, pin=True)
+        # The caching allocator handed the slot (and shard) buffers out on the current stream,
+        # where blocks freed earlier may still be read by queued kernels: reuse is ordered only
+        # on that stream. The lanes write these buffers first, so they start after it.
+        allocated = self._compute.record()
+        for lane in self._lanes:
+            lane.wait(allocated)
         self._stream = BlockStream(
             self._streamed,
             self._layouts,
@@ -459,7 +467,11 @@ class LayerwiseOffloadBackend:
                 self._stream.poisoned = True
         for source in self._resident + self._streamed:
             source.host = []  # lease views must not outlive the lease
-        for lane in self._lanes:  # 4. release
+        try:  # 4. release, once compute (on every stream a forward used) stopped reading the slots
+            self._compute.drain()
+        except (LaneError, RuntimeError) as exc:
+            errors.append(f"drain compute: {exc}")
+        for lane in self._lanes:
             lane.close()
         if self._transfer is not None:
             self._transfer.close()

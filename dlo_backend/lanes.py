@@ -196,10 +196,26 @@ class CudaLane:
 
 
 class CurrentStreamLane(CudaLane):
-    """The compute lane on CUDA: whatever stream is current when the hook runs."""
+    """The compute lane on CUDA: whatever stream is current when the hook runs.
+
+    It remembers every stream it recorded on or made wait, and ``drain`` synchronizes all of
+    them: forwards may run under any stream, and memory they read (the slots) must not go back
+    to the caching allocator while one of them still has kernels queued that read it (the
+    allocator only orders reuse on the stream a block was allocated on; torch docs, CUDA
+    semantics, "Memory management": use of a tensor on another stream must be synchronized or
+    ``record_stream``-ed by the caller).
+    """
 
     def __init__(self, device: torch.device) -> None:
         self._device = device
+        self._seen: dict[int, torch.cuda.Stream] = {}
 
     def _stream(self) -> torch.cuda.Stream:
-        return torch.cuda.current_stream(self._device)
+        stream = torch.cuda.current_stream(self._device)
+        self._seen.setdefault(int(stream.cuda_stream), stream)
+        return stream
+
+    def drain(self) -> None:
+        self._stream()
+        for stream in list(self._seen.values()):
+            stream.synchronize()
