@@ -475,6 +475,8 @@ class LayerwiseOffloadBackend:
             lane.close()
         if self._transfer is not None:
             self._transfer.close()
+        if self._stream is not None:
+            self._stream.close()  # it held the transfer and the sources: views of the lease
         if self._slots is not None:
             self._slots.release()
         self._transfer, self._shards, self._lanes, self._installed = None, [], [], []

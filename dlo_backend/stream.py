@@ -29,6 +29,21 @@ from hwr.dlo_backend.transfer import Transfer
 __all__ = ["BlockStream"]
 
 
+class _ClosedTransfer:
+    """What a closed stream's transfer is: any use is an error, nothing is held."""
+
+    mode = "closed"
+
+    def fill(self, block: int, slot: int) -> None:
+        raise RuntimeError("the block stream is closed")
+
+    def tensor(self, block: int, slot: int, index: int) -> torch.Tensor:
+        raise RuntimeError("the block stream is closed")
+
+    def close(self) -> None:
+        return None
+
+
 class BlockStream:
     """Two-slot streaming of ``sources`` (ring order) through ``slots`` with ``transfer``."""
 
@@ -52,6 +67,14 @@ class BlockStream:
         self._last_slot: int | None = None
         self.gathered = False
         self.poisoned = False
+
+    def close(self) -> None:
+        """Drop the sources and the transfer (they hold the host views, lease views among them);
+        ``poisoned`` and ``gathered`` stay readable. Call after ``unbind`` and the lanes' drain."""
+        self._sources, self._layouts = [], []
+        self._transfer = _ClosedTransfer()
+        self._placeholders = {}
+        self._bound = None
 
     def placeholder(self, dtype: torch.dtype) -> torch.Tensor:
         """The empty device tensor a block's tensors point at while it is not running."""

@@ -21,6 +21,9 @@ and ``tensor(block, slot, index)`` is what compute binds for tensor ``index`` of
   lane, then ``all_gather`` it into the slot on the communication lane (bytes, so any dtype
   works on gloo and NCCL). Every rank must call ``fill`` in the same order.
 
+``close`` drops every host tensor a transfer holds (the lease's views among them), so that
+closing the lease unmaps it at once instead of when the garbage collector gets to it.
+
 Every writer first waits on ``slots.free[slot]`` (compute may still read the slot's previous
 block) and, for AllGather, on the slot's previous ``ready`` (the last gather still reads the
 shard buffer of that slot). ``HostBindTransfer`` writes nothing, so it waits on neither.
@@ -93,7 +96,7 @@ class HostBindTransfer:
         return self._hosts[block][index]
 
     def close(self) -> None:
-        return None
+        self._hosts = []  # lease views: the mapping must not outlive the lease's close
 
 
 class DirectTransfer(_SlotViews):
@@ -119,7 +122,7 @@ class DirectTransfer(_SlotViews):
         self._slots.ready[slot] = self._lane.record()
 
     def close(self) -> None:
-        return None
+        self._hosts = []  # lease views: the mapping must not outlive the lease's close
 
 
 class StagedTransfer(_SlotViews):
@@ -166,6 +169,7 @@ class StagedTransfer(_SlotViews):
 
     def close(self) -> None:
         self.staging = []
+        self._hosts = []  # lease views: the mapping must not outlive the lease's close
 
 
 def _shard_offsets(layout: BlockLayout) -> list[int]:
