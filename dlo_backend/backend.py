@@ -39,6 +39,8 @@ Teardown order (``_teardown``, shared by failure rollback and ``disable``):
 
 A failed collective leaves the group in an unknown state: the backend becomes POISONED and
 every further use raises ``CollectiveStateError`` (recreate the backend, reload the pipeline).
+NCCL reports failures asynchronously, so a gather that stays pending for 90% of the group's
+timeout is declared failed by ``watchdog.CollectiveWatchdog`` (which also aborts the group).
 Inference only: streamed weights are swapped in and out under the model, so do not backprop.
 """
 
@@ -75,6 +77,7 @@ from hwr.dlo_backend.sources import (
 )
 from hwr.dlo_backend.stream import BlockStream
 from hwr.dlo_backend.transfer import AllGatherTransfer, DirectTransfer, HostBindTransfer, StagedTransfer, Transfer
+from hwr.dlo_backend.watchdog import CollectiveWatchdog, abort_group, watchdog_timeout_s
 
 __all__ = ["EnableStep", "LayerwiseOffloadBackend", "OffloadOptions", "OffloadStats", "State"]
 
@@ -161,6 +164,7 @@ class LayerwiseOffloadBackend:
         self._installed: list[BlockSource] = []
         self._committed = False
         self._stream: BlockStream | None = None
+        self._watchdog: CollectiveWatchdog | None = None
 
     # ----------------------------------------------------------------- observation
     @property
@@ -368,7 +372,23 @@ class LayerwiseOffloadBackend:
             device,
             collective=self._group is not None,
             poison_error=self._poison_error,
+            watchdog=self._start_watchdog(),
         )
+
+    def _start_watchdog(self) -> CollectiveWatchdog | None:
+        """With a group: the watchdog that turns a gather no peer joins into a typed error."""
+        if self._group is None:
+            return None
+        self._watchdog = CollectiveWatchdog(watchdog_timeout_s(self._group, self.options.device), self._stuck)
+        return self._watchdog
+
+    def _stuck(self, reason: str) -> None:
+        """Watchdog thread: a gather is stuck; poison the stream and abort the group (NCCL)."""
+        if self._stream is not None:
+            self._stream.poison(f"{reason}; a peer died, hung or skipped a forward")
+        failure = abort_group(self._group, self.options.device)
+        if failure is not None:
+            _log.warning("AllGather group not aborted: %s", failure)
 
     def _direct_readable(self) -> bool:
         """CUDA may copy asynchronously from the host sources (registered lease, pinned tensors)."""
@@ -467,6 +487,9 @@ class LayerwiseOffloadBackend:
                 self._stream.poisoned = True
         for source in self._resident + self._streamed:
             source.host = []  # lease views must not outlive the lease
+        if self._watchdog is not None:  # every gather (the gather-back's too) has been waited for
+            self._watchdog.close()
+            self._watchdog = None
         try:  # 4. release, once compute (on every stream a forward used) stopped reading the slots
             self._compute.drain()
         except (LaneError, RuntimeError) as exc:

@@ -10,6 +10,9 @@ placeholders back, so no block's weights stay attached between calls.
 
 A failure of the copy or communication lane marks the stream ``poisoned``; every later call
 raises the error made by ``poison_error`` (a ``CollectiveStateError`` when a group is used).
+With a group, every gather's completion is also handed to a ``watchdog.CollectiveWatchdog``:
+NCCL failures are asynchronous and never reach the lane, so a gather that a peer never joins
+poisons the stream through the watchdog instead (``poison``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from hwr.dlo_backend.ring import plan_step
 from hwr.dlo_backend.slots import SlotPair, SlotState
 from hwr.dlo_backend.sources import BlockSource
 from hwr.dlo_backend.transfer import Transfer
+from hwr.dlo_backend.watchdog import CollectiveWatchdog
 
 __all__ = ["BlockStream"]
 
@@ -58,10 +62,13 @@ class BlockStream:
         *,
         collective: bool,
         poison_error: Callable[[str], HwrError],
+        watchdog: CollectiveWatchdog | None = None,
     ) -> None:
         self._sources, self._layouts, self._slots, self._transfer = sources, layouts, slots, transfer
         self._compute, self._device, self._collective = compute, device, collective
         self._poison_error = poison_error
+        self._watchdog = watchdog
+        self.poison_reason: str | None = None
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
         self._bound: tuple[int, int] | None = None
         self._last_slot: int | None = None
@@ -93,6 +100,15 @@ class BlockStream:
         self._slots.owner[slot] = block
         self.gathered = self.gathered or self._collective
         self._transfer.fill(block, slot)
+        if self._watchdog is not None:
+            ready = self._slots.ready[slot]
+            if ready is not None:
+                self._watchdog.watch(ready, f"the gather of block {block}")
+
+    def poison(self, reason: str) -> None:
+        """Refuse every later call with ``reason`` (the watchdog's verdict on a stuck gather)."""
+        self.poison_reason = reason
+        self.poisoned = True
 
     def wait_ready(self, slot: int) -> None:
         # Wait: the slot's bytes are written on the copy/communication lane.
@@ -120,7 +136,8 @@ class BlockStream:
 
     def before(self, block: int) -> None:
         if self.poisoned:
-            raise self._poison_error("the offload backend is poisoned by an earlier failure")
+            reason = f" ({self.poison_reason})" if self.poison_reason else ""
+            raise self._poison_error(f"the offload backend is poisoned by an earlier failure{reason}")
         try:
             if self._bound is not None:
                 self.unbind()  # the previous block's forward raised before its post-hook
