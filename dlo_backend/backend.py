@@ -356,7 +356,10 @@ class LayerwiseOffloadBackend:
         elif device.type == "cpu" or self._direct_readable():
             self._transfer = DirectTransfer(hosts, self._layouts, self._slots, copy_lane)
         else:
-            self._transfer = StagedTransfer(hosts, self._layouts, self._slots, copy_lane, pin=True)
+            # The packer is drained first at teardown: it enqueues work on the copy lane.
+            packer = ThreadLane("pack")
+            self._lanes.insert(0, packer)
+            self._transfer = StagedTransfer(hosts, self._layouts, self._slots, copy_lane, pin=True, packer=packer)
         # The caching allocator handed the slot (and shard) buffers out on the current stream,
         # where blocks freed earlier may still be read by queued kernels: reuse is ordered only
         # on that stream. The lanes write these buffers first, so they start after it.
