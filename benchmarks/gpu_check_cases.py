@@ -253,6 +253,7 @@ def run_case(
         )
         try:
             stats = handle.stats
+            arenas = [arena.pinned for arena in getattr(handle.backend, "_arenas", [])]
             for x in inputs:
                 equal.append(bool(torch.equal(target(x), resident(x))))
             ctx.sync()
@@ -266,6 +267,7 @@ def run_case(
         "expected_mode": expect_mode,
         "registered_bytes": stats.registered_bytes,
         "lease_region_bytes": region_bytes,
+        "host_arenas_pinned": arenas,  # staging carved from an exact, registered arena (CUDA)
         "outputs_equal": equal,
         "ok": all(equal) and stats.mode == expect_mode and registered_ok,
         "seconds": round(time.perf_counter() - started, 3),

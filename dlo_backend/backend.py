@@ -32,7 +32,8 @@ Teardown order (``_teardown``, shared by failure rollback and ``disable``):
    rank) unless the backend is poisoned;
 4. synchronize the compute lane (every stream a forward ran on), then release staging,
    device slots, shards and lanes: the caching allocator would otherwise hand the slots' memory
-   to the next allocation on their allocating stream while another stream still reads it;
+   to the next allocation on their allocating stream while another stream still reads it; then
+   unregister and unmap the host arenas the shards and staging were carved from (``arena``);
 5. undo ``cudaHostRegister`` (if that fails the lease stays open: unmapping registered memory
    is undefined behaviour);
 6. close the lease (and the carrier, in case enable failed before taking it).
@@ -59,6 +60,7 @@ from torch import nn
 from hwr.client.carrier import HostLease, LeaseCarrier
 from hwr.client.errors import HwrError, InvalidRequest, LeaseClosed, Unsupported
 from hwr.dlo_backend import group as groups
+from hwr.dlo_backend.arena import HostArena, arena_bytes
 from hwr.dlo_backend.discovery import find_block_stacks
 from hwr.dlo_backend.errors import CollectiveStateError, OffloadError
 from hwr.dlo_backend.hooks import HookRegistry
@@ -165,6 +167,7 @@ class LayerwiseOffloadBackend:
         self._committed = False
         self._stream: BlockStream | None = None
         self._watchdog: CollectiveWatchdog | None = None
+        self._arenas: list[HostArena] = []
 
     # ----------------------------------------------------------------- observation
     @property
@@ -282,8 +285,9 @@ class LayerwiseOffloadBackend:
         cuda = opts.device.type == "cuda"
         if self._group is not None:
             rank = groups.group_rank(self._group)
+            arena = self._host_arena(arena_bytes(g.shard_nbytes for layout in self._layouts for g in layout.groups))
             self._shards = [
-                build_shard(layout, src.host, rank, pin=cuda)
+                build_shard(layout, src.host, rank, pin=cuda, arena=arena)
                 for layout, src in zip(self._layouts, self._streamed, strict=True)
             ]
         self._enter(EnableStep.REGISTER_HOST)
@@ -359,7 +363,10 @@ class LayerwiseOffloadBackend:
             # The packer is drained first at teardown: it enqueues work on the copy lane.
             packer = ThreadLane("pack")
             self._lanes.insert(0, packer)
-            self._transfer = StagedTransfer(hosts, self._layouts, self._slots, copy_lane, pin=True, packer=packer)
+            arena = self._host_arena(arena_bytes([self._slots.nbytes] * 2))
+            self._transfer = StagedTransfer(
+                hosts, self._layouts, self._slots, copy_lane, pin=True, packer=packer, arena=arena
+            )
         # The caching allocator handed the slot (and shard) buffers out on the current stream,
         # where blocks freed earlier may still be read by queued kernels: reuse is ordered only
         # on that stream. The lanes write these buffers first, so they start after it.
@@ -377,6 +384,13 @@ class LayerwiseOffloadBackend:
             poison_error=self._poison_error,
             watchdog=self._start_watchdog(),
         )
+
+    def _host_arena(self, nbytes: int) -> HostArena:
+        """Exact-size host memory for shards or staging, pinned for a CUDA device (see ``arena``)."""
+        device = self.options.device
+        arena = HostArena(nbytes, device=device if device.type == "cuda" else None)
+        self._arenas.append(arena)
+        return arena
 
     def _start_watchdog(self) -> CollectiveWatchdog | None:
         """With a group: the watchdog that turns a gather no peer joins into a typed error."""
@@ -506,6 +520,7 @@ class LayerwiseOffloadBackend:
         if self._slots is not None:
             self._slots.release()
         self._transfer, self._shards, self._lanes, self._installed = None, [], [], []
+        self._release_arenas(errors)
         lease_safe = True
         if self._registration is not None:  # 5. unregister before unmapping
             failures = self._registration.close()
@@ -518,6 +533,16 @@ class LayerwiseOffloadBackend:
         if lease_safe:  # 6. close the lease
             self._close_lease()
         return errors
+
+    def _release_arenas(self, errors: list[str]) -> None:
+        """Unregister and unmap the shard/staging arenas (their views and copies are gone)."""
+        kept: list[HostArena] = []
+        for arena in self._arenas:
+            failures = arena.close()
+            if failures:
+                errors.extend(failures)
+                kept.append(arena)  # still registered: never unmapped
+        self._arenas = kept
 
     def _close_lease(self) -> None:
         if self._lease is not None:

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 import torch
 
+from hwr.dlo_backend.arena import HostArena
 from hwr.dlo_backend.group import all_gather_bytes
 from hwr.dlo_backend.lanes import DeferredSignal, Lane, LaneError, Signal, completed_signal
 from hwr.dlo_backend.layout import GROUP_ALIGN_BYTES, BlockLayout
@@ -149,10 +150,14 @@ class StagedTransfer(_SlotViews):
         *,
         pin: bool,
         packer: Lane,
+        arena: HostArena | None = None,
     ) -> None:
         self._hosts, self._layouts, self._slots, self._lane = hosts, layouts, slots, lane
         self._packer = packer
-        self.staging = [torch.empty(slots.nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        if arena is not None:  # exact sizes, one registration (see ``arena``)
+            self.staging = [arena.take(slots.nbytes, torch.uint8) for _ in range(2)]
+        else:
+            self.staging = [torch.empty(slots.nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         self._done: list[Signal] = [completed_signal(), completed_signal()]
         self._next = 0
         self._failed: BaseException | None = None
