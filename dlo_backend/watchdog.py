@@ -94,6 +94,15 @@ def abort_group(group: Any, device: torch.device) -> str | None:
     return "; ".join(errors) or "this process group has no abort"
 
 
+def _done(signal: Signal) -> bool:
+    """Whether ``signal`` completed; one that cannot be queried (a broken CUDA context) counts as
+    done here: its error reaches the caller through the lanes, and the watchdog must not die."""
+    try:
+        return bool(signal.query())
+    except Exception:
+        return True
+
+
 class CollectiveWatchdog:
     """Calls ``on_expire(what)`` once if a watched signal stays pending for ``timeout_s``."""
 
@@ -117,7 +126,7 @@ class CollectiveWatchdog:
         while not self._stop.wait(self._poll_s):
             now = time.monotonic()
             with self._lock:
-                self._pending = [entry for entry in self._pending if not entry[0].query()]
+                self._pending = [entry for entry in self._pending if not _done(entry[0])]
                 late = next((entry for entry in self._pending if entry[1] <= now), None)
                 if late is None:
                     continue
