@@ -12,12 +12,12 @@ Measured in one run:
   mapping; CPU: ``direct`` from the mapping), as bytes per second and per block;
 - ``compute``: a forward with every block resident; ``forward``: a forward with streaming.
 
+Goals: CUDA ``forward <= 1.1 x max(compute, transfer)`` and H2D ``>= 85%`` of peak; CPU copy
+from lease memory ``>= 80%`` of memcpy. Prints a markdown table, then one JSON line.
+
 Every mode's streamed forward is first compared with the resident model's (``torch.equal``;
 ``<mode>_output_equal``, ``outputs_equal``), and a ``registered`` run whose registration failed
 (the backend fell back to staging) is reported as ``registration_failed`` and not measured.
-
-Goals: CUDA ``forward <= 1.1 x max(compute, transfer)`` and H2D ``>= 85%`` of peak; CPU copy
-from lease memory ``>= 80%`` of memcpy. Prints a markdown table, then one JSON line.
 """
 
 from __future__ import annotations

@@ -30,10 +30,7 @@ Teardown order (``_teardown``, shared by failure rollback and ``disable``):
    blocks get their originals (module source) or CPU copies of the lease views, and AllGather
    blocks are gathered one last time into CPU tensors (a collective: call ``disable`` on every
    rank) unless the backend is poisoned;
-4. synchronize the compute lane (every stream a forward ran on), then release staging,
-   device slots, shards and lanes: the caching allocator would otherwise hand the slots' memory
-   to the next allocation on their allocating stream while another stream still reads it; then
-   unregister and unmap the host arenas the shards and staging were carved from (``arena``);
+4. release staging, device slots, shards and lanes;
 5. undo ``cudaHostRegister`` (if that fails the lease stays open: unmapping registered memory
    is undefined behaviour);
 6. close the lease (and the carrier, in case enable failed before taking it).
@@ -42,6 +39,12 @@ A failed collective leaves the group in an unknown state: the backend becomes PO
 every further use raises ``CollectiveStateError`` (recreate the backend, reload the pipeline).
 NCCL reports failures asynchronously, so a gather that stays pending for 90% of the group's
 timeout is declared failed by ``watchdog.CollectiveWatchdog`` (which also aborts the group).
+
+CUDA memory rules the teardown keeps: before step 4 releases the slots, the compute lane is
+synchronized on every stream a forward ran on (the caching allocator would otherwise hand the
+slots' memory to the next allocation on their allocating stream while another stream still
+reads it); after it, the host arenas that shards and staging were carved from (``arena``) are
+unregistered and unmapped.
 Inference only: streamed weights are swapped in and out under the model, so do not backprop.
 """
 
@@ -50,9 +53,9 @@ from __future__ import annotations
 import enum
 import hashlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -60,7 +63,6 @@ from torch import nn
 from hwr.client.carrier import HostLease, LeaseCarrier
 from hwr.client.errors import HwrError, InvalidRequest, LeaseClosed, Unsupported
 from hwr.dlo_backend import group as groups
-from hwr.dlo_backend.arena import HostArena, arena_bytes
 from hwr.dlo_backend.discovery import find_block_stacks
 from hwr.dlo_backend.errors import CollectiveStateError, OffloadError
 from hwr.dlo_backend.hooks import HookRegistry
@@ -80,6 +82,9 @@ from hwr.dlo_backend.sources import (
 from hwr.dlo_backend.stream import BlockStream
 from hwr.dlo_backend.transfer import AllGatherTransfer, DirectTransfer, HostBindTransfer, StagedTransfer, Transfer
 from hwr.dlo_backend.watchdog import CollectiveWatchdog, abort_group, watchdog_timeout_s
+
+if TYPE_CHECKING:
+    from hwr.dlo_backend.arena import HostArena
 
 __all__ = ["EnableStep", "LayerwiseOffloadBackend", "OffloadOptions", "OffloadStats", "State"]
 
@@ -285,7 +290,7 @@ class LayerwiseOffloadBackend:
         cuda = opts.device.type == "cuda"
         if self._group is not None:
             rank = groups.group_rank(self._group)
-            arena = self._host_arena(arena_bytes(g.shard_nbytes for layout in self._layouts for g in layout.groups))
+            arena = self._host_arena(g.shard_nbytes for layout in self._layouts for g in layout.groups)
             self._shards = [
                 build_shard(layout, src.host, rank, pin=cuda, arena=arena)
                 for layout, src in zip(self._layouts, self._streamed, strict=True)
@@ -363,7 +368,7 @@ class LayerwiseOffloadBackend:
             # The packer is drained first at teardown: it enqueues work on the copy lane.
             packer = ThreadLane("pack")
             self._lanes.insert(0, packer)
-            arena = self._host_arena(arena_bytes([self._slots.nbytes] * 2))
+            arena = self._host_arena([self._slots.nbytes] * 2)
             self._transfer = StagedTransfer(
                 hosts, self._layouts, self._slots, copy_lane, pin=True, packer=packer, arena=arena
             )
@@ -385,10 +390,13 @@ class LayerwiseOffloadBackend:
             watchdog=self._start_watchdog(),
         )
 
-    def _host_arena(self, nbytes: int) -> HostArena:
-        """Exact-size host memory for shards or staging, pinned for a CUDA device (see ``arena``)."""
+    def _host_arena(self, sizes: Iterable[int]) -> HostArena:
+        """Exact-size host memory for buffers of ``sizes`` (shards or staging), pinned for a CUDA
+        device (see ``arena``)."""
+        from hwr.dlo_backend.arena import HostArena, arena_bytes
+
         device = self.options.device
-        arena = HostArena(nbytes, device=device if device.type == "cuda" else None)
+        arena = HostArena(arena_bytes(sizes), device=device if device.type == "cuda" else None)
         self._arenas.append(arena)
         return arena
 
@@ -520,7 +528,6 @@ class LayerwiseOffloadBackend:
         if self._slots is not None:
             self._slots.release()
         self._transfer, self._shards, self._lanes, self._installed = None, [], [], []
-        self._release_arenas(errors)
         lease_safe = True
         if self._registration is not None:  # 5. unregister before unmapping
             failures = self._registration.close()
@@ -530,6 +537,7 @@ class LayerwiseOffloadBackend:
                 _log.error("host memory still registered; keeping lease open: %s", failures)
             else:
                 self._registration = None
+        self._release_arenas(errors)  # shards and staging are gone: unregister, unmap
         if lease_safe:  # 6. close the lease
             self._close_lease()
         return errors

@@ -64,6 +64,9 @@ class CudaRuntime(Protocol):
     def on_device(self, device: int) -> contextlib.AbstractContextManager[None]:
         """Make ``device`` current inside the block (registration acts on the current device)."""
 
+    def current_device(self) -> int:
+        """The calling thread's current CUDA device."""
+
 
 def loaded_cudart() -> ctypes.CDLL | None:
     """The ``libcudart`` instance already loaded in this process, or ``None``."""
@@ -140,3 +143,6 @@ class TorchCudaRuntime:
     def on_device(self, device: int) -> Iterator[None]:
         with self._torch.cuda.device(device):
             yield
+
+    def current_device(self) -> int:
+        return int(self._torch.cuda.current_device())

@@ -130,20 +130,27 @@ def unsupported(runtime: CudaRuntime, device: int, regions: Sequence[MappedRegio
 
 
 def register_regions(
-    regions: Sequence[MappedRegion], limit_gib: float, *, device: int = 0, runtime: CudaRuntime | None = None
+    regions: Sequence[MappedRegion],
+    limit_gib: float,
+    *,
+    device: int | None = None,
+    runtime: CudaRuntime | None = None,
 ) -> HostRegistration | None:
     """Register every region (in ``CHUNK_BYTES`` chunks, ``Portable``, ``ReadOnly`` for read-only
     mappings, with CUDA ``device`` current), or none of them (rollback) and return ``None``.
 
     If the rollback itself fails the partial registration is returned with ``complete=False``:
     the caller must not rely on it for copies but must ``close`` it before closing the lease.
-    ``runtime`` defaults to the process's CUDA runtime (``cudart.TorchCudaRuntime``).
+    ``device`` defaults to the current CUDA device; ``runtime`` to the process's CUDA runtime
+    (``cudart.TorchCudaRuntime``).
     """
     if not regions or not within_budget(regions, limit_gib):
         return None
     runtime = runtime if runtime is not None else _torch_runtime()
     if runtime is None:
         return None
+    if device is None:
+        device = runtime.current_device()
     reason = unsupported(runtime, device, regions)
     if reason is not None:
         _log.info("host registration skipped: %s; using staging", reason)

@@ -15,14 +15,11 @@ and ``tensor(block, slot, index)`` is what compute binds for tensor ``index`` of
   the device can read the host memory asynchronously (pinned module tensors, or a lease whose
   mappings are ``cudaHostRegister``-ed; on a CPU device only when zero-copy is turned off).
 - ``StagedTransfer``: pack the block into one of two bounded host staging buffers (pinned on
-  CUDA) on a packer thread, then one H2D copy. A staging buffer is reused only after the copy
-  that last read it finished (the packer's host wait on its signal).
+  CUDA), then one H2D copy. A staging buffer is reused only after the copy that last read it
+  finished (host wait on its signal).
 - ``AllGatherTransfer``: copy this rank's pre-built shard to a device shard buffer on the copy
   lane, then ``all_gather`` it into the slot on the communication lane (bytes, so any dtype
   works on gloo and NCCL). Every rank must call ``fill`` in the same order.
-
-``close`` drops every host tensor a transfer holds (the lease's views among them), so that
-closing the lease unmaps it at once instead of when the garbage collector gets to it.
 
 Every writer first waits on ``slots.free[slot]`` (compute may still read the slot's previous
 block) and, for AllGather, on the slot's previous ``ready`` (the last gather still reads the
@@ -36,9 +33,10 @@ from typing import Any, Protocol
 
 import torch
 
+from hwr.dlo_backend import lanes
 from hwr.dlo_backend.arena import HostArena
 from hwr.dlo_backend.group import all_gather_bytes
-from hwr.dlo_backend.lanes import DeferredSignal, Lane, LaneError, Signal, completed_signal
+from hwr.dlo_backend.lanes import Lane, Signal, completed_signal
 from hwr.dlo_backend.layout import GROUP_ALIGN_BYTES, BlockLayout
 from hwr.dlo_backend.paging import populate
 from hwr.dlo_backend.sharding import flat_span
@@ -54,7 +52,10 @@ class Transfer(Protocol):
 
     def tensor(self, block: int, slot: int, index: int) -> torch.Tensor: ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Drop every host tensor held (the lease's views among them), so that closing the lease
+        unmaps it at once instead of when the garbage collector gets to it."""
+        ...
 
 
 class _SlotViews:
@@ -129,7 +130,7 @@ class DirectTransfer(_SlotViews):
 class StagedTransfer(_SlotViews):
     """Host tensors -> bounded staging buffer (host memcpy) -> slot (one H2D copy).
 
-    The host memcpy (the pack) runs on ``packer``, a worker thread, not in the forward hook
+    The host memcpy (the pack) runs on ``packer`` (a worker thread), not in the forward hook
     that calls ``fill``: the hook returns at once, and compute's kernels are enqueued while the
     next block is packed (torch's CPU copy releases the GIL). The packer then enqueues the H2D
     on the copy lane itself and resolves the slot's ``ready`` (a ``DeferredSignal``). At most
@@ -171,12 +172,12 @@ class StagedTransfer(_SlotViews):
             region[placed.offset : placed.offset + placed.meta.span].copy_(flat_span(host))
 
     def _pack_and_copy(
-        self, block: int, slot: int, index: int, previous: Signal, free: Signal | None, ready: DeferredSignal
+        self, block: int, slot: int, index: int, previous: Signal, free: Signal | None, ready: lanes.DeferredSignal
     ) -> None:
         """Packer thread: wait for the staging buffer, pack, enqueue the H2D, resolve ``ready``."""
         try:
             if self._failed is not None:
-                raise LaneError(f"an earlier staged pack failed ({self._failed})") from self._failed
+                raise lanes.LaneError(f"an earlier staged pack failed ({self._failed})") from self._failed
             # Host wait: the copy that last read this staging buffer must finish before we overwrite it.
             previous.wait_host()
             staging = self.staging[index]
@@ -194,7 +195,7 @@ class StagedTransfer(_SlotViews):
     def fill(self, block: int, slot: int) -> None:
         index = self._next
         self._next = 1 - index
-        previous, free, ready = self._done[index], self._slots.free[slot], DeferredSignal()
+        previous, free, ready = self._done[index], self._slots.free[slot], lanes.DeferredSignal()
         self._packer.submit(lambda: self._pack_and_copy(block, slot, index, previous, free, ready))
         self._done[index] = ready
         self._slots.ready[slot] = ready

@@ -84,6 +84,9 @@ class FakeCudaRuntime:
         finally:
             self.current = previous
 
+    def current_device(self) -> int:
+        return self.current
+
     # ---- what a test observes
     def _fail(self, error: int) -> int:
         self.last_error = error

@@ -149,3 +149,9 @@ def test_a_chunk_failing_midway_unregisters_the_chunks_before_it() -> None:
     assert runtime.registered == []
     assert [name for name, _, _ in runtime.calls] == ["register"] * 3 + ["unregister"] * 2
     runtime.launch()
+
+
+def test_without_a_device_the_current_one_is_the_target() -> None:
+    runtime = FakeCudaRuntime(current=5)
+    got = register_regions(_regions(PAGE), 0, runtime=runtime)
+    assert got is not None and got.device == 5 and runtime.registered[0].device == 5
