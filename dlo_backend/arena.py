@@ -55,7 +55,10 @@ class HostArena:
         self, nbytes: int, *, device: torch.device | None = None, runtime: CudaRuntime | None = None
     ) -> None:
         self.capacity = max(mmap.PAGESIZE, _align(nbytes, mmap.PAGESIZE))
-        self._map: mmap.mmap | None = mmap.mmap(-1, self.capacity)
+        # Private anonymous memory (what malloc returns): counted as the process's own, not
+        # shared with a forked child.
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        self._map: mmap.mmap | None = mmap.mmap(-1, self.capacity, flags=flags)
         # Through a memoryview: mmap.close() then refuses (BufferError) while a view is alive.
         self._base: torch.Tensor | None = torch.frombuffer(memoryview(self._map), dtype=torch.uint8)
         self._cursor = 0
