@@ -19,7 +19,7 @@ from gpu_check_cases import REPO, Ctx, Shape, Stack, pin_module, resident_copy, 
 
 from hwr.dlo_backend import apply_layerwise_offload
 
-_SLEEP_CYCLES = 20_000_000  # ~10 ms of GPU spin: keeps a queued kernel reading freed memory
+_SLEEP_CYCLES = 200_000_000  # ~0.1 s of GPU spin: longer than an enable, so the hazard can show
 
 
 # ------------------------------------------------------------------------------------ 1. matrix
@@ -76,18 +76,25 @@ def race(ctx: Ctx) -> dict[str, Any]:
         if ctx.dry_run
         else {"compute_bound": Shape(7, 1024, 2048, 16384), "copy_bound": Shape(7, 2048, 8192, 16)}
     )
-    lease = ctx.cuda and ctx.take_lease is not None  # the registered mapping: the most asynchronous path
-    out: dict[str, Any] = {"iterations": iterations, "source": "lease" if lease else "module-pinned"}
+    # Alternate the sources: pinned module tensors (nothing synchronizes the device during enable,
+    # so the allocation hazard is exposed) and the registered lease mapping (the most
+    # asynchronous copies; cudaHostRegister may synchronize, which would hide that hazard).
+    lease = ctx.take_lease is not None
+    out: dict[str, Any] = {"iterations": iterations, "sources": ["module-pinned", "lease"] if lease else
+                           ["module-pinned"]}
     with torch.no_grad():
         for name, shape in configs.items():
             model = Stack(shape.depth, shape.dim, shape.hidden).eval()
             resident = resident_copy(model, shape, ctx.device)
-            if ctx.cuda and not lease:
+            if ctx.cuda:
                 pin_module(model)
             probe = apply_layerwise_offload(model, device=ctx.device, blocks_attr="blocks", cpu_zero_copy=False)
             slot_bytes, mode = probe.stats.slot_bytes, probe.stats.mode
             probe.close()
-            passed = [_race_iteration(ctx, shape, model, resident, slot_bytes, lease) for _ in range(iterations)]
+            passed = [
+                _race_iteration(ctx, shape, model, resident, slot_bytes, lease and i % 2 == 1)
+                for i in range(iterations)
+            ]
             out[name] = {"shape": shape.__dict__, "probe_mode": mode, "passed": sum(passed),
                          "failed": passed.count(False)}
     out["ok"] = all(out[name]["failed"] == 0 for name in configs)
