@@ -45,6 +45,7 @@ synchronized on every stream a forward ran on (the caching allocator would other
 slots' memory to the next allocation on their allocating stream while another stream still
 reads it); after it, the host arenas that shards and staging were carved from (``arena``) are
 unregistered and unmapped.
+
 Inference only: streamed weights are swapped in and out under the model, so do not backprop.
 """
 
