@@ -49,11 +49,12 @@ _SHARE_OF_GROUP_TIMEOUT = 0.9
 
 def watchdog_timeout_s(group: Any, device: torch.device) -> float:
     """``_SHARE_OF_GROUP_TIMEOUT`` of ``group``'s collective timeout (torch's default if unknown)."""
-    timeout: Any = None
-    try:  # private in torch: ProcessGroup._get_backend(device).options._timeout
-        timeout = group._get_backend(device).options._timeout
-    except Exception:
-        timeout = None
+    timeout: Any = getattr(group, "timeout", None)  # a communicator object that knows its own
+    if not isinstance(timeout, timedelta):
+        try:  # private in torch: ProcessGroup._get_backend(device).options._timeout
+            timeout = group._get_backend(device).options._timeout
+        except Exception:
+            timeout = None
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else DEFAULT_GROUP_TIMEOUT_S
     return max(0.1, seconds * _SHARE_OF_GROUP_TIMEOUT)
 
@@ -61,12 +62,17 @@ def watchdog_timeout_s(group: Any, device: torch.device) -> float:
 def abort_group(group: Any, device: torch.device) -> str | None:
     """Abort ``group``'s communicators where torch can (NCCL); ``None``, or why it could not.
 
-    Tried in order: ``torch.distributed.distributed_c10d._abort_process_group(group)`` (recent
-    torch), then ``abort()`` of the group's backend for ``device`` (``ProcessGroupNCCL.abort``).
-    Only NCCL groups are aborted: a gloo collective raises by itself at the group timeout.
+    An object that is not a torch ``ProcessGroup`` but has ``abort()`` (a communicator wrapper)
+    is asked to abort itself. For a ``ProcessGroup``, tried in order:
+    ``torch.distributed.distributed_c10d._abort_process_group(group)`` (recent torch), then
+    ``abort()`` of the group's backend for ``device`` (``ProcessGroupNCCL.abort``). Only NCCL
+    groups are aborted: a gloo collective raises by itself at the group timeout.
     """
     import torch.distributed as dist
 
+    if not isinstance(group, dist.ProcessGroup) and callable(getattr(group, "abort", None)):
+        result = group.abort()  # a communicator object with its own abort (None, or why not)
+        return None if result is None else str(result)
     try:
         kind = str(dist.get_backend(group)).lower()
     except Exception as exc:

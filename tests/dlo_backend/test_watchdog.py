@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,17 @@ def test_a_stuck_gather_poisons_the_backend_with_a_typed_error(one_rank_gloo, mo
         releaser.join()
         handle.close()
     assert handle.closed
+
+
+def test_a_communicator_object_supplies_its_own_timeout_and_abort() -> None:
+    class Communicator:  # the shape of a DLO-owned communicator wrapper: timeout and abort()
+        timeout = timedelta(seconds=10)
+        aborted = 0
+
+        def abort(self) -> str | None:
+            self.aborted += 1
+            return None
+
+    communicator = Communicator()
+    assert watchdog_timeout_s(communicator, torch.device("cpu")) == pytest.approx(9.0)
+    assert abort_group(communicator, torch.device("cpu")) is None and communicator.aborted == 1
