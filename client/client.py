@@ -20,7 +20,6 @@ Contract:
 
 from __future__ import annotations
 
-import array
 import contextlib
 import functools
 import hashlib
@@ -28,7 +27,6 @@ import json
 import os
 import select
 import socket
-import struct
 import threading
 import time
 import weakref
@@ -37,7 +35,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
-import msgspec
 
 from hwr import __version__
 from hwr.client.errors import (
@@ -46,12 +43,20 @@ from hwr.client.errors import (
     HwrError,
     InvalidRequest,
     PermissionDeniedError,
-    error_from_code,
 )
 from hwr.client.identity import ArtifactIdentity, is_key
 from hwr.client.manifest import Manifest
 from hwr.client.paths import checkpoint_ref, default_socket, peer_path
-from hwr.client.wire import MAX_FRAME, SESSION_KEY, close_fds, error_from_rpc, recv_frame, send_frame
+from hwr.client.wire import (
+    SESSION_KEY,
+    close_fds,
+    encode_frame,
+    error_from_frame,
+    error_from_rpc,
+    recv_frame,
+    recv_reply,
+    send_frame,
+)
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
 from hwr.protos.hwr.v1 import hwr_pb2_grpc
 
@@ -178,8 +183,8 @@ class Client:
             try:
                 if timeout is not None:
                     sock.settimeout(timeout)
-                sock.sendall(_frame(request))
-                reply, fds, tail = _recv_reply(sock, want_fds)
+                sock.sendall(encode_frame(request))
+                reply, fds, tail = recv_reply(sock, want_fds=want_fds)
                 if timeout is not None:
                     sock.settimeout(usual)
             except (ConnectionError, OSError) as exc:
@@ -191,8 +196,7 @@ class Client:
                 raise DaemonUnavailable(f"peer channel to hwrd broke: {exc}") from None
         if not reply.get("ok"):
             close_fds(fds)
-            raise error_from_code(str(reply.get("code")), str(reply.get("message")),
-                                  reply.get("details") or {})
+            raise error_from_frame(reply)
         return reply, fds, tail
 
     def _with_reconnect(self, exchange: Callable[[], R]) -> R:
@@ -679,11 +683,11 @@ def _open_session(socket_path: Path, timeout: float,
     try:
         hello, _ = recv_frame(peer)
         if not hello.get("ok"):
-            raise error_from_code(str(hello.get("code")), str(hello.get("message")), hello.get("details") or {})
+            raise error_from_frame(hello)
         send_frame(peer, hello_request)
         reply, _ = recv_frame(peer)
         if not reply.get("ok"):
-            raise error_from_code(str(reply.get("code")), str(reply.get("message")), reply.get("details") or {})
+            raise error_from_frame(reply)
     except HwrError:  # typed errors subclass built-ins (PermissionDeniedError is an OSError)
         peer.close()
         raise
@@ -734,77 +738,9 @@ def _open_peer(socket_path: Path, timeout: float) -> socket.socket:
     return sock
 
 
-_LEN = struct.Struct(">I")
-_encode = msgspec.json.Encoder().encode
-_decode = msgspec.json.Decoder().decode
-#: Linux passes at most SCM_MAX_FD (253) descriptors in one message.
-_CMSG_SPACE = socket.CMSG_SPACE(253 * array.array("i").itemsize)
-
-
-def _frame(obj: dict[str, Any]) -> bytes:
-    body = _encode(obj)
-    if len(body) > MAX_FRAME:
-        raise InvalidRequest("request too large for a peer frame")
-    return _LEN.pack(len(body)) + body
-
-
-def _recv_reply(sock: socket.socket, want_fds: bool) -> tuple[dict[str, Any], list[int], bytes]:
-    """One reply frame (``hwr.client.wire`` framing) plus its raw tail (``manifest_bytes``),
-    read greedily: usually one ``recvmsg``. Raises ``ConnectionError`` on EOF or a malformed
-    reply, with any received descriptors closed."""
-    fds: list[int] = []
-    if want_fds:
-        data, ancdata, flags, _addr = sock.recvmsg(1 << 16, _CMSG_SPACE)
-        for level, kind, payload in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                arr = array.array("i")
-                arr.frombytes(payload[: len(payload) - len(payload) % arr.itemsize])
-                fds.extend(arr)
-        if flags & socket.MSG_CTRUNC:
-            close_fds(fds)
-            raise ConnectionError("hwrd sent more descriptors than one message can carry")
-    else:
-        data = sock.recv(1 << 16)
-    buf = bytearray(data)
-    try:
-        if not data:
-            raise ConnectionError("peer channel closed")
-        _fill(sock, buf, _LEN.size)
-        (length,) = _LEN.unpack_from(buf)
-        if length > MAX_FRAME:
-            raise ConnectionError("peer frame too large")
-        end = _LEN.size + length
-        _fill(sock, buf, end)
-        try:
-            reply = _decode(bytes(buf[_LEN.size:end]))
-        except (msgspec.DecodeError, ValueError) as exc:
-            raise ConnectionError("malformed peer frame") from exc
-        if not isinstance(reply, dict):
-            raise ConnectionError("malformed peer frame")
-        n = reply.get("manifest_bytes", 0) if reply.get("ok") else 0
-        if not isinstance(n, int) or n < 0 or n > MAX_MANIFEST:
-            raise ConnectionError("invalid manifest length in a peer reply")
-        _fill(sock, buf, end + n)
-        if len(buf) != end + n:
-            raise ConnectionError("unexpected bytes after a peer reply")
-    except BaseException:
-        close_fds(fds)
-        raise
-    return reply, fds, bytes(buf[end:]) if n else b""
-
-
-def _fill(sock: socket.socket, buf: bytearray, n: int) -> None:
-    while len(buf) < n:
-        chunk = sock.recv(max(n - len(buf), 1 << 16))
-        if not chunk:
-            raise ConnectionError("peer channel closed")
-        buf += chunk
-
-
 #: key -> (sha256 of the manifest bytes the daemon sent, parsed manifest): lets ``acquire`` tell the
 #: daemon which manifest this process already holds, so the daemon sends it only once per process.
 _MANIFESTS: dict[str, tuple[str, Manifest]] = {}
-MAX_MANIFEST = 1 << 30
 
 
 @functools.lru_cache(maxsize=32)

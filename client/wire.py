@@ -11,8 +11,14 @@ Peer-channel frames (``<socket>.peer``, a SOCK_STREAM Unix socket):
     |     length N   |                               |
     +----------------+-------------------------------+
 
-A frame that carries descriptors sends them (SCM_RIGHTS) with the first byte of its length
-prefix. Frames larger than ``MAX_FRAME`` are a protocol error and close the connection.
+A frame that carries descriptors sends them (SCM_RIGHTS, at most ``MAX_FDS``: Linux's
+SCM_MAX_FD) with the first byte of its length prefix. A body larger than ``MAX_FRAME`` is a
+protocol error and closes the connection. An acquire reply is followed by ``manifest_bytes`` raw
+bytes (at most ``MAX_TAIL``). Error frames are ``{"ok": false, "code", "message", "details"}``
+(``error_frame`` / ``error_from_frame``).
+
+This module is the one codec of the channel: the client's requests and hwrd's replies (and
+hwrd's request parsing, ``take_frame``) all go through it, so the limits live only here.
 """
 
 from __future__ import annotations
@@ -23,27 +29,35 @@ import json
 import os
 import socket
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grpc
+import msgspec
 
-from hwr.client.errors import DaemonUnavailable, DeadlineExceeded, HwrError, error_from_code
+from hwr.client.errors import DaemonUnavailable, DeadlineExceeded, HwrError, InvalidRequest, error_from_code
 
 __all__ = [
     "ERROR_CODE_KEY",
     "ERROR_DETAILS_KEY",
     "MAX_FDS",
     "MAX_FRAME",
+    "MAX_TAIL",
     "MAX_WAIT_TIMEOUT_MS",
     "SESSION_KEY",
     "STATUS_BY_CODE",
     "close_fds",
+    "decode_body",
     "encode_frame",
+    "error_frame",
+    "error_from_frame",
     "error_from_rpc",
+    "frame_size",
     "recv_frame",
+    "recv_reply",
     "send_frame",
     "status_for",
+    "take_frame",
 ]
 
 SESSION_KEY = "hwr-session"
@@ -53,8 +67,13 @@ MAX_FRAME = 1 << 20
 #: The longest ``BeginPublicationRequest.wait_timeout_ms`` hwrd accepts (one hour); longer is
 #: INVALID_ARGUMENT.
 MAX_WAIT_TIMEOUT_MS = 3_600_000
-MAX_FDS = 64
+MAX_FDS = 253  # SCM_MAX_FD: the most descriptors Linux passes in one message
+MAX_TAIL = 1 << 30  # the longest raw tail (manifest bytes) after a reply frame
 _LEN = struct.Struct(">I")
+_READ = 1 << 16  # one greedy read of a reply
+_CMSG_SPACE = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder().decode
 
 SC = grpc.StatusCode
 STATUS_BY_CODE: dict[str, grpc.StatusCode] = {
@@ -118,70 +137,178 @@ def error_from_rpc(exc: grpc.RpcError) -> HwrError:
     return HwrError(f"hwrd call failed ({status}): {message}")
 
 
-def encode_frame(obj: dict[str, Any]) -> bytes:
-    body = json.dumps(obj, separators=(",", ":")).encode()
+def encode_frame(obj: Mapping[str, Any], tail: bytes = b"") -> bytes:
+    """One frame (length prefix + JSON body) followed by ``tail`` raw bytes.
+
+    Encoded with msgspec; a value msgspec cannot encode (an integer past 64 bits, an object)
+    falls back to ``json`` with ``str()`` for what JSON has no form for. Raises
+    ``InvalidRequest`` when the body is over ``MAX_FRAME``.
+    """
+    try:
+        body = _encode(obj)
+    except (TypeError, ValueError, OverflowError):
+        body = json.dumps(obj, default=str, separators=(",", ":")).encode()
     if len(body) > MAX_FRAME:
-        raise ValueError("frame too large")
-    return _LEN.pack(len(body)) + body
+        raise InvalidRequest("too large for a peer frame", details={"limit": MAX_FRAME})
+    return b"".join((_LEN.pack(len(body)), body, tail))
 
 
-def send_frame(sock: socket.socket, obj: dict[str, Any], fds: list[int] | tuple[int, ...] = ()) -> None:
-    """Send one frame (blocking socket), with descriptors riding on the first byte."""
+def decode_body(body: bytes) -> dict[str, Any]:
+    """A frame's JSON object. msgspec decodes; what it refuses but JSON-with-extensions takes
+    (NaN, integers past 64 bits) goes to ``json``. Raises ``ConnectionError`` for anything that
+    is not a JSON object (nesting too deep for a decoder included)."""
+    try:
+        obj = _decode(body)
+    except RecursionError as exc:  # nesting deeper than any request has
+        raise ConnectionError("malformed peer frame") from exc
+    except (msgspec.DecodeError, ValueError):
+        try:
+            obj = json.loads(body or b"")
+        except (ValueError, RecursionError) as exc:
+            raise ConnectionError("malformed peer frame") from exc
+    if not isinstance(obj, dict):
+        raise ConnectionError("malformed peer frame")
+    return obj
+
+
+def frame_size(buf: bytes | bytearray) -> int | None:
+    """Bytes of the first frame in ``buf`` (prefix + body, whatever the length says), or None
+    while its prefix is incomplete."""
+    if len(buf) < _LEN.size:
+        return None
+    return _LEN.size + _LEN.unpack_from(buf)[0]
+
+
+def _checked_size(buf: bytes | bytearray) -> int | None:
+    """``frame_size``; a body over ``MAX_FRAME`` is a ``ConnectionError``."""
+    size = frame_size(buf)
+    if size is not None and size - _LEN.size > MAX_FRAME:
+        raise ConnectionError("peer frame too large")
+    return size
+
+
+def take_frame(buf: bytearray) -> dict[str, Any] | None:
+    """Remove the first complete frame from ``buf`` and decode it; None while it is incomplete.
+    Raises ``ConnectionError`` for a frame over ``MAX_FRAME`` or a body that is not an object."""
+    size = _checked_size(buf)
+    if size is None or len(buf) < size:
+        return None
+    body = bytes(buf[_LEN.size:size])
+    del buf[:size]
+    return decode_body(body)
+
+
+def error_frame(exc: HwrError) -> dict[str, Any]:
+    """The error frame of a typed error: the code, message and details its RPC status carries."""
+    return {"ok": False, "code": exc.code, "message": exc.message, "details": exc.details}
+
+
+def error_from_frame(reply: Mapping[str, Any]) -> HwrError:
+    """The typed error an error frame carries (the inverse of ``error_frame``)."""
+    details = reply.get("details")
+    return error_from_code(str(reply.get("code")), str(reply.get("message")),
+                           details if isinstance(details, dict) else {})
+
+
+def send_frame(sock: socket.socket, obj: Mapping[str, Any], fds: Sequence[int] = ()) -> None:
+    """Send one frame (blocking socket), with descriptors riding on its first byte."""
     data = encode_frame(obj)
     if fds:
-        sent = socket.send_fds(sock, [data[:1]], list(fds))
-        if sent != 1:
+        if socket.send_fds(sock, [data[:1]], list(fds)) != 1:
             raise ConnectionError("short send of a descriptor frame")
         data = data[1:]
     sock.sendall(data)
 
 
 def recv_frame(sock: socket.socket, *, want_fds: bool = False) -> tuple[dict[str, Any], list[int]]:
-    """Receive one frame (blocking socket) and any descriptors sent with it.
+    """Receive exactly one frame (blocking socket) and any descriptors sent with it; bytes after
+    it (an acquire reply's manifest) stay in the socket.
 
-    Raises ``ConnectionError`` on EOF or a malformed frame. Received descriptors are always
-    returned (and must be closed by the caller) even when the frame is an error frame.
+    Raises ``ConnectionError`` on EOF or a malformed frame. Received descriptors are returned
+    (the caller closes them) also with an error frame; on a raise they are closed.
     """
     fds: list[int] = []
-    if want_fds:
-        fdarr = array.array("i")
-        msg, ancdata, _flags, _addr = sock.recvmsg(1, socket.CMSG_SPACE(MAX_FDS * fdarr.itemsize))
-        for level, kind, data in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fdarr.frombytes(data[: len(data) - (len(data) % fdarr.itemsize)])
-        fds = list(fdarr)
-        if not msg:
-            close_fds(fds)
-            raise ConnectionError("peer channel closed")
-        head = msg + _recv_exact(sock, _LEN.size - 1, fds)
-    else:
-        head = _recv_exact(sock, _LEN.size, fds)
-    (length,) = _LEN.unpack(head)
-    if length > MAX_FRAME:
-        close_fds(fds)
-        raise ConnectionError("peer frame too large")
-    body = _recv_exact(sock, length, fds)
     try:
-        obj = json.loads(body)
-    except ValueError as exc:
+        if want_fds:
+            first, fds = _recv_with_fds(sock, 1)
+            head = first + _recv_exact(sock, _LEN.size - 1)
+        else:
+            head = _recv_exact(sock, _LEN.size)
+        size = _checked_size(head)
+        assert size is not None
+        return decode_body(_recv_exact(sock, size - _LEN.size)), fds
+    except BaseException:
         close_fds(fds)
-        raise ConnectionError("malformed peer frame") from exc
-    if not isinstance(obj, dict):
-        close_fds(fds)
-        raise ConnectionError("malformed peer frame")
-    return obj, fds
+        raise
 
 
-def _recv_exact(sock: socket.socket, n: int, fds: list[int]) -> bytes:
-    chunks: list[bytes] = []
-    while n:
-        chunk = sock.recv(n)
-        if not chunk:
-            close_fds(fds)
+def recv_reply(sock: socket.socket, *, want_fds: bool) -> tuple[dict[str, Any], list[int], bytes]:
+    """One reply frame plus its raw tail (``manifest_bytes`` of an ok reply, at most
+    ``MAX_TAIL``), read greedily: usually one ``recvmsg``. Raises ``ConnectionError`` on EOF, a
+    malformed reply or bytes after it, with any received descriptors closed."""
+    fds: list[int] = []
+    try:
+        if want_fds:
+            data, fds = _recv_with_fds(sock, _READ)
+        else:
+            data = sock.recv(_READ)
+        if not data:
             raise ConnectionError("peer channel closed")
-        chunks.append(chunk)
-        n -= len(chunk)
-    return b"".join(chunks)
+        buf = bytearray(data)
+        _fill(sock, buf, _LEN.size)
+        end = _checked_size(buf)
+        assert end is not None
+        _fill(sock, buf, end)
+        reply = decode_body(bytes(buf[_LEN.size:end]))
+        n = reply.get("manifest_bytes", 0) if reply.get("ok") else 0
+        if not isinstance(n, int) or n < 0 or n > MAX_TAIL:
+            raise ConnectionError("invalid manifest length in a peer reply")
+        _fill(sock, buf, end + n)
+        if len(buf) != end + n:
+            raise ConnectionError("unexpected bytes after a peer reply")
+    except BaseException:
+        close_fds(fds)
+        raise
+    return reply, fds, bytes(buf[end:]) if n else b""
+
+
+def _recv_with_fds(sock: socket.socket, size: int) -> tuple[bytes, list[int]]:
+    """Up to ``size`` bytes and the descriptors riding on them (at most ``MAX_FDS``; more is a
+    ``ConnectionError``, with the ones received closed)."""
+    data, ancdata, flags, _addr = sock.recvmsg(size, _CMSG_SPACE)
+    fds: list[int] = []
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            arr = array.array("i")
+            arr.frombytes(payload[: len(payload) - len(payload) % arr.itemsize])
+            fds.extend(arr)
+    if flags & socket.MSG_CTRUNC:
+        close_fds(fds)
+        raise ConnectionError("hwrd sent more descriptors than one message can carry")
+    if not data:
+        close_fds(fds)
+        raise ConnectionError("peer channel closed")
+    return data, fds
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    """Exactly ``n`` bytes: nothing after them is read."""
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("peer channel closed")
+        buf += chunk
+    return bytes(buf)
+
+
+def _fill(sock: socket.socket, buf: bytearray, n: int) -> None:
+    """Read until ``buf`` holds ``n`` bytes (more when one read brings more)."""
+    while len(buf) < n:
+        chunk = sock.recv(max(n - len(buf), _READ))
+        if not chunk:
+            raise ConnectionError("peer channel closed")
+        buf += chunk
 
 
 def close_fds(fds: Sequence[int]) -> None:

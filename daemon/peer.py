@@ -49,20 +49,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import json
 import logging
 import os
 import socket
-import struct
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from hwr import __version__
 from hwr.client.errors import DaemonUnavailable, HwrError, InvalidRequest, PermissionDeniedError
-from hwr.client.wire import MAX_FRAME, close_fds, send_frame
+from hwr.client.wire import MAX_FRAME, close_fds, encode_frame, error_frame, send_frame, take_frame
 from hwr.daemon.accepting import Acceptor
 from hwr.daemon.peer_limits import READ_SIZE, FrameWatch, InflightFds, Ledger, PeerLimits
 from hwr.daemon.peercred import AllowList, peer_allowed, read_peercred
@@ -71,10 +67,6 @@ from hwr.daemon.sessions import Registry, Session
 __all__ = ["PeerServer"]
 
 log = logging.getLogger("hwrd.peer")
-_LEN = struct.Struct(">I")
-_decode = msgspec.json.Decoder().decode
-_encode = msgspec.json.Encoder().encode
-
 
 _LATER = object()  # a request that needs the event loop (awaits): handled by a task
 _PUBLISH_OPS = {"publish_begin": "begin", "publish_commit": "commit", "publish_abort": "abort"}
@@ -175,12 +167,12 @@ class PeerServer:
         cred = read_peercred(sock)
         if not peer_allowed(cred, self._allow()):
             log.warning("refused peer pid=%d uid=%d gid=%d", cred.pid, cred.uid, cred.gid)
-            return None, _error(PermissionDeniedError(f"uid {cred.uid} is not on hwrd's allow-list"))
+            return None, error_frame(PermissionDeniedError(f"uid {cred.uid} is not on hwrd's allow-list"))
         if not self.ledger.session_allowed(cred.uid):
             limit = self.ledger.limits.max_sessions_per_uid
             log.warning("refused peer pid=%d uid=%d: it has %d sessions open (max_sessions_per_uid)",
                         cred.pid, cred.uid, limit)
-            return None, _error(DaemonUnavailable(
+            return None, error_frame(DaemonUnavailable(
                 f"uid {cred.uid} has {limit} sessions open, the most hwrd allows one uid; close some",
                 details={"reason": "SESSIONS_PER_UID", "limit": limit}))
         session = self._registry.open_session(cred)
@@ -189,29 +181,26 @@ class PeerServer:
                          "pid": cred.pid, "uid": cred.uid}
 
     def _handle_now(self, session: Session, req: dict[str, Any]) -> Any:
-        """(reply, fds, tail) for a request served synchronously, or ``_LATER``."""
+        """(reply, fds, tail) for a request served synchronously, or ``_LATER``; every failure
+        becomes an error frame (``_failure_frame``) and the connection stays usable."""
         op = req.get("op")
-        if op == "acquire":
-            try:
+        try:
+            if op == "acquire":
                 key = _acquire_key(req)
                 now = self._leasing.acquire_now(session, key) if self._leasing is not None else None
                 if now is None:
                     return _LATER
                 return self._acquired(session, req, key, *now)
-            except HwrError as exc:
-                return _error(exc), [], b""
-            except Exception as exc:
-                return _internal(op, exc), [], b""
-        if op == "release" or op == "hello":
-            return self._lease_op_now(session, op, req)
-        if op in _PUBLISH_OPS:
-            return _LATER
-        reply, fds = self._dispatch(session, req)
-        return reply, fds, b""
+            if op in _PUBLISH_OPS:
+                return _LATER
+            reply, fds = self._serve_now(session, op, req)
+            return reply, fds, b""
+        except Exception as exc:
+            return _failure_frame(op, exc), [], b""
 
     async def _handle_later(self, session: Session, req: dict[str, Any]) -> tuple[dict[str, Any], list[int], bytes]:
         """A request that awaits (a publication op, or an ``acquire`` that must validate or wait
-        out an eviction round); errors become error frames."""
+        out an eviction round); every failure becomes an error frame (``_failure_frame``)."""
         op = req.get("op")
         try:
             if op in _PUBLISH_OPS:
@@ -224,10 +213,8 @@ class PeerServer:
                 raise PermissionDeniedError("peer operation 'acquire' is not served here")
             record, lease = await self._leasing.acquire(session, key)
             return self._acquired(session, req, key, record, lease)
-        except HwrError as exc:
-            return _error(exc), [], b""
         except Exception as exc:
-            return _internal(str(op), exc), [], b""
+            return _failure_frame(op, exc), [], b""
 
     def _acquired(self, session: Session, req: dict[str, Any], key: str, record: Any,
                   lease: Any) -> tuple[dict[str, Any], list[int], bytes]:
@@ -242,45 +229,33 @@ class PeerServer:
         return ({"ok": True, "lease_id": lease.lease_id, "lease_token": lease.token, "key": key,
                  "manifest_sha256": digest, "manifest_bytes": len(tail), "count": len(fds)}, fds, tail)
 
-    def _lease_op_now(self, session: Session, op: str, req: dict[str, Any]) -> tuple[dict[str, Any], list[int], bytes]:
-        """``hello`` and ``release`` (module docstring); errors become error frames."""
-        try:
-            if op == "hello":
-                name, version = req.get("client_name", ""), req.get("client_version", "")
-                if not isinstance(name, str) or not isinstance(version, str) or len(name) > 128 \
-                        or len(version) > 128:
-                    raise InvalidRequest("client_name/client_version must be strings of at most 128 characters")
-                session.client_name, session.client_version = name, version
-                return {"ok": True, "session_id": session.session_id, "pid": session.cred.pid,
-                        "uid": session.cred.uid, "daemon_version": __version__}, [], b""
+    def _serve_now(self, session: Session, op: object, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """``hello``, ``release``, ``ping``, ``fds``, ``staging_fds`` (module docstring); an
+        unknown op is refused. Raises typed errors (the caller makes them frames)."""
+        if op == "ping":
+            return {"ok": True}, []
+        if op == "hello":
+            name, version = req.get("client_name", ""), req.get("client_version", "")
+            if not isinstance(name, str) or not isinstance(version, str) or len(name) > 128 \
+                    or len(version) > 128:
+                raise InvalidRequest("client_name/client_version must be strings of at most 128 characters")
+            session.client_name, session.client_version = name, version
+            return {"ok": True, "session_id": session.session_id, "pid": session.cred.pid,
+                    "uid": session.cred.uid, "daemon_version": __version__}, []
+        if op == "release":
             if self._leasing is None:
                 raise PermissionDeniedError(f"peer operation {op!r} is not served here")
             lease_id = req.get("lease_id")
             if not isinstance(lease_id, str):
                 raise InvalidRequest("lease_id is required")
-            return {"ok": True, "released": self._leasing.release(session, lease_id)}, [], b""
-        except HwrError as exc:
-            return _error(exc), [], b""
-        except Exception as exc:  # a bug or an OS error (EMFILE): this request fails, not the session
-            return _internal(op, exc), [], b""
-
-    def _dispatch(self, session: Session, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        op = req.get("op")
-        try:
-            if op == "ping":
-                return {"ok": True}, []
-            if op == "fds":
-                fds = self._open_lease_fds(session, _str(req, "lease_id"), _str(req, "lease_token"))
-                return {"ok": True, "count": len(fds)}, fds
-            if op == "staging_fds":
-                fds = self._open_staging_fds(
-                    session, _str(req, "publication_id"), _str(req, "publication_token"))
-                return {"ok": True, "count": len(fds)}, fds
-            return _error(PermissionDeniedError(f"unknown peer operation {str(op)[:40]!r}")), []
-        except HwrError as exc:
-            return _error(exc), []
-        except Exception as exc:  # a bug or an OS error (EMFILE): this request fails, not the session
-            return _internal(str(op)[:40], exc), []
+            return {"ok": True, "released": self._leasing.release(session, lease_id)}, []
+        if op == "fds":
+            fds = self._open_lease_fds(session, _str(req, "lease_id"), _str(req, "lease_token"))
+            return {"ok": True, "count": len(fds)}, fds
+        if op == "staging_fds":
+            fds = self._open_staging_fds(session, _str(req, "publication_id"), _str(req, "publication_token"))
+            return {"ok": True, "count": len(fds)}, fds
+        raise PermissionDeniedError(f"unknown peer operation {str(op)[:40]!r}")
 
 
 class _Connection(asyncio.Protocol):
@@ -432,28 +407,7 @@ class _Connection(asyncio.Protocol):
                 return
 
     def _next_frame(self) -> dict[str, Any] | None:
-        buf = self.buf
-        if len(buf) < _LEN.size:
-            return None
-        (length,) = _LEN.unpack_from(buf)
-        if length > MAX_FRAME:
-            raise ConnectionError("peer frame too large")
-        if len(buf) < _LEN.size + length:
-            return None
-        body = bytes(buf[_LEN.size:_LEN.size + length])
-        del buf[:_LEN.size + length]
-        try:
-            obj = _decode(body)  # msgspec: several times faster than json
-        except RecursionError as exc:  # nesting deeper than any request has
-            raise ConnectionError("malformed peer frame") from exc
-        except (msgspec.DecodeError, ValueError):
-            try:  # what msgspec refuses but json accepts (NaN, integers past 64 bits): json decides
-                obj = json.loads(body or b"")
-            except (ValueError, RecursionError) as exc:  # RecursionError: nesting too deep for json
-                raise ConnectionError("malformed peer frame") from exc
-        if not isinstance(obj, dict):
-            raise ConnectionError("malformed peer frame")
-        return obj
+        return take_frame(self.buf)  # ConnectionError: bytes that are not a frame end the session
 
     def _later(self, coro: Awaitable[None]) -> None:
         self.busy = True
@@ -485,12 +439,9 @@ class _Connection(asyncio.Protocol):
         if self.closed or self.transport is None:
             return True  # the session is over: nothing to answer
         try:
-            body = _encode(obj)
-        except (TypeError, ValueError, OverflowError):  # details with an odd value: as text
-            body = json.dumps(obj, default=str, separators=(",", ":")).encode()
-        if len(body) > MAX_FRAME:
-            body = _encode(_error(HwrError("reply too large for a peer frame")))
-        data = b"".join((_LEN.pack(len(body)), body, tail))
+            data = encode_frame(obj, tail)
+        except InvalidRequest:  # over MAX_FRAME (details too long): the error instead, no tail
+            data = encode_frame(error_frame(HwrError("reply too large for a peer frame")))
         if self.transport.get_write_buffer_size():
             if fds:
                 return False
@@ -550,21 +501,21 @@ def _refuse(sock: socket.socket) -> None:
     """The greeting of a connection accepted with the spare descriptor while the daemon has
     none left (``hwr.daemon.accepting``): a typed, retryable error instead of a timeout."""
     sock.settimeout(1.0)
-    send_frame(sock, _error(DaemonUnavailable(
+    send_frame(sock, error_frame(DaemonUnavailable(
         "hwrd has no file descriptor left for a new session (too many open connections); retry later",
         details={"reason": "EMFILE"})))
 
 
-def _internal(op: str, exc: Exception) -> dict[str, Any]:
-    """The error frame of an unexpected failure. An OS error (out of descriptors or memory) is
-    the host's state, not a bug: a warning, no traceback; anything else is logged with one."""
+def _failure_frame(op: object, exc: Exception) -> dict[str, Any]:
+    """The error frame of a request that failed: a typed error as it is; an OS error (out of
+    descriptors or memory: the host's state, not a bug) with its errno and a warning, no
+    traceback; anything else is a bug, logged with one. The request fails, not the session."""
+    if isinstance(exc, HwrError):
+        return error_frame(exc)
+    name = str(op)[:40]
     if isinstance(exc, OSError):
-        log.warning("peer operation %s failed: %s", op, exc)
-        return _error(HwrError(f"peer operation {op} failed: {exc.strerror or exc}",
-                               details={"errno": errno.errorcode.get(exc.errno or 0, str(exc.errno))}))
-    log.error("internal error in peer operation %s", op, exc_info=exc)
-    return _error(HwrError(f"internal error in peer operation {op}"))
-
-
-def _error(exc: HwrError) -> dict[str, Any]:
-    return {"ok": False, "code": exc.code, "message": exc.message, "details": exc.details}
+        log.warning("peer operation %s failed: %s", name, exc)
+        return error_frame(HwrError(f"peer operation {name} failed: {exc.strerror or exc}",
+                                    details={"errno": errno.errorcode.get(exc.errno or 0, str(exc.errno))}))
+    log.error("internal error in peer operation %s", name, exc_info=exc)
+    return error_frame(HwrError(f"internal error in peer operation {name}"))

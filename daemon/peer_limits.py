@@ -33,12 +33,13 @@ import asyncio
 import fcntl
 import resource
 import socket
-import struct
 import termios
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from hwr.client.wire import frame_size
 
 __all__ = ["FrameWatch", "InflightFds", "Ledger", "PeerLimits", "unread_bytes"]
 
@@ -47,7 +48,6 @@ FREE_BUFFER = 64 << 10
 #: Largest read per ``recv`` on a peer connection (asyncio's default is 256 KiB): what one
 #: connection can add to its buffer before the budget is checked again.
 READ_SIZE = 64 << 10
-_LEN = struct.Struct(">I")  # the peer frame's length prefix (hwr.client.wire)
 
 
 @dataclass(frozen=True)
@@ -225,7 +225,8 @@ class FrameWatch:
         if charge != self.charged:
             delta, self.charged = charge - self.charged, charge
             self.ledger.buffered_changed(delta)
-        if buf and (len(buf) < _LEN.size or len(buf) < _LEN.size + _LEN.unpack_from(buf)[0]):
+        size = frame_size(buf)
+        if buf and (size is None or len(buf) < size):
             if self.since is None:
                 self.since = self.loop.time()
                 self._arm(self.ledger.limits.frame_timeout_s)
