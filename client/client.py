@@ -40,6 +40,7 @@ from hwr import __version__
 from hwr.client.errors import (
     CheckpointNotFound,
     DaemonUnavailable,
+    DeadlineExceeded,
     HwrError,
     InvalidRequest,
     PermissionDeniedError,
@@ -199,22 +200,30 @@ class Client:
             raise error_from_frame(reply)
         return reply, fds, tail
 
-    def _with_reconnect(self, exchange: Callable[[], R]) -> R:
+    def _with_reconnect(self, exchange: Callable[[], R], deadline: float | None = None) -> R:
         """``exchange()`` on the peer channel; when the channel broke (a daemon restart ends the
         session), reconnect once and run it again, as ``_call`` does for gRPC. Only for requests
-        that do not belong to the old session (acquire, publish_begin)."""
+        that do not belong to the old session (acquire, publish_begin). Past ``deadline``
+        (``time.monotonic()``) a broken channel is ``DeadlineExceeded`` and is not retried."""
         peer = self._peer
         try:
             return exchange()
-        except DaemonUnavailable:
+        except DaemonUnavailable as exc:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise DeadlineExceeded(f"hwrd did not answer before the deadline ({exc.message})") from None
             if not (self.auto_reconnect and not self._closed and os.getpid() == self._pid):
                 raise
             self.reconnect(failed_peer=peer)
             return exchange()
 
-    def _peer_acquire(self, key: str, identity: bytes | None = None) -> tuple[str, str, Manifest, list[int]]:
+    def _peer_acquire(self, key: str, identity: bytes | None = None,
+                      deadline: float | None = None) -> tuple[str, str, Manifest, list[int]]:
         """The peer channel's ``acquire`` of ``key`` (sent as ``identity``, its canonical bytes,
-        when given): (lease id, key, manifest, descriptors)."""
+        when given) within ``deadline`` (``time.monotonic()``; None: the connection's timeout):
+        (lease id, key, manifest, descriptors)."""
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise DeadlineExceeded("the acquire's deadline passed before hwrd was asked")
         request: dict[str, Any] = {"op": "acquire"}
         if identity is not None:
             request["identity"] = identity.decode()
@@ -223,7 +232,7 @@ class Client:
         cached = _MANIFESTS.get(key)
         if cached is not None:  # the daemon then sends no manifest bytes
             request["have"] = cached[0]
-        reply, fds, tail = self._peer_exchange(request, want_fds=True)
+        reply, fds, tail = self._peer_exchange(request, want_fds=True, timeout=left)
         try:
             try:
                 lease_id, got_key, digest = (str(reply["lease_id"]), str(reply["key"]),
@@ -252,7 +261,12 @@ class Client:
     # leases ---------------------------------------------------------------------------------
     def acquire(self, artifact: ArtifactIdentity | str, *, copy_on_write: bool = False,
                 populate: bool = False, timeout: float | None = None) -> Lease:
-        """Lease an artifact by identity or 64-hex key; raises ``ArtifactNotFound`` on a miss."""
+        """Lease an artifact by identity or 64-hex key; raises ``ArtifactNotFound`` on a miss.
+
+        ``timeout`` (seconds) bounds the exchanges with hwrd (None: the connection's timeout,
+        ``connect(timeout=)``); past it the acquire raises ``DeadlineExceeded`` and the
+        connection is replaced (the stream is out of step). A reconnect in between (after a
+        daemon restart) is bounded by the connection's timeout, not by this one."""
         if isinstance(artifact, ArtifactIdentity):
             identity = artifact.canonical_bytes
             key = hashlib.sha256(identity).hexdigest()  # = artifact.key
@@ -260,9 +274,9 @@ class Client:
             key, identity = artifact, None
         else:
             raise InvalidRequest("acquire takes an ArtifactIdentity or a 64-hex key")
-        # ``timeout`` is kept for compatibility: the exchange is bounded by the peer socket's
-        # timeout (``connect(timeout=)``); on expiry the connection is replaced (see _peer_exchange).
-        lease_id, key, manifest, fds = self._with_reconnect(lambda: self._peer_acquire(key, identity))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        lease_id, key, manifest, fds = self._with_reconnect(
+            lambda: self._peer_acquire(key, identity, deadline), deadline)
         from hwr.client.lease import Lease
 
         # Lease owns the descriptors from here (closes them, and releases the lease on failure).

@@ -83,8 +83,6 @@ class Daemon:
         self._peer: PeerServer | None = None
         self._health = health.aio.HealthServicer()
         self._started = time.monotonic()
-        self.acquire_count = 0
-        self.acquire_seconds = 0.0
 
     # lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -215,8 +213,6 @@ class Daemon:
         return self.leasing.manifest(record)[0]  # one cache for gRPC and the peer channel
 
     def metrics_acquire(self, seconds: float) -> None:
-        self.acquire_count += 1
-        self.acquire_seconds += seconds
         self.metrics.observe_acquire(seconds)
 
     async def artifact_infos(self, include_denied: bool = False) -> list[pb.ArtifactInfo]:

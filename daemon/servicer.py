@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 __all__ = ["Servicer"]
 
 log = logging.getLogger("hwrd.rpc")
-R = TypeVar("R")
 _HEX = frozenset("0123456789abcdef")
 _KIND_NAMES = {pb.TENSOR_KIND_PARAMETER: "parameter", pb.TENSOR_KIND_BUFFER: "buffer",
                pb.TENSOR_KIND_UNSPECIFIED: "parameter"}

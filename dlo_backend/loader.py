@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hwr.client.errors import HwrError, StartupFailed
+from hwr.client.errors import StartupFailed
 from hwr.client.identity import ArtifactIdentity
 from hwr.client.post_load import PublicationHandle, publish_after_load
 from hwr.client.resolver import Outcome, Resolution, RuntimeMode, resolve
@@ -123,7 +123,7 @@ def start_worker(
             skeleton = build_skeleton()
             plan = plan_restore(skeleton, lease)
             enter(LoaderState.RESTORE_PLANNED)
-        except (HwrError, Exception) as exc:
+        except Exception as exc:
             lease.close()
             if mode is RuntimeMode.REQUIRED:
                 raise fail("restore planning failed", resolution, exc) from exc
@@ -131,12 +131,13 @@ def start_worker(
             return _canonical(identity, resolution, load_canonical, device, offload, kwargs, publish=False,
                               background=background_publish, states=states, enter=enter,
                               recovered_from="planning", started=started)
+        carrier: Any = None
+        handle: Any = None
         try:
             enter(LoaderState.COMMIT_STARTED)
             carrier = plan.commit()
             owner = "carrier"
             enter(LoaderState.CARRIER_OWNED)
-            handle = None
             if offload:
                 owner = "backend"
                 from hwr.dlo_backend.offload import apply_layerwise_offload
@@ -150,9 +151,9 @@ def start_worker(
             enter(LoaderState.IN_SERVICE)
             return WorkerStartup(skeleton, resolution.outcome, resolution, handle, None, states,
                                  elapsed_s=time.perf_counter() - started)
-        except (HwrError, Exception) as exc:
+        except Exception as exc:
             # The lease is closed by whoever owns it now; the half-bound model is dropped.
-            _close_owner(owner, lease, locals().get("carrier"), locals().get("handle"))
+            _close_owner(owner, lease, carrier, handle)
             del skeleton
             if mode is RuntimeMode.REQUIRED:
                 raise fail("startup failed after restore commit began", resolution, exc) from exc

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hwr.client import ArtifactIdentity, connect
-from hwr.client.errors import DaemonUnavailable
+from hwr.client.errors import DaemonUnavailable, DeadlineExceeded
 
 
 @pytest.mark.timeout(60)
@@ -32,3 +32,21 @@ def test_a_stopped_daemon_times_out_the_exchange_and_the_client_recovers(spawn_d
         with client.acquire(key) as lease:  # a fresh connection and session
             assert float(lease.tensors["w"].sum()) == 256.0
         assert [x["key"] for x in client.leases()] == []
+
+
+@pytest.mark.timeout(60)
+def test_an_acquire_timeout_bounds_the_acquire_below_the_connection_timeout(spawn_daemon) -> None:
+    daemon = spawn_daemon()
+    with connect(daemon.socket, timeout=30.0) as client:
+        key = client.publish(ArtifactIdentity.simple("e2e/acquire-timeout"), {"w": torch.ones(64)})
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(DeadlineExceeded):
+                client.acquire(key, timeout=1.0)  # no reconnect once the deadline has passed
+            elapsed = time.monotonic() - started
+            assert 0.9 <= elapsed < 10, elapsed
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        with client.acquire(key, timeout=30.0) as lease:  # the broken connection is replaced
+            assert float(lease.tensors["w"].sum()) == 64.0
