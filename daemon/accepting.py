@@ -26,6 +26,7 @@ at start (``raise_nofile_limit``) so that this takes a great many connections.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import os
@@ -33,7 +34,7 @@ import resource
 import socket
 from collections.abc import Callable
 
-__all__ = ["Acceptor", "raise_nofile_limit"]
+__all__ = ["Acceptor", "cancel_and_wait", "raise_nofile_limit"]
 
 log = logging.getLogger("hwrd.accept")
 
@@ -147,6 +148,14 @@ class Acceptor:
         finally:
             for fd in probes:
                 os.close(fd)
+
+
+async def cancel_and_wait(task: asyncio.Task[None] | None) -> None:
+    """Cancel an accept loop's task (None: nothing) and wait until it has ended."""
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 def _open_spare() -> int | None:

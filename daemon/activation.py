@@ -30,7 +30,6 @@ point of socket activation. The daemon never unlinks inherited socket paths: sys
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -38,7 +37,7 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from hwr.daemon.accepting import Acceptor
+from hwr.daemon.accepting import Acceptor, cancel_and_wait
 
 __all__ = ["Assignment", "GrpcRelay", "InheritedSocket", "assign", "inherited_sockets", "private_grpc_path"]
 
@@ -150,11 +149,8 @@ class GrpcRelay:
 
     async def stop_accepting(self) -> None:
         """Stop taking new connections; the inherited socket stays open until ``close``."""
-        if self._accept is not None:
-            self._accept.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._accept
-            self._accept = None
+        task, self._accept = self._accept, None
+        await cancel_and_wait(task)
 
     async def close(self) -> None:
         await self.stop_accepting()

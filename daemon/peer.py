@@ -59,7 +59,7 @@ from typing import Any
 from hwr import __version__
 from hwr.client.errors import DaemonUnavailable, HwrError, InvalidRequest, PermissionDeniedError
 from hwr.client.wire import MAX_FRAME, close_fds, encode_frame, error_frame, send_frame, take_frame
-from hwr.daemon.accepting import Acceptor
+from hwr.daemon.accepting import Acceptor, cancel_and_wait
 from hwr.daemon.peer_limits import READ_SIZE, FrameWatch, InflightFds, Ledger, PeerLimits
 from hwr.daemon.peercred import AllowList, peer_allowed, read_peercred
 from hwr.daemon.sessions import Registry, Session
@@ -127,11 +127,8 @@ class PeerServer:
         self._task = asyncio.get_running_loop().create_task(self._accept_loop())
 
     async def stop_accepting(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await cancel_and_wait(task)
         if self._acceptor is not None:
             self._acceptor.close()
             self._acceptor = None

@@ -110,6 +110,16 @@ def start_worker(
             details["cause"] = f"{type(cause).__name__}: {cause}"[:300]
         return StartupFailed(message, details=details, report=resolution.report)
 
+    def recover(resolution: Resolution, exc: Exception, failed: str, fallback: str,
+                recovered_from: str) -> WorkerStartup:
+        """``required``: raise ``StartupFailed``; ``preferred``: a canonical start instead."""
+        if mode is RuntimeMode.REQUIRED:
+            raise fail(failed, resolution, exc) from exc
+        log.warning("%s (%s); %s", failed, exc, fallback)
+        return _canonical(identity, resolution, load_canonical, device, offload, kwargs, publish=False,
+                          background=background_publish, states=states, enter=enter,
+                          recovered_from=recovered_from, started=started)
+
     enter(LoaderState.UNRESOLVED)
     resolution = resolve(identity, mode, socket=socket, client=client)
     if resolution.outcome is Outcome.FAILED:
@@ -125,12 +135,7 @@ def start_worker(
             enter(LoaderState.RESTORE_PLANNED)
         except Exception as exc:
             lease.close()
-            if mode is RuntimeMode.REQUIRED:
-                raise fail("restore planning failed", resolution, exc) from exc
-            log.warning("restore planning failed (%s); loading canonically", exc)
-            return _canonical(identity, resolution, load_canonical, device, offload, kwargs, publish=False,
-                              background=background_publish, states=states, enter=enter,
-                              recovered_from="planning", started=started)
+            return recover(resolution, exc, "restore planning failed", "loading canonically", "planning")
         carrier: Any = None
         handle: Any = None
         try:
@@ -155,12 +160,8 @@ def start_worker(
             # The lease is closed by whoever owns it now; the half-bound model is dropped.
             _close_owner(owner, lease, carrier, handle)
             del skeleton
-            if mode is RuntimeMode.REQUIRED:
-                raise fail("startup failed after restore commit began", resolution, exc) from exc
-            log.warning("startup failed after commit (%s); building a fresh model canonically", exc)
-            return _canonical(identity, resolution, load_canonical, device, offload, kwargs, publish=False,
-                              background=background_publish, states=states, enter=enter,
-                              recovered_from="commit", started=started)
+            return recover(resolution, exc, "startup failed after restore commit began",
+                           "building a fresh model canonically", "commit")
 
     return _canonical(identity, resolution, load_canonical, device, offload, kwargs,
                       publish=publish and mode is not RuntimeMode.DISABLED, background=background_publish,
