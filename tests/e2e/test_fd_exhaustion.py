@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from hwr.client import ArtifactIdentity, Client, connect
-from hwr.client.errors import DaemonUnavailable
+from hwr.client.errors import DaemonUnavailable, HwrError
 from hwr.daemon.launcher import DaemonProcess
 
 LIMIT = 64
@@ -71,3 +71,34 @@ def test_hwrd_raises_its_soft_open_files_limit_to_the_hard_one() -> None:
                          env={**os.environ}).stdout.split()
     soft, hard, now_soft, now_hard = map(int, out)
     assert soft == hard == now_soft == now_hard and hard >= 128
+
+
+@pytest.mark.timeout(120)
+def test_out_of_descriptors_in_an_acquire_fails_that_acquire_only(spawn_daemon: Callable[..., DaemonProcess]) -> None:
+    """EMFILE from the daemon's ``os.open`` of payload files while it serves a peer ``acquire``
+    is an error frame for that request: the session and its other leases stay."""
+    daemon = spawn_daemon()
+    with connect(daemon.socket, timeout=10) as client:
+        held_key = client.publish(ArtifactIdentity.simple("fd-exhaustion/held"), {"w": torch.ones(64)})
+        other = client.publish(ArtifactIdentity.simple("fd-exhaustion/other"), {"w": torch.full((64,), 2.0)})
+        with client.acquire(other):
+            pass  # validated and cached: the next acquire of it only opens its payload files
+        held = client.acquire(held_key)
+        session = client.session_id
+        assert [x["key"] for x in client.leases()] == [held_key]  # opens the gRPC channel now
+        soft, hard = resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE)
+        open_now = len(os.listdir(f"/proc/{daemon.pid}/fd"))
+        resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE, (open_now, hard))
+        try:
+            with pytest.raises(HwrError) as failed:
+                client.acquire(other)
+        finally:
+            resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE, (soft, hard))
+        assert not isinstance(failed.value, DaemonUnavailable), failed.value
+        assert "Too many open files" in failed.value.message, failed.value
+        assert client.session_id == session
+        assert [x["key"] for x in client.leases()] == [held_key]
+        assert float(held.tensors["w"].sum()) == 64.0
+        with client.acquire(other) as lease:
+            assert float(lease.tensors["w"].sum()) == 128.0
+        held.close()
