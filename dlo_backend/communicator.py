@@ -81,9 +81,10 @@ def group_timeout(group: Any, device: torch.device) -> timedelta | None:
 class DloCommunicator:
     """DLO's own communicator over ``ranks`` (global ranks); this process is group rank ``rank``."""
 
-    def __init__(self, backend: Any, ranks: list[int], rank: int, prefix: str) -> None:
+    def __init__(self, backend: Any, ranks: list[int], rank: int, prefix: str, timeout: timedelta) -> None:
         self._backend: Any = backend
-        self.ranks, self.rank, self.prefix = ranks, rank, prefix
+        self.ranks, self.rank, self.prefix, self.timeout = ranks, rank, prefix, timeout
+        self.kind = type(backend).__name__  # ProcessGroupGloo / ProcessGroupNCCL
 
     @property
     def size(self) -> int:
@@ -98,6 +99,22 @@ class DloCommunicator:
         if self._backend is None:
             raise CollectiveStateError("the DLO communicator is closed")
         self._backend._allgather_base(output, local).wait()
+
+    def abort(self) -> str | None:
+        """Abort outstanding collectives (NCCL: ``ncclCommAbort``); ``None``, or why it could not.
+
+        For a watchdog that found a gather no peer joins: gloo collectives raise by themselves at
+        the timeout, an NCCL kernel waits for good unless its communicator is aborted.
+        """
+        backend = self._backend
+        abort = getattr(backend, "abort", None)
+        if abort is None:
+            return "closed" if backend is None else f"{self.kind} has no abort"
+        try:
+            abort()
+        except Exception as exc:
+            return f"abort failed: {exc}"
+        return None
 
     def close(self) -> str | None:
         """Shut the backend down; return the failure (``None`` when it worked). Idempotent."""
@@ -124,8 +141,7 @@ def _agree_prefix(chosen: Any, device: torch.device) -> str:
     return "hwr-dlo/" + bytes(nonce.cpu().tolist()).hex()
 
 
-def _make_backend(chosen: Any, store: Any, rank: int, size: int, device: torch.device) -> Any:
-    timeout = group_timeout(chosen, device) or timedelta(minutes=30)
+def _make_backend(chosen: Any, store: Any, rank: int, size: int, device: torch.device, timeout: timedelta) -> Any:
     name = dist.get_backend(chosen)
     if device.type == "cuda" and "nccl" in name:
         options = dist.ProcessGroupNCCL.Options()
@@ -146,9 +162,10 @@ def open_dlo_group(chosen: Any, device: torch.device) -> DloCommunicator:
     try:
         prefix = _agree_prefix(chosen, device)
         store = dist.PrefixStore(prefix + "/", dist.distributed_c10d._get_default_store())
-        backend = _make_backend(chosen, store, rank, len(ranks), device)
+        timeout = group_timeout(chosen, device) or timedelta(minutes=30)
+        backend = _make_backend(chosen, store, rank, len(ranks), device, timeout)
     except Exception as exc:
         raise CollectiveStateError(
             f"creating the DLO communicator over ranks {ranks} failed ({exc}); a peer did not call enable()"
         ) from exc
-    return DloCommunicator(backend, ranks, rank, prefix)
+    return DloCommunicator(backend, ranks, rank, prefix, timeout)
