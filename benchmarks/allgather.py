@@ -300,8 +300,9 @@ def vllm_omni_reason() -> str | None:
             "scripts/setup-vllm.sh (about 3 min, 4.4 GB) to add it"
         )
     return (
-        "not measured: its DLO backend is driven by vLLM-Omni's diffusion worker (a DiT pipeline and CUDA "
-        "streams/events); this benchmark has no CPU harness for it yet"
+        "not measured: vLLM-Omni's DistributedLayerwiseOffloadBackend takes a diffusion pipeline resolved by its "
+        "own offload planner, its diffusion parallel state for the DP group and its own lease type (HostWeightPlan); "
+        "this benchmark has no harness that builds those around the same bytes yet"
     )
 
 
