@@ -204,7 +204,8 @@ class AllGatherTransfer(_SlotViews):
         self._sizes = [input_nbytes(layout) for layout in layouts]
         size = max(self._sizes)
         self.inputs = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(inputs)]
-        self.staging = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2 if staging else 0)]
+        pin = device.type == "cuda"  # staging exists for CUDA; on CPU (tests) it is plain memory
+        self.staging = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(2 if staging else 0)]
         self._read: list[Signal] = [completed_signal() for _ in self.inputs]  # last gather reading input k
         self._staged: list[Signal] = [completed_signal() for _ in self.staging]  # last H2D reading staging k
         self._fills = 0
