@@ -13,7 +13,7 @@ State table (enforced by ``enable``/``disable`` and the hooks)::
     CLOSED     | InvalidRequest               | (hooks removed)          | no-op
 
 ``enable`` runs the steps of ``EnableStep`` in order. The lease is taken first, before any
-asynchronous work. With AllGather, OPEN_GROUP then creates DLO's own process group over the
+asynchronous work. With AllGather, OPEN_GROUP then creates DLO's own communicator over the
 chosen group's ranks (``communicator``: DLO's collectives never share a group with the model's
 or the caller's), and the ranks agree twice (``group.exchange_manifest``): at
 EXCHANGE_MANIFEST on the manifest digest, after the local steps DISCOVER..VALIDATE, and at
@@ -32,7 +32,7 @@ Teardown order (``_teardown``, shared by failure rollback and ``disable``):
    blocks get their originals (module source) or CPU copies of the lease views, and AllGather
    blocks are gathered one last time into CPU tensors (a collective: call ``disable`` on every
    rank) unless the backend is poisoned;
-4. release staging, device slots, shards and lanes; destroy DLO's own process group;
+4. release staging, device slots, shards and lanes; shut DLO's own communicator down;
 5. undo ``cudaHostRegister`` (if that fails the lease stays open: unmapping registered memory
    is undefined behaviour);
 6. close the lease (and the carrier, in case enable failed before taking it).
@@ -234,7 +234,7 @@ class LayerwiseOffloadBackend:
             use_allgather=opts.use_allgather, group=opts.group, dp_group=opts.dp_group, sp_group=opts.sp_group
         )
         if chosen is not None:
-            # From here every DLO collective runs on DLO's own group (see ``communicator``).
+            # From here every DLO collective runs on DLO's own communicator (see ``communicator``).
             self._enter(EnableStep.OPEN_GROUP)
             self._group = open_dlo_group(chosen, opts.device)
             self._world = groups.group_size(self._group)
@@ -461,7 +461,7 @@ class LayerwiseOffloadBackend:
         errors = self._teardown()
         self._state = State.FAILED
         after_agreement = self._step in (EnableStep.PREFETCH, EnableStep.COMMIT)
-        collective = self._world > 1  # the group itself is already destroyed by the teardown
+        collective = self._world > 1  # the communicator itself is already shut down by the teardown
         if self._gathered or isinstance(exc, CollectiveStateError) or (collective and after_agreement):
             return CollectiveStateError(
                 f"enable failed at step {step!r} after collectives were issued ({exc}); the group is in an "
