@@ -82,8 +82,8 @@ def apply_layerwise_offload(
       ``dp_group`` if its size > 1, else ``sp_group`` if > 1, else rank-local): each rank keeps
       ``1 / world`` of every block and rebuilds it with an all-gather. NCCL on CUDA, gloo on CPU.
       Every rank must run the same blocks in the same order (activations may differ per rank).
-      The gathers run on DLO's own process group, created at enable over the same ranks and
-      destroyed at close, so the model's and the caller's collectives on those ranks (SP
+      The gathers run on DLO's own communicator, created at enable over the same ranks and
+      shut down at close, so the model's and the caller's collectives on those ranks (SP
       all-reduces inside blocks, barriers between or during forwards) never interleave with them.
       With a lease as host source each rank reads its own pieces of every block straight from
       the shared mapping (no private shard); module tensors are sharded into private copies.

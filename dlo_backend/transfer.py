@@ -20,7 +20,7 @@ and ``tensor(block, slot, index)`` is what compute binds for tensor ``index`` of
 - ``AllGatherTransfer``: write this rank's shard (pre-built private shards, or its pieces read
   straight from the lease mapping, see ``shards``) into a device gather input on the copy lane,
   then ``all_gather`` it into the slot on the communication lane (bytes, so any dtype works on
-  gloo and NCCL), on DLO's own process group (see ``communicator``). Every rank must call
+  gloo and NCCL), on DLO's own communicator (see ``communicator``). Every rank must call
   ``fill`` in the same order.
 
 Every writer first waits on ``slots.free[slot]`` (compute may still read the slot's previous
