@@ -278,3 +278,36 @@ def rollback_every_step(rank: int, world: int, rdzv: str, outdir: str, lease_pat
     LayerwiseOffloadBackend._enter = real  # type: ignore[method-assign]
     write_result(outdir, rank, {"attempts": attempts})
     dist.destroy_process_group()
+
+
+def two_backends(rank: int, world: int, rdzv: str, outdir: str) -> None:
+    """Two models offloaded with AllGather on the same ranks at once, run interleaved."""
+    from dlo_fixtures import TinyDiT
+
+    from hwr.dlo_backend import apply_layerwise_offload
+
+    init_gloo(rank, world, rdzv, 20)
+    first, second = TinyDiT(3, 2, seed=0), TinyDiT(4, 1, seed=1)
+    x = torch.randn(2, 16, generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        want = [first(x), second(x)]
+    handles = [
+        apply_layerwise_offload(model, device="cpu", use_allgather=True, group=dist.group.WORLD)
+        for model in (first, second)
+    ]
+    with torch.no_grad():
+        got = [[first(x), second(x)] for _ in range(2)]
+    communicators = [h.backend._group for h in handles]
+    distinct = communicators[0] is not communicators[1] and communicators[0].prefix != communicators[1].prefix
+    for handle in reversed(handles):
+        handle.close()
+    write_result(
+        outdir,
+        rank,
+        {
+            "equal": [bool(torch.equal(g, w)) for pair in got for g, w in zip(pair, want, strict=True)],
+            "distinct": distinct,
+            "closed": all(c.closed for c in communicators),
+        },
+    )
+    dist.destroy_process_group()

@@ -111,3 +111,11 @@ def test_a_failure_at_any_allgather_step_rolls_back_closes_the_lease_and_destroy
         assert success["error"] is None and success["ok"] and success["usable"]
         assert success["groups_during"] == 1 and success["groups_left"] == 0
         assert success["lease_closes"] == 1
+
+
+@pytest.mark.timeout(120)
+def test_two_backends_on_the_same_ranks_each_get_their_own_communicator(tmp_path: Path) -> None:
+    results = dlo_ranks.run_ranks(dlo_collective_ranks.two_backends, 2, tmp_path, deadline=90)
+    for result in results:
+        assert result["equal"] == [True] * 4
+        assert result["distinct"] and result["closed"]
