@@ -635,6 +635,13 @@ class Client:
             channel, self._channel, self._grpc_stub = self._channel, None, None
         if channel is not None and os.getpid() == self._pid:
             channel.close()
+        if os.getpid() == self._pid:
+            # The session's end aborts unfinished publications: their staging descriptors are
+            # useless now, and hwrd reclaims a discarded staging only once nobody holds it.
+            with self._publications_lock:
+                unfinished = [p for p in self._publications if not p.finished]
+            for pub in unfinished:
+                pub.abandon()
 
     def _forget_after_fork(self) -> None:
         # The child's copy of the peer socket must not keep the parent's session alive.

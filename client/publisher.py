@@ -285,6 +285,11 @@ class Publisher:
             else:
                 self._call("AbortPublication", pb.AbortPublicationRequest(publication_id=self._publication_id))
 
+    def abandon(self) -> None:
+        """Close the staging descriptors without telling the daemon (the client's session has
+        ended, which aborts the publication there); a later ``commit`` fails."""
+        self._close_fds()
+
     def _close_fds(self) -> None:
         fds, self._fds = self._fds, []
         close_fds(fds)

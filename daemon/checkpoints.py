@@ -1,4 +1,4 @@
-"""The checkpoint registry: canonical safetensors checkpoints owned (and kept mmapped) by hwrd.
+"""The checkpoint registry: canonical safetensors checkpoints registered with (and kept open by) hwrd.
 
 A checkpoint is a directory of ``*.safetensors`` files (searched up to ``MAX_DEPTH`` levels), a
 Hugging Face cache snapshot (``.../models--org--name/snapshots/<rev>/``), or one ``.safetensors``
@@ -24,24 +24,26 @@ Modification after registration: ``check`` compares each file's ``lstat`` and th
 descriptor's ``fstat`` with the registered fingerprint; a difference marks the checkpoint
 ``modified`` for good and raises ``CheckpointModified`` (leases and prewarm are refused).
 Limits: detection relies on the kernel updating mtime/ctime (an ``mmap`` write is only seen once
-written back); a file modified and restored within one timestamp tick is not detected; the daemon
-reads any path its own user can read (registration is an operator action on the daemon's host).
+written back); a file modified and restored within one timestamp tick is not detected.
+
+Access: registration is an operator action (``hwr.daemon.roles``), and files are opened with the
+registering caller's rights (``hwr.daemon.caller_access``), never the daemon's; each file is
+opened ``O_NONBLOCK`` and checked to be regular before any read, and hashed with ``pread``, never
+through a mapping (the daemon maps no file a client can truncate). A registered checkpoint's
+files are then leased to every uid with the acquire role: registering vouches for that.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
-import json
 import logging
-import mmap
 import os
-import re
 import stat
 import threading
 import time
-import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,99 +53,41 @@ from hwr.client.errors import (
     HwrError,
     InvalidRequest,
     ManifestCorrupt,
-    StoreIOError,
+    PermissionDeniedError,
 )
-from hwr.client.identity import canonical_json
 from hwr.client.safetensors_header import Header, TensorEntry, read_header
-from hwr.daemon import store_io
+from hwr.daemon.caller_access import OPEN_FLAGS, CallerOpener
+from hwr.daemon.checkpoint_files import (
+    MAX_DEPTH,
+    FileFingerprint,
+    HfBlobLink,
+    checkpoint_id_for,
+    hf_blob_link,
+    load_json,
+    plain_path,
+    registry_entry,
+    resolve_checkpoint_prefix,
+    safetensors_files,
+    write_json,
+)
+from hwr.daemon.peercred import PeerCred
 
 __all__ = [
+    "MAX_DEPTH",
     "Checkpoint",
     "CheckpointFile",
     "Checkpoints",
     "FileFingerprint",
+    "HfBlobLink",
     "checkpoint_id_for",
     "hf_blob_link",
     "resolve_checkpoint_prefix",
 ]
 
 log = logging.getLogger("hwrd.checkpoints")
-MAX_DEPTH = 3
 MAX_FILES = 4096
 HASH_CHUNK = 16 << 20
-_HEX = frozenset("0123456789abcdef")
-_REV = re.compile(r"^[0-9a-f]{40}$")
-_BLOB = re.compile(r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$")
-_OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-@dataclass(frozen=True)
-class FileFingerprint:
-    size: int
-    device: int
-    inode: int
-    mtime_ns: int
-    ctime_ns: int
-
-    @classmethod
-    def of(cls, st: os.stat_result) -> FileFingerprint:
-        return cls(st.st_size, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
-
-    def cache_key(self) -> str:
-        return f"{self.device}:{self.inode}:{self.size}:{self.mtime_ns}:{self.ctime_ns}"
-
-
-@dataclass(frozen=True)
-class HfBlobLink:
-    model_id: str
-    revision: str
-    blob_hash: str
-    blob_path: Path
-
-
-def hf_blob_link(file_path: Path, link_target: str | None) -> HfBlobLink | None:
-    """Pure: the HF blob a snapshot link points at, or None unless the topology is exact.
-
-    ``file_path`` is the absolute, unresolved path of the snapshot entry; ``link_target`` its
-    ``readlink`` (None when it is not a symlink).
-    """
-    if link_target is None:
-        return None
-    parts = file_path.parts
-    for i in range(len(parts) - 3, 0, -1):
-        if parts[i] == "snapshots" and parts[i - 1].startswith("models--"):
-            repo, rev, rel = parts[i - 1], parts[i + 1], parts[i + 2:]
-            break
-    else:
-        return None
-    pieces = repo.removeprefix("models--").split("--")
-    if not _REV.match(rev) or not rel or len(pieces) < 1 or not all(pieces):
-        return None
-    ups = len(rel) + 1
-    prefix = "../" * ups + "blobs/"
-    if not link_target.startswith(prefix) or not _BLOB.match(link_target[len(prefix):]):
-        return None
-    blob_hash = link_target[len(prefix):]
-    repo_dir = Path(*parts[:i])
-    return HfBlobLink("/".join(pieces), rev, blob_hash, repo_dir / "blobs" / blob_hash)
-
-
-def checkpoint_id_for(sources: Sequence[tuple[str, str]]) -> str:
-    """Pure: the checkpoint id of ``[(relative name, source identity)]`` (order independent)."""
-    return hashlib.sha256(canonical_json([list(p) for p in sorted(sources)])).hexdigest()
-
-
-def resolve_checkpoint_prefix(prefix: str, ids: Sequence[str]) -> str:
-    """Pure: the one id starting with ``prefix`` (4 to 64 lowercase hex digits)."""
-    if not 4 <= len(prefix) <= 64 or not set(prefix) <= _HEX:
-        raise InvalidRequest(f"{prefix[:80]!r} is not a checkpoint id or id prefix (4 to 64 lowercase hex "
-                             "digits) nor an absolute registered path", details={"checkpoint": prefix[:80]})
-    matches = [i for i in ids if i.startswith(prefix)]
-    if not matches:
-        raise CheckpointNotFound("no registered checkpoint matches", details={"checkpoint": prefix})
-    if len(matches) > 1:
-        raise InvalidRequest("ambiguous checkpoint id prefix", details={"checkpoint": prefix})
-    return matches[0]
+_OPEN = OPEN_FLAGS  # O_NONBLOCK too: a FIFO planted under a registered name never blocks a reopen
 
 
 @dataclass(frozen=True)
@@ -157,7 +101,8 @@ class CheckpointFile:
 
 @dataclass
 class Checkpoint:
-    """A registered checkpoint; owns one read-only descriptor and mapping per file."""
+    """A registered checkpoint; owns one read-only descriptor per file (never a mapping: a file
+    another user can truncate would fault the daemon with SIGBUS on the next touch)."""
 
     checkpoint_id: str
     path: Path
@@ -168,7 +113,7 @@ class Checkpoint:
     tensors: dict[str, tuple[int, TensorEntry]]
     modified: bool = False
     _fds: list[int] = field(default_factory=list, repr=False)
-    _maps: list[mmap.mmap] = field(default_factory=list, repr=False)
+    registrant: PeerCred | None = field(default=None, repr=False)  # None: the daemon's own rights
 
     @property
     def size_bytes(self) -> int:
@@ -180,11 +125,7 @@ class Checkpoint:
             else "content-sha256"
 
     def close(self) -> None:
-        """Drop the mappings and descriptors (idempotent)."""
-        maps, self._maps = self._maps, []
-        for m in maps:
-            with contextlib.suppress(BufferError):
-                m.close()
+        """Drop the descriptors (idempotent)."""
         fds, self._fds = self._fds, []
         for fd in fds:
             with contextlib.suppress(OSError):
@@ -202,14 +143,18 @@ class Checkpoints:
 
     # --------------------------------------------------------------- lifecycle
     def open(self) -> list[tuple[str, HwrError]]:
-        """Create the state dir, load the digest cache, re-register remembered paths."""
+        """Create the state dir, load the digest cache, re-register remembered paths (each with
+        the rights of the caller that registered it)."""
         with contextlib.suppress(FileExistsError):
             self.state_dir.mkdir(mode=0o700)
-        self._digests = _load_json(self.state_dir / "digests.json", dict)
+        self._digests = load_json(self.state_dir / "digests.json", dict)
         report = []
-        for path in _load_json(self.state_dir / "registry.json", list):
+        for entry in load_json(self.state_dir / "registry.json", list):
+            path, cred = registry_entry(entry)
+            if path is None:
+                continue
             try:
-                self.add(Path(path), remember=False)
+                self.add(Path(path), remember=False, cred=cred)
             except HwrError as exc:
                 log.warning("checkpoint %s not re-registered: %s", path, exc)
                 report.append((str(path), exc))
@@ -222,9 +167,17 @@ class Checkpoints:
             self._by_id.clear()
 
     # --------------------------------------------------------------- registry
-    def add(self, path: Path, *, remember: bool = True) -> tuple[Checkpoint, bool]:
-        """Validate and register ``path``; returns ``(checkpoint, added)``."""
+    def add(self, path: Path, *, remember: bool = True, cred: PeerCred | None = None) -> tuple[Checkpoint, bool]:
+        """Validate and register ``path`` with ``cred``'s rights; returns ``(checkpoint, added)``.
+
+        ``cred`` is the caller (``None``: the daemon itself). The directory and every file are
+        opened with the caller's rights (``hwr.daemon.caller_access``), never with the daemon's;
+        a ``*.safetensors`` entry that is a symlink leaving the checkpoint directory is refused
+        (except an exact HF snapshot -> blob link); errors name files and checks, never bytes
+        read from them.
+        """
         path = Path(os.path.abspath(path))
+        opener = CallerOpener(cred) if cred is not None else None
         try:
             st = os.stat(path)
         except OSError as exc:
@@ -236,7 +189,13 @@ class Checkpoints:
             raise InvalidRequest(f"{path} is neither a directory nor a .safetensors file: pass a checkpoint "
                                  "directory or one .safetensors file", details={"path": str(path)})
         root = path.parent if one_file else path
-        names = [path.name] if one_file else sorted(_safetensors_files(path))
+        if opener is not None and not one_file:  # may the caller list it? (the walk runs as the daemon)
+            (probe,) = opener.open_all([Path(os.path.realpath(path))])
+            if isinstance(probe, OSError):
+                raise PermissionDeniedError(f"cannot read {path}: {probe.strerror}",
+                                            details={"path": str(path)})
+            os.close(probe)
+        names = [path.name] if one_file else sorted(safetensors_files(path))
         if not names:
             raise InvalidRequest(f"{path} holds no .safetensors files", details={"path": str(path)})
         if len(names) > MAX_FILES:
@@ -245,10 +204,15 @@ class Checkpoints:
         fds: list[int] = []
         model_id, revision = (path.name.removesuffix(".safetensors") if one_file else path.name), "local"
         try:
-            for name in names:
-                cfile, fd, link = self._open_file(root, name)
-                fds.append(fd)
-                files.append(cfile)
+            targets = [self._resolve(root, name) for name in names]
+            reals = [real for real, _link in targets]
+            opened = opener.open_all(reals) if opener is not None else [_open_own(r) for r in reals]
+            fds.extend(fd for fd in opened if isinstance(fd, int))
+            for name, (real, link), fd in zip(names, targets, opened, strict=True):
+                if isinstance(fd, OSError):
+                    error = PermissionDeniedError if fd.errno in (errno.EACCES, errno.EPERM) else InvalidRequest
+                    raise error(f"cannot open {name}: {fd.strerror}", details={"file": name})
+                files.append(self._check_file(fd, real, name, link))
                 if link is not None:
                     model_id, revision = link.model_id, link.revision
             tensors = _index(files)
@@ -259,10 +223,8 @@ class Checkpoints:
                     for fd in fds:
                         os.close(fd)
                     return existing, False
-                maps = [mmap.mmap(fd, f.fingerprint.size, prot=mmap.PROT_READ)
-                        for fd, f in zip(fds, files, strict=True)]
                 ckpt = Checkpoint(ckpt_id, path, model_id, revision, tuple(files), time.time(), tensors,
-                                  _fds=fds, _maps=maps)
+                                  _fds=fds, registrant=cred)
                 if existing is not None:
                     existing.close()
                 self._by_id[ckpt_id] = ckpt
@@ -276,7 +238,10 @@ class Checkpoints:
                     os.close(fd)
             raise
 
-    def _open_file(self, root: Path, name: str) -> tuple[CheckpointFile, int, HfBlobLink | None]:
+    @staticmethod
+    def _resolve(root: Path, name: str) -> tuple[Path, HfBlobLink | None]:
+        """The file to open for ``name``: an exact HF blob, or the entry's real path, which
+        must stay inside the checkpoint directory."""
         entry = root / name
         try:
             lst = os.lstat(entry)
@@ -284,40 +249,66 @@ class Checkpoints:
         except OSError as exc:
             raise InvalidRequest(f"cannot read {entry}: {exc.strerror}", details={"file": name}) from None
         link = hf_blob_link(entry, target)
-        if link is not None and not _plain_path(link.blob_path):
+        if link is not None and not plain_path(link.blob_path):
             link = None
-        real = link.blob_path if link is not None else Path(os.path.realpath(entry))
+        if link is not None:
+            return link.blob_path, link
+        real = Path(os.path.realpath(entry))
+        if not real.is_relative_to(os.path.realpath(root)):
+            raise PermissionDeniedError(f"{name} is a symlink leaving the checkpoint directory",
+                                        details={"file": name})
+        return real, None
+
+    def _check_file(self, fd: int, real: Path, name: str, link: HfBlobLink | None) -> CheckpointFile:
+        """Validate an opened file: a regular file (checked before any read: a FIFO or device
+        is never read), a valid header, its source identity, unchanged throughout."""
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidRequest(f"{name} is not a regular file", details={"file": name})
+        before = FileFingerprint.of(st)
         try:
-            fd = os.open(real, _OPEN)
+            header = read_header(fd, require_alignment=False)
+        except ManifestCorrupt as exc:
+            # Only the failed check's name: a value parsed from the bytes (a "header length",
+            # a tensor name) would echo the contents of a file the caller may not read.
+            check = str(exc.details.get("check", "header"))[:40]
+            raise ManifestCorrupt(f"{name} is not a valid safetensors file (failed check: {check})",
+                                  details={"file": name, "check": check}) from None
         except OSError as exc:
-            raise InvalidRequest(f"cannot open {entry}: {exc.strerror}", details={"file": name}) from None
-        try:
-            before = FileFingerprint.of(os.fstat(fd))
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise InvalidRequest(f"{name} is not a regular file", details={"file": name})
-            try:
-                header = read_header(fd, require_alignment=False)
-            except ManifestCorrupt as exc:
-                raise ManifestCorrupt(f"{name}: {exc.message}", details={**exc.details, "file": name}) from None
-            if link is not None:
-                source = f"immutable-blob:{link.blob_hash}"
-            else:
-                source = "sha256:" + self._content_digest(fd, real, before, name)
-            _check_unchanged(fd, real, before, name)
-            return CheckpointFile(name, real, before, source, header), fd, link
-        except BaseException:
-            os.close(fd)
-            raise
+            raise InvalidRequest(f"cannot read {name}: {exc.strerror}", details={"file": name}) from None
+        if link is not None:
+            source = f"immutable-blob:{link.blob_hash}"
+        else:
+            source = "sha256:" + self._content_digest(fd, real, before, name)
+        _check_unchanged(fd, real, before, name)
+        return CheckpointFile(name, real, before, source, header)
 
     def _content_digest(self, fd: int, path: Path, before: FileFingerprint, name: str) -> str:
+        """SHA-256 of the file read with ``pread`` into one reused buffer, never through a mapping:
+        a client that truncates the file mid-hash makes the read come up short
+        (``CheckpointModified``), where a mapped page past the new end would kill hwrd (SIGBUS)."""
         cache_key = f"{path}|{before.cache_key()}"
         cached = self._digests.get(cache_key)
         if cached is not None:
             return cached
         digest = hashlib.sha256()
-        with mmap.mmap(fd, before.size, prot=mmap.PROT_READ) as mapped, memoryview(mapped) as view:
-            for start in range(0, before.size, HASH_CHUNK):
-                digest.update(view[start:start + HASH_CHUNK])
+        buffer = bytearray(min(HASH_CHUNK, before.size))
+        with contextlib.suppress(OSError):  # advice only
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        with memoryview(buffer) as view:
+            offset = 0
+            while offset < before.size:
+                want = min(len(buffer), before.size - offset)
+                try:
+                    got = os.preadv(fd, [view[:want]], offset)
+                except OSError as exc:
+                    raise CheckpointModified(f"{name} could not be read while hashed: {exc.strerror}",
+                                             details={"file": name}) from None
+                if got <= 0:
+                    raise CheckpointModified(f"{name} became shorter while it was hashed",
+                                             details={"file": name})
+                digest.update(view[:got])
+                offset += got
         _check_unchanged(fd, path, before, name)
         value = digest.hexdigest()
         with self._lock:
@@ -386,34 +377,25 @@ class Checkpoints:
 
     # --------------------------------------------------------------- persistence
     def _save_digests(self) -> None:
-        _write_json(self.state_dir / "digests.json", self._digests)
+        write_json(self.state_dir / "digests.json", self._digests)
 
     def _save_registry(self) -> None:
-        paths = sorted({str(c.path) for c in self._by_id.values()})
-        _write_json(self.state_dir / "registry.json", paths)
+        """One entry per path: the path alone when the daemon registered it, else with the
+        registrant's uid, gid and groups (a restart re-opens the files with those rights)."""
+        entries: dict[str, object] = {}
+        for c in self._by_id.values():
+            cred = c.registrant
+            entries[str(c.path)] = str(c.path) if cred is None else {
+                "path": str(c.path), "uid": cred.uid, "gid": cred.gid, "groups": list(cred.groups)}
+        write_json(self.state_dir / "registry.json", [entries[p] for p in sorted(entries)])
 
 
 # ------------------------------------------------------------------- helpers
-def _safetensors_files(root: Path) -> Iterator[str]:
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        depth = len(Path(dirpath).relative_to(root).parts)
-        if depth >= MAX_DEPTH:
-            dirnames.clear()
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        for fname in filenames:
-            if fname.endswith(".safetensors") and not fname.startswith("."):
-                yield str((Path(dirpath) / fname).relative_to(root))
-
-
-def _plain_path(path: Path) -> bool:
-    """True when every component of ``path`` below ``/`` is not a symlink and the leaf is a regular file."""
+def _open_own(path: Path) -> int | OSError:
     try:
-        for parent in reversed(path.parents[:-1]):
-            if stat.S_ISLNK(os.lstat(parent).st_mode):
-                return False
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except OSError:
-        return False
+        return os.open(path, _OPEN)
+    except OSError as exc:
+        return exc
 
 
 def _check_unchanged(fd: int, path: Path, expected: FileFingerprint, name: str) -> None:
@@ -437,25 +419,3 @@ def _index(files: Sequence[CheckpointFile]) -> dict[str, tuple[int, TensorEntry]
     if not tensors:
         raise InvalidRequest("the checkpoint holds no tensors")
     return tensors
-
-
-def _load_json(path: Path, kind: type) -> object:
-    try:
-        value = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        return kind()
-    except (OSError, ValueError) as exc:
-        log.warning("ignoring unreadable %s: %s", path, exc)
-        return kind()
-    return value if isinstance(value, kind) else kind()
-
-
-def _write_json(path: Path, value: object) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        store_io.write_new_file(tmp, json.dumps(value, sort_keys=True).encode(), mode=0o600)
-        store_io.rename(tmp, path)
-        store_io.fsync_dir(path.parent)
-    except OSError as exc:
-        store_io.remove_tree(tmp)
-        raise StoreIOError(f"cannot persist {path.name}: {exc.strerror}") from None

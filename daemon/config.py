@@ -84,6 +84,16 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # (64 clients x 500 ops, alternated runs on 2 cores): 8 threads 906-984 ops/s, 4 threads 900-932.
     commit_threads: int = 8
     adopt: bool = False  # adopt a root written by vLLM-Omni 0.30's in-process store (hwr.daemon.adoption)
+    # --- roles (hwr.daemon.roles): root and the daemon's own uid hold every role. publish_*
+    # both empty = everyone allowed to connect may publish; operator_* both empty = nobody else
+    # may register checkpoints, prewarm, deny/allow, pin, evict, gc, verify, pull or push. ---
+    publish_uids: tuple[int, ...] = ()
+    publish_gids: tuple[int, ...] = ()
+    operator_uids: tuple[int, ...] = ()
+    operator_gids: tuple[int, ...] = ()
+    # Client publications up to this many payload bytes stage in sealed memfds (they cannot grow
+    # past their size: hwr.daemon.memfd_staging); larger ones stage in files. 0: always files.
+    memfd_staging_max_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         if not 0 <= self.socket_mode <= 0o777:
@@ -104,6 +114,9 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         for name in ("scrub_interval_s", "housekeeping_interval_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive", details={"key": name})
+        if self.memfd_staging_max_bytes < 0:
+            raise ConfigError("memfd_staging_max_bytes must not be negative",
+                              details={"key": "memfd_staging_max_bytes"})
         if not 1 <= self.commit_threads <= 64:
             raise ConfigError("commit_threads must be between 1 and 64", details={"key": "commit_threads"})
         if self.metrics_listen:

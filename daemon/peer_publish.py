@@ -35,6 +35,7 @@ from typing import Any
 
 from hwr.client.errors import InvalidRequest
 from hwr.client.wire import MAX_WAIT_TIMEOUT_MS
+from hwr.daemon.roles import PUBLISH, Roles
 from hwr.daemon.sessions import Session
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
 
@@ -55,14 +56,22 @@ class _Spec:  # the attributes ``servicer._specs`` reads from a pb.TensorSpec
 class PeerPublishing:
     """The three peer publication operations; replies are (reply dict, descriptors)."""
 
-    def __init__(self, publications: Any, open_staging_fds: Callable[[Session, str, str], list[int]]) -> None:
+    def __init__(self, publications: Any, open_staging_fds: Callable[[Session, str, str], list[int]],
+                 roles: Callable[[], Roles] | None = None) -> None:
         self._publications = publications
         self._open_staging_fds = open_staging_fds
+        self._roles = roles  # None: no role check (tests of the channel alone)
+
+    def _require(self, session: Session, action: str) -> None:
+        """The publish role (``hwr.daemon.roles``), checked for every operation, as the RPCs do."""
+        if self._roles is not None:
+            self._roles().require(session.cred, PUBLISH, action)
 
     async def begin(self, session: Session, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         from hwr.daemon.leasing import parse_identity
         from hwr.daemon.servicer import _format_metadata, _specs
 
+        self._require(session, "publish_begin")
         identity_text = req.get("identity")
         if not isinstance(identity_text, str):
             raise InvalidRequest("identity must be canonical identity JSON text", details={"field": "identity"})
@@ -96,6 +105,7 @@ class PeerPublishing:
                 "count": len(fds)}, fds
 
     async def commit(self, session: Session, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        self._require(session, "publish_commit")
         expected = req.get("expected_sha256") or {}
         if not isinstance(expected, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in expected.items()):
@@ -106,6 +116,7 @@ class PeerPublishing:
                 "content_sha256": record.manifest.artifact_content_sha256}, []
 
     async def abort(self, session: Session, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        self._require(session, "publish_abort")
         return {"ok": True, "aborted": await self._publications.abort(session, _id(req))}, []
 
 

@@ -95,6 +95,9 @@ class Publications:
         self._commit_pool = concurrent.futures.ThreadPoolExecutor(commit_threads, thread_name_prefix="hwr-commit")
         self.committed = 0
         self.failed = 0
+        # Sealed memfd staging of small client publications (hwr.daemon.memfd_staging), set by
+        # the daemon; None: every publication writes its staging files.
+        self.memfd_staging: Any = None
 
     def active(self) -> list[Publication]:
         return list(self._by_id.values())
@@ -189,10 +192,16 @@ class Publications:
             raise PermissionDeniedError("wrong publication token")
         return pub
 
-    def staging_paths(self, session: Session, publication_id: str, token: str) -> list[Path]:
+    def staged_publication(self, session: Session, publication_id: str, token: str) -> Publication:
+        """The session's STAGED publication (its token checked): the only state that hands out
+        writable staging descriptors."""
         pub = self.get(session, publication_id, token)
         if pub.state is not PubState.STAGED:
             raise PublicationFailed("the publication is no longer accepting writes")
+        return pub
+
+    def staging_paths(self, session: Session, publication_id: str, token: str) -> list[Path]:
+        pub = self.staged_publication(session, publication_id, token)
         return [Path(path) for _name, path, _size in pub.staging.files]
 
     async def commit(
@@ -225,6 +234,8 @@ class Publications:
             executor they would make every quick hop (acquire lookups) queue behind an fsync."""
             opened: dict[str, int] = {}  # checked descriptors, hashed through by the commit
             try:
+                if self.memfd_staging is not None:  # memfd staging: copy it into the files first
+                    self.memfd_staging.drain(pub.publication_id, pub.staging)
                 for path in paths:
                     opened[path.name] = open_sole(path)
                 existed = self._exists(pub.key)
@@ -304,6 +315,8 @@ class Publications:
     def _finish(self, pub: Publication, state: PubState) -> None:
         if pub.done.is_set():
             return
+        if self.memfd_staging is not None:
+            self.memfd_staging.discard(pub.publication_id)
         if self._gate is not None and pub.ticket is not None:
             self._gate.finished(pub.ticket, state is PubState.COMMITTED)
         pub.state = state

@@ -11,6 +11,8 @@ key                                            on SIGHUP
 ``allow_uids``, ``allow_gids``                 swapped atomically; new connections are judged
                                                by the new list, existing sessions and their
                                                leases are kept
+roles (``publish_uids``, ``publish_gids``,      swapped atomically; judged at each call, so
+``operator_uids``, ``operator_gids``)           existing sessions get the new roles at once
 ``log_level``                                  applied to every hwrd logger
 ``max_leases_per_session``                     applied to later Acquires (leases held above a
                                                lowered limit are kept)
@@ -52,6 +54,7 @@ __all__ = ["ALWAYS_RELOADABLE", "CAPACITY_KEYS", "ReloadPlan", "Reloader", "plan
 log = logging.getLogger("hwrd.reload")
 ALWAYS_RELOADABLE = frozenset({"allow_uids", "allow_gids", "log_level", "max_leases_per_session",
                                "publication_wait_timeout_s", "shutdown_grace_s"})
+ROLE_KEYS = frozenset({"publish_uids", "publish_gids", "operator_uids", "operator_gids"})
 CAPACITY_KEYS = frozenset({"store_limit_bytes", "artifact_limit_bytes", "min_free_bytes"})
 
 
@@ -83,7 +86,7 @@ class Reloader:
         self.env = dict(os.environ if env is None else env)
 
     def can_apply(self, key: str) -> bool:
-        if key in ALWAYS_RELOADABLE:
+        if key in ALWAYS_RELOADABLE or key in ROLE_KEYS:
             return True
         return key in CAPACITY_KEYS and callable(getattr(self.daemon, "set_capacity", None))
 
@@ -115,6 +118,10 @@ class Reloader:
             daemon.set_allow_list(config.allow_uids, config.allow_gids)
         if "max_leases_per_session" in plan.applied:
             daemon.registry.max_leases_per_session = config.max_leases_per_session
+        if ROLE_KEYS & set(plan.applied):
+            from hwr.daemon.roles import roles_from
+
+            daemon.roles = roles_from(config)
         if "log_level" in plan.applied:
             logs.set_level(config.log_level)
         if CAPACITY_KEYS & set(plan.applied):

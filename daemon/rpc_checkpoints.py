@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from hwr.client.errors import HwrError, InvalidRequest
+from hwr.daemon.roles import OPERATOR, authorize
 from hwr.daemon.rpc_support import abort_with, rpc, session_of
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
 
@@ -43,7 +44,7 @@ class CheckpointsMixin:
 
     @rpc
     async def AddCheckpoint(self, request: pb.AddCheckpointRequest, context: Any) -> pb.AddCheckpointResponse:
-        session_of(self.d, context)
+        session = authorize(self.d, context, OPERATOR, "checkpoints add")
         if not request.path.startswith("/") or len(request.path) > 4096 or "\0" in request.path:
             raise InvalidRequest("path must be an absolute path on the daemon's host", details={"field": "path"})
         from pathlib import Path
@@ -51,7 +52,8 @@ class CheckpointsMixin:
         from hwr.daemon.producers.runner import ensure_spare
 
         ensure_spare()  # a registration announces prewarms: their producer process starts now
-        ckpt, added = await asyncio.to_thread(self.d.checkpoints.add, Path(request.path))
+        # With the caller's rights (hwr.daemon.caller_access), never the daemon's own.
+        ckpt, added = await asyncio.to_thread(self.d.checkpoints.add, Path(request.path), cred=session.cred)
         return pb.AddCheckpointResponse(checkpoint=self._checkpoint_info(ckpt), added=added)
 
     @rpc
@@ -82,7 +84,7 @@ class CheckpointsMixin:
         queue: asyncio.Queue[pb.PrewarmResponse] = asyncio.Queue()
         task: asyncio.Task[list[Any]] | None = None
         try:
-            session_of(self.d, context)
+            authorize(self.d, context, OPERATOR, "prewarm")
             ckpt, producer, ranks = _prewarm_args(self.d, request)
             task = asyncio.get_running_loop().create_task(self._prewarm(request, ckpt, producer, ranks, queue))
             while True:

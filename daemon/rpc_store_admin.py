@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from hwr.client.errors import HwrError, InvalidRequest
+from hwr.daemon.roles import OPERATOR, authorize
 from hwr.daemon.rpc_support import rpc, session_of
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
 
@@ -38,7 +39,7 @@ class StoreAdminRpc:
         from hwr.daemon.rpc_support import abort_with
 
         try:
-            session_of(self.d, context)
+            authorize(self.d, context, OPERATOR, "verify")
             key = await self.d.store_service.resolve(request.key)
         except HwrError as exc:
             await abort_with(context, exc)
@@ -76,7 +77,7 @@ class StoreAdminRpc:
 
     @rpc
     async def DenyArtifact(self, request: pb.DenyArtifactRequest, context: Any) -> pb.DenyArtifactResponse:
-        session_of(self.d, context)
+        authorize(self.d, context, OPERATOR, "deny")
         if not request.reason or len(request.reason) > 1000:
             raise InvalidRequest("a deny needs a reason of at most 1000 characters", details={"field": "reason"})
         key = await self.d.store_service.resolve(request.key)
@@ -85,7 +86,7 @@ class StoreAdminRpc:
 
     @rpc
     async def AllowArtifact(self, request: pb.AllowArtifactRequest, context: Any) -> pb.AllowArtifactResponse:
-        session_of(self.d, context)
+        authorize(self.d, context, OPERATOR, "allow")
         key = await self.d.store_service.resolve(request.key)
         was = self.d.store.deny_reason(key) is not None
         await asyncio.to_thread(self.d.store.allow, key)
@@ -97,7 +98,7 @@ class StoreAdminRpc:
 
     @rpc
     async def PinArtifact(self, request: pb.PinArtifactRequest, context: Any) -> pb.PinArtifactResponse:
-        session_of(self.d, context)
+        authorize(self.d, context, OPERATOR, "pin")
         key = await self.d.store_service.resolve(request.key)
         already, size, locked, residency = await self.d.store_service.pin(key)
         return pb.PinArtifactResponse(key=key, already_pinned=already, size_bytes=size, locked_bytes=locked,
@@ -105,19 +106,19 @@ class StoreAdminRpc:
 
     @rpc
     async def UnpinArtifact(self, request: pb.UnpinArtifactRequest, context: Any) -> pb.UnpinArtifactResponse:
-        session_of(self.d, context)
+        authorize(self.d, context, OPERATOR, "unpin")
         key = await self.d.store_service.resolve(request.key)
         return pb.UnpinArtifactResponse(key=key, was_pinned=await self.d.store_service.unpin(key))
 
     @rpc
     async def EvictArtifact(self, request: pb.EvictArtifactRequest, context: Any) -> pb.EvictArtifactResponse:
-        session_of(self.d, context)
+        authorize(self.d, context, OPERATOR, "evict")
         key = await self.d.store_service.resolve(request.key)
         return pb.EvictArtifactResponse(key=key, freed_bytes=await self.d.store_service.evict(key))
 
     @rpc
     async def CollectGarbage(self, request: pb.CollectGarbageRequest, context: Any) -> pb.CollectGarbageResponse:
-        session_of(self.d, context)
+        authorize(self.d, context, OPERATOR, "gc")
         target = request.target_bytes if request.HasField("target_bytes") else None
         report, store_bytes, target_bytes, staging = await self.d.store_service.collect_garbage(target)
         return pb.CollectGarbageResponse(

@@ -73,6 +73,9 @@ class Daemon:
         self.publications: Publications
         self.checkpoints: Any = None  # hwr.daemon.checkpoints.Checkpoints, opened in start()
         self._allow: AllowList = daemon_allow_list(config.allow_uids, config.allow_gids)
+        from hwr.daemon.roles import roles_from
+
+        self.roles = roles_from(config)  # publish/operator roles (hwr.daemon.roles); swapped on reload
         from hwr.daemon.leasing import Leasing
 
         self.leasing = Leasing(self)  # acquire/release for gRPC and the peer channel
@@ -102,6 +105,9 @@ class Daemon:
         self.publications = Publications(self.store, gate=self.store_service,
                                          commit_threads=self.config.commit_threads,
                                          on_phase=self.metrics.observe_publication_phase)
+        from hwr.daemon.memfd_staging import MemfdStagings
+
+        self.publications.memfd_staging = MemfdStagings(self.config.memfd_staging_max_bytes)
         await self.store_service.start(self.publications)
         from hwr.daemon.checkpoints import Checkpoints
 
@@ -116,7 +122,7 @@ class Daemon:
             open_lease_fds=self._open_lease_fds, open_staging_fds=self._open_staging_fds,
             on_session_end=self._on_session_end, mode=self.config.socket_mode,
             listen_sock=self.inherited.peer, leasing=self.leasing,
-            publishing=PeerPublishing(self.publications, self._open_staging_fds),
+            publishing=PeerPublishing(self.publications, self._open_staging_fds, roles=lambda: self.roles),
         )
         await self._peer.start()
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
@@ -276,6 +282,13 @@ class Daemon:
         return self.leasing.payload_fds(record)
 
     def _open_staging_fds(self, session: Session, publication_id: str, token: str) -> list[int]:
+        from hwr.daemon.roles import PUBLISH
+
+        self.roles.require(session.cred, PUBLISH, "open staging descriptors")
+        pub = self.publications.staged_publication(session, publication_id, token)
+        memfds = self.publications.memfd_staging
+        if memfds is not None and memfds.eligible(pub.staging):  # sealed: cannot grow at all
+            return memfds.descriptors(pub.publication_id, pub.staging)
         fds: list[int] = []
         try:
             for path in self.publications.staging_paths(session, publication_id, token):

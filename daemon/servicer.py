@@ -19,6 +19,7 @@ from hwr.client.errors import ArtifactNotFound, IdentityError, InvalidRequest
 from hwr.client.identity import parse_canonical
 from hwr.client.wire import MAX_WAIT_TIMEOUT_MS
 from hwr.daemon.leasing import key_of, parse_identity
+from hwr.daemon.roles import PUBLISH, authorize
 from hwr.daemon.rpc_checkpoints import CheckpointsMixin
 from hwr.daemon.rpc_store_admin import StoreAdminRpc
 from hwr.daemon.rpc_support import rpc, session_of
@@ -88,7 +89,7 @@ class Servicer(StoreAdminRpc, CheckpointsMixin, hwr_pb2_grpc.HostWeightRuntimeSe
     async def BeginPublication(
         self, request: pb.BeginPublicationRequest, context: Any
     ) -> pb.BeginPublicationResponse:
-        session = self._session(context)
+        session = authorize(self.d, context, PUBLISH, "begin a publication")
         identity = parse_identity(bytes(request.identity_json))
         specs = _specs(request.tensors)
         if request.wait_timeout_ms > MAX_WAIT_TIMEOUT_MS:
@@ -116,7 +117,7 @@ class Servicer(StoreAdminRpc, CheckpointsMixin, hwr_pb2_grpc.HostWeightRuntimeSe
     async def CommitPublication(
         self, request: pb.CommitPublicationRequest, context: Any
     ) -> pb.CommitPublicationResponse:
-        session = self._session(context)
+        session = authorize(self.d, context, PUBLISH, "commit a publication")
         record, joined = await self.d.publications.commit(
             session, request.publication_id, dict(request.expected_sha256))
         return pb.CommitPublicationResponse(key=record.key, joined=joined, size_bytes=record.size_bytes,
@@ -126,7 +127,7 @@ class Servicer(StoreAdminRpc, CheckpointsMixin, hwr_pb2_grpc.HostWeightRuntimeSe
     async def AbortPublication(
         self, request: pb.AbortPublicationRequest, context: Any
     ) -> pb.AbortPublicationResponse:
-        session = self._session(context)
+        session = authorize(self.d, context, PUBLISH, "abort a publication")
         return pb.AbortPublicationResponse(
             aborted=await self.d.publications.abort(session, request.publication_id))
 

@@ -72,6 +72,7 @@ from hwr.client.identity import ArtifactIdentity, canonical_json, is_key
 from hwr.client.manifest import MANIFEST_FILE, READY_FILE, FileRecord, Manifest, ReadyMarker, TensorRecord
 from hwr.client.safetensors_header import contiguous_stride, read_header
 from hwr.daemon import fsguard, store_io
+from hwr.daemon.staging_bounds import StagingReaper, allocation_ok, truncate_tree
 from hwr.daemon.store_domain import ensure_domain, read_deny_code
 from hwr.daemon.store_staging import ProducerDigests, Staging, TensorSpec, plan_payloads, write_tensor
 from hwr.daemon.store_validation import (
@@ -141,6 +142,7 @@ class Store:
         self._records: dict[str, ArtifactRecord] = {}
         self._denied: dict[str, str] = {}  # key -> deny reason code
         self._stagings: dict[str, Staging] = {}
+        self.reaper = StagingReaper()  # discarded stagings a writer still holds (staging_bounds)
         # Commits and retirements rename entries of artifacts/; they share its fsyncs (GroupSync).
         self._artifacts_sync = store_io.GroupSync(root / "artifacts")
         self._retired_marks: dict[Path, int] = {}  # trash -> GroupSync mark taken after its retire
@@ -211,6 +213,7 @@ class Store:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.root / "locks" / entry)
         for entry in os.listdir(self.root / "tmp"):
+            truncate_tree(self.root / "tmp" / entry)  # blocks freed even if a writer holds a file
             store_io.remove_tree(self.root / "tmp" / entry)
         for entry in os.listdir(self.root / "deny"):
             key = entry.removesuffix(".json")
@@ -304,10 +307,11 @@ class Store:
         return staging
 
     def abort(self, staging: Staging) -> None:
-        """Discard a staging directory (idempotent)."""
+        """Discard a staging directory (idempotent): its files are truncated first, so their
+        blocks are freed even while the writer keeps a descriptor (``staging_bounds``)."""
         with self._mutex:
             self._stagings.pop(staging.id, None)
-        store_io.remove_tree(staging.path)
+        self.reaper.discard(staging.path)
 
     def publish(
         self,
@@ -380,7 +384,13 @@ class Store:
                 fds.append(fd)
                 st = os.fstat(fd)
                 before.append(st.st_mtime_ns)
-                if st.st_size != plan.size or os.pread(fd, len(plan.head), 0) != plan.head:
+                if not allocation_ok(st, plan.size):  # grown, or blocks allocated past the end
+                    raise ManifestCorrupt(
+                        f"{plan.name} was resized or holds more blocks than its planned size",
+                        details={"file": plan.name, "key": staging.key, "size": st.st_size,
+                                 "allocated": st.st_blocks * 512, "planned": plan.size},
+                    )
+                if os.pread(fd, len(plan.head), 0) != plan.head:
                     raise ManifestCorrupt(
                         f"{plan.name} was resized or its header overwritten",
                         details={"file": plan.name, "key": staging.key},
@@ -822,10 +832,11 @@ class Store:
         return self._denied.get(key)
 
     def reclaim_stale_staging(self) -> int:
-        """Remove ``tmp/`` entries that belong to no open staging (trash of interrupted removals)."""
+        """Remove ``tmp/`` entries that belong to no open staging (trash of interrupted removals),
+        and reclaim discarded stagings a writer held (``StagingReaper.sweep``)."""
         with self._mutex:
             live = set(self._stagings)
-        count = 0
+        count = self.reaper.sweep()
         for entry in os.listdir(self.root / "tmp"):
             if entry not in live and ".removed." in entry:
                 store_io.remove_tree(self.root / "tmp" / entry)

@@ -181,10 +181,23 @@ class StoreService:
                                 pub_id, f"stalled past the {self.config.publication_deadline_s:g} s deadline"):
                             self.cancelled_publications += 1
                             log.warning("cancelled stalled publication %s", pub_id)
+                    await self._bound_staging()
                 # Last, so a failing listing cannot skip the deadline checks above.
                 await asyncio.to_thread(self.store.rescan_usage)  # changes behind the daemon's back
             except Exception:
                 log.exception("housekeeping failed")
+
+    async def _bound_staging(self) -> None:
+        """Cancel staged publications whose files grew past their plan, and take back the
+        blocks of discarded stagings a writer still holds (``hwr.daemon.staging_bounds``)."""
+        from hwr.daemon.staging_bounds import overgrown
+
+        assert self.publications is not None
+        for pub_id in await asyncio.to_thread(overgrown, self.publications.active()):
+            if await self.publications.cancel(pub_id, "its staging grew past its reservation"):
+                self.cancelled_publications += 1
+                log.warning("cancelled publication %s: its staging grew past its reservation", pub_id)
+        await asyncio.to_thread(self.store.reaper.sweep)
 
     # ------------------------------------------------------------------ leases, holds, access
     def _on_lease(self, event: str, lease: LeaseRecord) -> None:

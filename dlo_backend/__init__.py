@@ -12,7 +12,8 @@ Modules, one concept each: ``discovery`` (block stacks), ``sources`` (host bytes
 (slot byte plan, shards, manifest digest), ``sharding`` (one rank's shard), ``ring`` (prefetch
 policy), ``hooks`` (hook registry), ``slots`` (device slots), ``lanes`` (streams and events),
 ``transfer`` (direct, staged, AllGather copies; CPU zero-copy binding), ``paging`` (page-table
-population ahead of compute), ``registration`` (``cudaHostRegister``),
+population ahead of compute), ``registration`` (``cudaHostRegister``; ``cudart``, the CUDA
+runtime calls behind it), ``arena`` (exact-size pinned host memory), ``watchdog`` (stuck gathers),
 ``group`` (AllGather group and manifest agreement), ``backend`` (transaction and runtime),
 ``offload`` (public entry), ``errors``.
 """

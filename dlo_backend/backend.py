@@ -39,6 +39,15 @@ Teardown order (``_teardown``, shared by failure rollback and ``disable``):
 
 A failed collective leaves the group in an unknown state: the backend becomes POISONED and
 every further use raises ``CollectiveStateError`` (recreate the backend, reload the pipeline).
+NCCL reports failures asynchronously, so a gather that stays pending for 90% of the group's
+timeout is declared failed by ``watchdog.CollectiveWatchdog`` (which also aborts the group).
+
+CUDA memory rules the teardown keeps: before step 4 releases the slots, the compute lane is
+synchronized on every stream a forward ran on (the caching allocator would otherwise hand the
+slots' memory to the next allocation on their allocating stream while another stream still
+reads it); after it, the host arenas that shards and staging were carved from (``arena``) are
+unregistered and unmapped.
+
 Inference only: streamed weights are swapped in and out under the model, so do not backprop.
 """
 
@@ -47,9 +56,9 @@ from __future__ import annotations
 import enum
 import hashlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -77,6 +86,10 @@ from hwr.dlo_backend.sources import (
 )
 from hwr.dlo_backend.stream import BlockStream
 from hwr.dlo_backend.transfer import AllGatherTransfer, DirectTransfer, HostBindTransfer, StagedTransfer, Transfer
+from hwr.dlo_backend.watchdog import CollectiveWatchdog, abort_group, watchdog_timeout_s
+
+if TYPE_CHECKING:
+    from hwr.dlo_backend.arena import HostArena
 
 __all__ = ["EnableStep", "LayerwiseOffloadBackend", "OffloadOptions", "OffloadStats", "State"]
 
@@ -167,6 +180,8 @@ class LayerwiseOffloadBackend:
         self._installed: list[BlockSource] = []
         self._committed = False
         self._stream: BlockStream | None = None
+        self._watchdog: CollectiveWatchdog | None = None
+        self._arenas: list[HostArena] = []
 
     # ----------------------------------------------------------------- observation
     @property
@@ -294,19 +309,23 @@ class LayerwiseOffloadBackend:
                 # Read in place: each rank's pieces of every block stay views of the lease mapping.
                 self._shard_source = LeaseShards(self._layouts, [src.host for src in self._streamed], rank)
             else:
+                arena = self._host_arena(g.shard_nbytes for layout in self._layouts for g in layout.groups)
                 shards = [
-                    build_shard(layout, src.host, rank, pin=cuda)
+                    build_shard(layout, src.host, rank, pin=cuda, arena=arena)
                     for layout, src in zip(self._layouts, self._streamed, strict=True)
                 ]
                 self._shard_source = PrivateShards(shards, self._layouts)
         self._enter(EnableStep.REGISTER_HOST)
         if cuda and self._lease is not None:
+            device = _device_index(opts.device)
             if self._group is None:
-                self._registration = register_regions(self._lease.mapped_regions, opts.host_registration_limit_gib)
+                self._registration = register_regions(
+                    self._lease.mapped_regions, opts.host_registration_limit_gib, device=device
+                )
             elif isinstance(self._shard_source, LeaseShards):
                 # Only this rank's own ranges: the other ranks' pages are never read here.
                 regions = self._shard_source.regions(self._lease.mapped_regions)
-                self._registration = register_regions(regions, opts.host_registration_limit_gib)
+                self._registration = register_regions(regions, opts.host_registration_limit_gib, device=device)
         self._enter(EnableStep.ALLOCATE)
         self._allocate()
         self._enter(EnableStep.INSTALL_HOOKS)
@@ -383,7 +402,19 @@ class LayerwiseOffloadBackend:
         elif device.type == "cpu" or self._direct_readable():
             self._transfer = DirectTransfer(hosts, self._layouts, self._slots, copy_lane)
         else:
-            self._transfer = StagedTransfer(hosts, self._layouts, self._slots, copy_lane, pin=True)
+            # The packer is drained first at teardown: it enqueues work on the copy lane.
+            packer = ThreadLane("pack")
+            self._lanes.insert(0, packer)
+            arena = self._host_arena([self._slots.nbytes] * 2)
+            self._transfer = StagedTransfer(
+                hosts, self._layouts, self._slots, copy_lane, pin=True, packer=packer, arena=arena
+            )
+        # The caching allocator handed the slot (and shard) buffers out on the current stream,
+        # where blocks freed earlier may still be read by queued kernels: reuse is ordered only
+        # on that stream. The lanes write these buffers first, so they start after it.
+        allocated = self._compute.record()
+        for lane in self._lanes:
+            lane.wait(allocated)
         self._stream = BlockStream(
             self._streamed,
             self._layouts,
@@ -393,7 +424,33 @@ class LayerwiseOffloadBackend:
             device,
             collective=self._group is not None,
             poison_error=self._poison_error,
+            watchdog=self._start_watchdog(),
         )
+
+    def _host_arena(self, sizes: Iterable[int]) -> HostArena:
+        """Exact-size host memory for buffers of ``sizes`` (shards or staging), pinned for a CUDA
+        device (see ``arena``)."""
+        from hwr.dlo_backend.arena import HostArena, arena_bytes
+
+        device = self.options.device
+        arena = HostArena(arena_bytes(sizes), device=device if device.type == "cuda" else None)
+        self._arenas.append(arena)
+        return arena
+
+    def _start_watchdog(self) -> CollectiveWatchdog | None:
+        """With a group: the watchdog that turns a gather no peer joins into a typed error."""
+        if self._group is None:
+            return None
+        self._watchdog = CollectiveWatchdog(watchdog_timeout_s(self._group, self.options.device), self._stuck)
+        return self._watchdog
+
+    def _stuck(self, reason: str) -> None:
+        """Watchdog thread: a gather is stuck; poison the stream and abort the group (NCCL)."""
+        if self._stream is not None:
+            self._stream.poison(f"{reason}; a peer died, hung or skipped a forward")
+        failure = abort_group(self._group, self.options.device)
+        if failure is not None:
+            _log.warning("AllGather group not aborted: %s", failure)
 
     def _direct_readable(self) -> bool:
         """CUDA may copy asynchronously from the host sources (registered lease, pinned tensors)."""
@@ -493,10 +550,19 @@ class LayerwiseOffloadBackend:
                 self._stream.poisoned = True
         for source in self._resident + self._streamed:
             source.host = []  # lease views must not outlive the lease
-        for lane in self._lanes:  # 4. release
+        if self._watchdog is not None:  # every gather (the gather-back's too) has been waited for
+            self._watchdog.close()
+            self._watchdog = None
+        try:  # 4. release, once compute (on every stream a forward used) stopped reading the slots
+            self._compute.drain()
+        except (LaneError, RuntimeError) as exc:
+            errors.append(f"drain compute: {exc}")
+        for lane in self._lanes:
             lane.close()
         if self._transfer is not None:
             self._transfer.close()
+        if self._stream is not None:
+            self._stream.close()  # it held the transfer and the sources: views of the lease
         if self._slots is not None:
             self._slots.release()
         if isinstance(self._shard_source, LeaseShards):
@@ -516,9 +582,20 @@ class LayerwiseOffloadBackend:
                 _log.error("host memory still registered; keeping lease open: %s", failures)
             else:
                 self._registration = None
+        self._release_arenas(errors)  # shards and staging are gone: unregister, unmap
         if lease_safe:  # 6. close the lease
             self._close_lease()
         return errors
+
+    def _release_arenas(self, errors: list[str]) -> None:
+        """Unregister and unmap the shard/staging arenas (their views and copies are gone)."""
+        kept: list[HostArena] = []
+        for arena in self._arenas:
+            failures = arena.close()
+            if failures:
+                errors.extend(failures)
+                kept.append(arena)  # still registered: never unmapped
+        self._arenas = kept
 
     def _close_lease(self) -> None:
         if self._lease is not None:
@@ -551,6 +628,11 @@ class LayerwiseOffloadBackend:
             for index, ref in enumerate(source.refs):
                 ref.current().data = _host_copy(self._slots.tensor_view(0, layout, index))
             stream.mark_free(0)  # the next gather overwrites slot 0 only after these copies
+
+
+def _device_index(device: torch.device) -> int:
+    """The CUDA ordinal of ``device`` (``cuda`` alone means the current device)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _host_copy(value: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,14 @@ not depend on vLLM, so the caller hands over its parallel groups):
   size is > 1, else none. TP is never a DLO group.
 - A group of size 1 means no collective: the backend streams rank-locally.
 
+Lockstep: a gather completes only when every rank of the group issues it, so every rank must
+run the same forwards (same count, same blocks, same order; activations may differ). ``"auto"``
+picks the DP group when it has more than one rank, and DP ranks are exactly the ones that may
+have no request at a given step: a DP rank that skips its forward leaves its peers' gathers
+pending until the watchdog (NCCL) or the group timeout (gloo) fails them with
+``CollectiveStateError``. Use AllGather over DP only where idle DP ranks still run a (dummy)
+forward in step with the others; otherwise pass the SP group (``group=``) or stream rank-locally.
+
 ``exchange_manifest`` is the first collective of a backend: every rank contributes whether its
 local preparation succeeded and the digest of its block manifest; every rank then sees the same
 verdict, so one rank's local failure or a disagreement fails all ranks promptly (within the
@@ -90,11 +98,12 @@ def exchange_manifest(group: Any, digest: bytes, ok: bool, device: torch.device)
     everyone = torch.empty(world * mine.numel(), dtype=torch.uint8, device=device)
     try:
         all_gather_bytes(everyone, mine, group)
+        # Inside the try: with NCCL the gather only fails when its result is waited for, here.
+        rows = everyone.view(world, mine.numel()).cpu()
     except Exception as exc:
         raise CollectiveStateError(
             f"manifest exchange over the AllGather group failed ({exc}); a peer stopped or timed out",
         ) from exc
-    rows = everyone.view(world, mine.numel()).cpu()
     failed = [rank for rank in range(world) if int(rows[rank, 0]) != 1]
     if failed:
         if ok:

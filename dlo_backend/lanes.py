@@ -27,6 +27,7 @@ import torch
 __all__ = [
     "CudaLane",
     "CurrentStreamLane",
+    "DeferredSignal",
     "InlineLane",
     "Lane",
     "LaneError",
@@ -76,6 +77,44 @@ class _HostSignal:
 
     def query(self) -> bool:
         return self._event.is_set()
+
+
+class DeferredSignal:
+    """A signal that is known only later (``resolve``), or a failure (``fail``).
+
+    Work that another thread submits to a lane (the staged transfer's packer enqueues each
+    H2D copy once its host pack is done) gets its lane signal only then; whoever waits on a
+    ``DeferredSignal`` first blocks the host until it is known. Every lane accepts it.
+    """
+
+    def __init__(self) -> None:
+        self._known = threading.Event()
+        self._signal: Signal | None = None
+        self._error: BaseException | None = None
+
+    def resolve(self, signal: Signal) -> None:
+        self._signal = signal
+        self._known.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._known.set()
+
+    def result(self) -> Signal:
+        """Block until known; the lane signal, or ``LaneError`` for a failure."""
+        self._known.wait()
+        if self._error is not None:
+            raise LaneError(str(self._error)) from self._error
+        assert self._signal is not None
+        return self._signal
+
+    def wait_host(self) -> None:
+        self.result().wait_host()
+
+    def query(self) -> bool:
+        if not self._known.is_set():
+            return False
+        return self._error is not None or (self._signal is not None and self._signal.query())
 
 
 def completed_signal() -> Signal:
@@ -183,6 +222,8 @@ class CudaLane:
         return _CudaSignal(event)
 
     def wait(self, signal: Signal | None) -> None:
+        if isinstance(signal, DeferredSignal):
+            signal = signal.result()  # host wait until the work behind it was enqueued
         if isinstance(signal, _CudaSignal):
             self._stream().wait_event(signal.event)
         elif signal is not None:
@@ -196,10 +237,26 @@ class CudaLane:
 
 
 class CurrentStreamLane(CudaLane):
-    """The compute lane on CUDA: whatever stream is current when the hook runs."""
+    """The compute lane on CUDA: whatever stream is current when the hook runs.
+
+    It remembers every stream it recorded on or made wait, and ``drain`` synchronizes all of
+    them: forwards may run under any stream, and memory they read (the slots) must not go back
+    to the caching allocator while one of them still has kernels queued that read it (the
+    allocator only orders reuse on the stream a block was allocated on; torch docs, CUDA
+    semantics, "Memory management": use of a tensor on another stream must be synchronized or
+    ``record_stream``-ed by the caller).
+    """
 
     def __init__(self, device: torch.device) -> None:
         self._device = device
+        self._seen: dict[int, torch.cuda.Stream] = {}
 
     def _stream(self) -> torch.cuda.Stream:
-        return torch.cuda.current_stream(self._device)
+        stream = torch.cuda.current_stream(self._device)
+        self._seen.setdefault(int(stream.cuda_stream), stream)
+        return stream
+
+    def drain(self) -> None:
+        self._stream()
+        for stream in list(self._seen.values()):
+            stream.synchronize()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from hwr.dlo_backend.arena import HostArena
 from hwr.dlo_backend.layout import BlockLayout, shard_pieces
 
 __all__ = ["build_shard", "flat_span"]
@@ -23,11 +24,20 @@ def flat_span(tensor: torch.Tensor) -> torch.Tensor:
     return torch.as_strided(tensor, (span,), (1,), tensor.storage_offset())
 
 
-def build_shard(layout: BlockLayout, host: list[torch.Tensor], rank: int, *, pin: bool) -> list[torch.Tensor]:
-    """Rank ``rank``'s shard of every dtype group of one block (pinned when ``pin``)."""
+def build_shard(
+    layout: BlockLayout, host: list[torch.Tensor], rank: int, *, pin: bool, arena: HostArena | None = None
+) -> list[torch.Tensor]:
+    """Rank ``rank``'s shard of every dtype group of one block.
+
+    Carved from ``arena`` when given (exact sizes; pinned if the arena is, see ``arena``), else
+    one tensor per group (pinned when ``pin``, which rounds each up to a power of two).
+    """
     shards: list[torch.Tensor] = []
     for index, group in enumerate(layout.groups):
-        shard = torch.zeros(group.shard_numel, dtype=group.dtype, pin_memory=pin)
+        if arena is not None:
+            shard = arena.take(group.shard_numel, group.dtype)  # fresh memory: zero
+        else:
+            shard = torch.zeros(group.shard_numel, dtype=group.dtype, pin_memory=pin)
         for piece in shard_pieces(layout, index, rank):
             source = flat_span(host[piece.tensor])[piece.source : piece.source + piece.length]
             shard[piece.target : piece.target + piece.length].copy_(source)

@@ -10,6 +10,9 @@ placeholders back, so no block's weights stay attached between calls.
 
 A failure of the copy or communication lane marks the stream ``poisoned``; every later call
 raises the error made by ``poison_error`` (a ``CollectiveStateError`` when a group is used).
+With a group, every gather's completion is also handed to a ``watchdog.CollectiveWatchdog``:
+NCCL failures are asynchronous and never reach the lane, so a gather that a peer never joins
+poisons the stream through the watchdog instead (``poison``).
 """
 
 from __future__ import annotations
@@ -25,8 +28,24 @@ from hwr.dlo_backend.ring import plan_step
 from hwr.dlo_backend.slots import SlotPair, SlotState
 from hwr.dlo_backend.sources import BlockSource
 from hwr.dlo_backend.transfer import Transfer
+from hwr.dlo_backend.watchdog import CollectiveWatchdog
 
 __all__ = ["BlockStream"]
+
+
+class _ClosedTransfer:
+    """What a closed stream's transfer is: any use is an error, nothing is held."""
+
+    mode = "closed"
+
+    def fill(self, block: int, slot: int) -> None:
+        raise RuntimeError("the block stream is closed")
+
+    def tensor(self, block: int, slot: int, index: int) -> torch.Tensor:
+        raise RuntimeError("the block stream is closed")
+
+    def close(self) -> None:
+        return None
 
 
 class BlockStream:
@@ -43,15 +62,26 @@ class BlockStream:
         *,
         collective: bool,
         poison_error: Callable[[str], HwrError],
+        watchdog: CollectiveWatchdog | None = None,
     ) -> None:
         self._sources, self._layouts, self._slots, self._transfer = sources, layouts, slots, transfer
         self._compute, self._device, self._collective = compute, device, collective
         self._poison_error = poison_error
+        self._watchdog = watchdog
+        self.poison_reason: str | None = None
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
         self._bound: tuple[int, int] | None = None
         self._last_slot: int | None = None
         self.gathered = False
         self.poisoned = False
+
+    def close(self) -> None:
+        """Drop the sources and the transfer (they hold the host views, lease views among them);
+        ``poisoned`` and ``gathered`` stay readable. Call after ``unbind`` and the lanes' drain."""
+        self._sources, self._layouts = [], []
+        self._transfer = _ClosedTransfer()
+        self._placeholders = {}
+        self._bound = None
 
     def placeholder(self, dtype: torch.dtype) -> torch.Tensor:
         """The empty device tensor a block's tensors point at while it is not running."""
@@ -70,6 +100,15 @@ class BlockStream:
         self._slots.owner[slot] = block
         self.gathered = self.gathered or self._collective
         self._transfer.fill(block, slot)
+        if self._watchdog is not None:
+            ready = self._slots.ready[slot]
+            if ready is not None:
+                self._watchdog.watch(ready, f"the gather of block {block}")
+
+    def poison(self, reason: str) -> None:
+        """Refuse every later call with ``reason`` (the watchdog's verdict on a stuck gather)."""
+        self.poison_reason = reason
+        self.poisoned = True
 
     def wait_ready(self, slot: int) -> None:
         # Wait: the slot's bytes are written on the copy/communication lane.
@@ -97,7 +136,8 @@ class BlockStream:
 
     def before(self, block: int) -> None:
         if self.poisoned:
-            raise self._poison_error("the offload backend is poisoned by an earlier failure")
+            reason = f" ({self.poison_reason})" if self.poison_reason else ""
+            raise self._poison_error(f"the offload backend is poisoned by an earlier failure{reason}")
         try:
             if self._bound is not None:
                 self.unbind()  # the previous block's forward raised before its post-hook

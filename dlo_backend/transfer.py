@@ -35,6 +35,8 @@ from typing import Any, Protocol
 
 import torch
 
+from hwr.dlo_backend import lanes
+from hwr.dlo_backend.arena import HostArena
 from hwr.dlo_backend.group import all_gather_bytes
 from hwr.dlo_backend.lanes import Lane, Signal, completed_signal
 from hwr.dlo_backend.layout import BlockLayout
@@ -53,7 +55,10 @@ class Transfer(Protocol):
 
     def tensor(self, block: int, slot: int, index: int) -> torch.Tensor: ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Drop every host tensor held (the lease's views among them), so that closing the lease
+        unmaps it at once instead of when the garbage collector gets to it."""
+        ...
 
 
 class _SlotViews:
@@ -96,7 +101,7 @@ class HostBindTransfer:
         return self._hosts[block][index]
 
     def close(self) -> None:
-        return None
+        self._hosts = []  # lease views: the mapping must not outlive the lease's close
 
 
 class DirectTransfer(_SlotViews):
@@ -122,11 +127,21 @@ class DirectTransfer(_SlotViews):
         self._slots.ready[slot] = self._lane.record()
 
     def close(self) -> None:
-        return None
+        self._hosts = []  # lease views: the mapping must not outlive the lease's close
 
 
 class StagedTransfer(_SlotViews):
-    """Host tensors -> bounded staging buffer (host memcpy) -> slot (one H2D copy)."""
+    """Host tensors -> bounded staging buffer (host memcpy) -> slot (one H2D copy).
+
+    The host memcpy (the pack) runs on ``packer`` (a worker thread), not in the forward hook
+    that calls ``fill``: the hook returns at once, and compute's kernels are enqueued while the
+    next block is packed (torch's CPU copy releases the GIL). The packer then enqueues the H2D
+    on the copy lane itself and resolves the slot's ``ready`` (a ``DeferredSignal``). At most
+    two blocks are packed ahead: staging buffer ``k`` is repacked only after the H2D that last
+    read it finished (the packer waits on its signal). A failed pack fails that block's
+    ``ready`` and every later one (compute then raises ``LaneError``); the packer never stops
+    on an error, so no ``ready`` is left unresolved.
+    """
 
     mode = "staged"
 
@@ -138,11 +153,18 @@ class StagedTransfer(_SlotViews):
         lane: Lane,
         *,
         pin: bool,
+        packer: Lane,
+        arena: HostArena | None = None,
     ) -> None:
         self._hosts, self._layouts, self._slots, self._lane = hosts, layouts, slots, lane
-        self.staging = [torch.empty(slots.nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        self._packer = packer
+        if arena is not None:  # exact sizes, one registration (see ``arena``)
+            self.staging = [arena.take(slots.nbytes, torch.uint8) for _ in range(2)]
+        else:
+            self.staging = [torch.empty(slots.nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         self._done: list[Signal] = [completed_signal(), completed_signal()]
         self._next = 0
+        self._failed: BaseException | None = None
 
     def _pack(self, block: int, staging: torch.Tensor) -> None:
         layout = self._layouts[block]
@@ -152,23 +174,38 @@ class StagedTransfer(_SlotViews):
             region = staging[group.byte_offset : group.byte_offset + group.nbytes].view(group.dtype)
             region[placed.offset : placed.offset + placed.meta.span].copy_(flat_span(host))
 
+    def _pack_and_copy(
+        self, block: int, slot: int, index: int, previous: Signal, free: Signal | None, ready: lanes.DeferredSignal
+    ) -> None:
+        """Packer thread: wait for the staging buffer, pack, enqueue the H2D, resolve ``ready``."""
+        try:
+            if self._failed is not None:
+                raise lanes.LaneError(f"an earlier staged pack failed ({self._failed})") from self._failed
+            # Host wait: the copy that last read this staging buffer must finish before we overwrite it.
+            previous.wait_host()
+            staging = self.staging[index]
+            self._pack(block, staging)
+            nbytes = self._layouts[block].nbytes
+            target = self._slots.buffers[slot]
+            # Wait: the slot's previous block may still be read by compute.
+            self._lane.wait(free)
+            self._lane.submit(lambda: target[:nbytes].copy_(staging[:nbytes], non_blocking=True))
+            ready.resolve(self._lane.record())
+        except BaseException as exc:
+            self._failed = self._failed or exc
+            ready.fail(exc)
+
     def fill(self, block: int, slot: int) -> None:
         index = self._next
         self._next = 1 - index
-        staging = self.staging[index]
-        # Host wait: the copy that last read this staging buffer must finish before we overwrite it.
-        self._done[index].wait_host()
-        self._pack(block, staging)
-        nbytes = self._layouts[block].nbytes
-        target = self._slots.buffers[slot]
-        # Wait: the slot's previous block may still be read by compute.
-        self._lane.wait(self._slots.free[slot])
-        self._lane.submit(lambda: target[:nbytes].copy_(staging[:nbytes], non_blocking=True))
-        self._done[index] = self._lane.record()
-        self._slots.ready[slot] = self._done[index]
+        previous, free, ready = self._done[index], self._slots.free[slot], lanes.DeferredSignal()
+        self._packer.submit(lambda: self._pack_and_copy(block, slot, index, previous, free, ready))
+        self._done[index] = ready
+        self._slots.ready[slot] = ready
 
     def close(self) -> None:
         self.staging = []
+        self._hosts = []  # lease views: the mapping must not outlive the lease's close
 
 
 class AllGatherTransfer(_SlotViews):

@@ -12,7 +12,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from hwr.client.errors import CheckpointModified, CheckpointNotFound, InvalidRequest, ManifestCorrupt
+from hwr.client.errors import (
+    CheckpointModified,
+    CheckpointNotFound,
+    InvalidRequest,
+    ManifestCorrupt,
+    PermissionDeniedError,
+)
 from hwr.daemon import checkpoints as ckmod
 from hwr.daemon.checkpoints import Checkpoints, hf_blob_link
 
@@ -37,12 +43,20 @@ def test_hf_link_is_trusted_only_with_the_exact_topology(short_tmp: Path) -> Non
     ckpt, added = registry.add(snap)
     assert added and ckpt.source_kind == "immutable-blob" and ckpt.files[0].source == f"immutable-blob:{BLOB}"
     assert (ckpt.model_id, ckpt.revision) == ("org/name", REV)
-    # A link that skips the expected depth is followed but its bytes are hashed instead.
+    # A link inside the directory is followed and its bytes are hashed; a link that leaves the
+    # directory without the exact snapshot topology is refused (it could name any file).
     other = short_tmp / "plain"
     other.mkdir()
-    os.symlink(short_tmp / "models--org--name" / "blobs" / BLOB, other / "model.safetensors")
+    save_file({"w": torch.ones(4)}, other / "real.bin")
+    os.symlink("real.bin", other / "model.safetensors")
     plain, _ = registry.add(other)
     assert plain.source_kind == "content-sha256"
+    escaping = short_tmp / "escaping"
+    escaping.mkdir()
+    os.symlink(short_tmp / "models--org--name" / "blobs" / BLOB, escaping / "model.safetensors")
+    with pytest.raises(PermissionDeniedError) as refused:
+        registry.add(escaping)
+    assert refused.value.details == {"file": "model.safetensors"}
     registry.close()
 
 

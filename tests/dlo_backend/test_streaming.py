@@ -148,22 +148,22 @@ def test_staged_transfer_reuses_a_staging_buffer_only_after_its_copy_finished() 
     layouts = [plan_block(f"b{i}", metas) for i in range(3)]
     hosts = [[torch.randn(4, 8).t(), torch.randn(5).to(torch.bfloat16)] for _ in range(3)]
     slots = SlotPair(max(layout.nbytes for layout in layouts), torch.device("cpu"))
-    lane = ThreadLane("copy")
+    lane, packer = ThreadLane("copy"), ThreadLane("pack")
     gate = __import__("threading").Event()
     lane.submit(gate.wait)  # hold the lane: the first two fills stay pending
-    transfer = StagedTransfer(hosts, layouts, slots, lane, pin=False)
+    transfer = StagedTransfer(hosts, layouts, slots, lane, pin=False, packer=packer)
     transfer.fill(0, 0)
     transfer.fill(1, 1)
-    third = __import__("threading").Thread(target=transfer.fill, args=(2, 0))
-    third.start()
-    third.join(0.2)
-    assert third.is_alive()  # staging buffer 0 is still read by the pending copy of block 0
+    transfer.fill(2, 0)  # returns at once: the packer, not the caller, waits for staging buffer 0
+    __import__("time").sleep(0.2)
+    assert not slots.ready[0].query()  # staging buffer 0 is still read by the pending copy of block 0
     gate.set()
-    third.join(5)
-    assert not third.is_alive()
+    slots.ready[0].wait_host()
+    packer.drain()
     lane.drain()
     for block, slot in ((1, 1), (2, 0)):
         for index, host in enumerate(hosts[block]):
             view = slots.tensor_view(slot, layouts[block], index)
             assert torch.equal(view, host) and view.stride() == host.stride()
+    packer.close()
     lane.close()
