@@ -12,6 +12,12 @@ Measured in one run:
   mapping; CPU: ``direct`` from the mapping), as bytes per second and per block;
 - ``compute``: a forward with every block resident; ``forward``: a forward with streaming.
 
+``--allgather-dp N`` instead runs the three DLO modes over N ranks (NCCL on CUDA, one GPU per
+rank; gloo with ``--device cpu``): rank-local, AllGather with private pinned shards
+(``allgather_host_copy=True``) and AllGather reading each rank's pieces from the lease (its own
+ranges registered, pinned staging as fallback); each checked bit for bit against the resident
+model, with time from enable to the first forward and the steady pass.
+
 Goals: CUDA ``forward <= 1.1 x max(compute, transfer)`` and H2D ``>= 85%`` of peak; CPU copy
 from lease memory ``>= 80%`` of memcpy. Prints a markdown table, then one JSON line.
 
@@ -298,5 +304,133 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     return result
 
 
+
+# --- AllGather over NCCL: rank-local, private shards, shards from the lease ---------------------
+ALLGATHER_MODES = ("rank-local", "allgather-private", "allgather-lease")
+
+
+def _allgather_rank(rank: int, world: int, spec: dict[str, object]) -> None:
+    """One rank (spawned): the three modes in turn, each checked against the resident model."""
+    import torch.distributed as dist
+
+    device = torch.device(str(spec["device"]))
+    if device.type == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{spec['rdzv']}", rank=rank, world_size=world)
+    depth, dim, hidden, dtype = int(spec["depth"]), int(spec["dim"]), int(spec["hidden"]), _DTYPES[str(spec["dtype"])]
+    path, transposed = Path(str(spec["path"])), set(spec["transposed"])  # type: ignore[arg-type]
+    state = MappedLease(path, transposed).tensors
+    resident = Stack(depth, dim, hidden, dtype).to(device)
+    resident.load_state_dict({k: v.clone() for k, v in state.items()})
+    x = torch.randn(int(spec["tokens"]), dim, generator=torch.Generator().manual_seed(rank)).to(dtype).to(device)
+    out: dict[str, object] = {"rank": rank, "device": str(device)}
+    with torch.no_grad():
+        want = resident(x)
+        for mode in ALLGATHER_MODES:
+            with torch.device("meta"):
+                skeleton = Stack(depth, dim, hidden, dtype)
+            dist.barrier()
+            start = time.perf_counter()
+            handle = apply_layerwise_offload(
+                skeleton,
+                device=device,
+                blocks_attr="blocks",
+                host_source=MappedLease(path, transposed),
+                use_allgather=mode != "rank-local",
+                group=dist.group.WORLD if mode != "rank-local" else None,
+                allgather_host_copy=mode == "allgather-private",
+                cpu_zero_copy=False,
+            )
+            got = skeleton(x)
+            _sync(device)
+            first = time.perf_counter() - start
+            passes = []
+            for _ in range(int(spec["reps"])):
+                t0 = time.perf_counter()
+                skeleton(x)
+                _sync(device)
+                passes.append(time.perf_counter() - t0)
+            stats = handle.stats
+            out[mode] = {
+                "equal": bool(torch.equal(got, want)),
+                "enable_to_first_forward_s": first,
+                "pass_s": min(passes),
+                "offload_mode": stats.mode,
+                "shard_source": stats.shard_source,
+                "host_shard_bytes": stats.host_shard_bytes,
+                "registered_bytes": stats.registered_bytes,
+            }
+            handle.close()  # a collective with AllGather: every rank closes
+    Path(str(spec["outdir"]), f"rank{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+def allgather_main(argv: list[str] | None = None) -> dict[str, object]:
+    """``--allgather-dp N``: the three modes over N ranks (NCCL on CUDA, one GPU per rank)."""
+    import torch.multiprocessing as mp
+
+    parser = argparse.ArgumentParser(description="DLO AllGather modes over NCCL (gloo with --device cpu)")
+    parser.add_argument("--allgather-dp", type=int, required=True)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--depth", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=2048)
+    parser.add_argument("--hidden", type=int, default=8192)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="BF16")
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args(argv)
+    world = args.allgather_dp
+    result: dict[str, object] = {"benchmark": "gpu_dlo_allgather", "device": args.device, "dp": world}
+    gpus = torch.cuda.device_count() if args.device.startswith("cuda") else 0
+    if args.device.startswith("cuda") and gpus < world:
+        # NCCL refuses two ranks on one GPU ("Duplicate GPU detected").
+        result["skipped"] = f"needs {world} GPUs for DP {world} over NCCL, found {gpus}"
+        print(f"AllGather modes not measured: {result['skipped']}")
+        print(json.dumps(result))
+        return result
+    torch.manual_seed(0)
+    model = Stack(args.depth, args.dim, args.hidden, _DTYPES[args.dtype])
+    with tempfile.TemporaryDirectory(prefix="hwr-bench-ag-") as tmp:
+        path = Path(tmp) / "model.safetensors"
+        state = model.state_dict()
+        transposed = sorted(k for k, v in state.items() if v.dim() == 2 and not v.is_contiguous())
+        save_file({k: (v.t() if k in transposed else v).contiguous() for k, v in state.items()}, str(path))
+        del model, state
+        path.read_bytes()  # warm the page cache
+        spec = {**vars(args), "path": str(path), "transposed": transposed, "rdzv": str(Path(tmp) / "rdzv"),
+                "outdir": tmp}
+        mp.start_processes(_allgather_rank, args=(world, spec), nprocs=world, start_method="spawn")
+        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+    print("| mode | outputs equal | enable -> 1st forward | steady pass | private shards / rank | registered / rank |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for mode in ALLGATHER_MODES:
+        rows = [r[mode] for r in ranks]
+        summary = {
+            "equal": all(r["equal"] for r in rows),
+            "enable_to_first_forward_s": max(r["enable_to_first_forward_s"] for r in rows),
+            "pass_s": max(r["pass_s"] for r in rows),
+            "host_shard_bytes": max(r["host_shard_bytes"] for r in rows),
+            "registered_bytes": max(r["registered_bytes"] for r in rows),
+            "offload_mode": sorted({r["offload_mode"] for r in rows}),
+        }
+        result[mode] = summary
+        print(
+            f"| {mode} | {'yes' if summary['equal'] else 'NO'} | {summary['enable_to_first_forward_s']:.3f} s | "
+            f"{summary['pass_s'] * 1e3:.2f} ms | {summary['host_shard_bytes'] / 2**20:.0f} MiB | "
+            f"{summary['registered_bytes'] / 2**20:.0f} MiB |"
+        )
+    private, lease = result["allgather-private"], result["allgather-lease"]
+    result["lease_vs_private_pass"] = lease["pass_s"] / private["pass_s"]  # type: ignore[index]
+    print(json.dumps(result))
+    return result
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if any(arg.startswith("--allgather-dp") for arg in sys.argv[1:]):
+        allgather_main()
+    else:
+        main()

@@ -69,11 +69,13 @@ def sections(size_mib: int, quick: bool, out: Path) -> dict[str, list[str]]:
         "idle_penalty": [f"{b}/idle_penalty.py", "--repeats", "5", "--sleeps-ms", "0,10,100"],
         "gpu_dlo": [f"{b}/gpu_dlo.py", "--device", "cpu", "--depth", "4", "--dim", "1024",
                     "--hidden", "4096", "--tokens", "256", "--reps", "3"],
+        "allgather": [f"{b}/allgather.py", "--size-mib", str(s), "--dp", "1,2" if quick else "1,2,4",
+                      "--passes", "2" if quick else "3"],
     }
 
 
 JSON_OUT = {"warm_start", "peers", "scaling", "vllm_omni_store", "startup", "publish", "prewarm", "churn", "load",
-            "soak", "idle_penalty"}
+            "soak", "idle_penalty", "allgather"}
 
 
 def machine() -> dict[str, Any]:

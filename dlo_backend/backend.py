@@ -13,7 +13,9 @@ State table (enforced by ``enable``/``disable`` and the hooks)::
     CLOSED     | InvalidRequest               | (hooks removed)          | no-op
 
 ``enable`` runs the steps of ``EnableStep`` in order. The lease is taken first, before any
-asynchronous work. With AllGather, the ranks agree twice (``group.exchange_manifest``): at
+asynchronous work. With AllGather, OPEN_GROUP then creates DLO's own communicator over the
+chosen group's ranks (``communicator``: DLO's collectives never share a group with the model's
+or the caller's), and the ranks agree twice (``group.exchange_manifest``): at
 EXCHANGE_MANIFEST on the manifest digest, after the local steps DISCOVER..VALIDATE, and at
 AGREE_READY after the local steps SHARD..INSTALL_HOOKS. A rank that failed locally still joins
 the exchange (reporting failure), so every rank fails together before the first gather. A
@@ -30,7 +32,7 @@ Teardown order (``_teardown``, shared by failure rollback and ``disable``):
    blocks get their originals (module source) or CPU copies of the lease views, and AllGather
    blocks are gathered one last time into CPU tensors (a collective: call ``disable`` on every
    rank) unless the backend is poisoned;
-4. release staging, device slots, shards and lanes;
+4. release staging, device slots, shards and lanes; shut DLO's own communicator down;
 5. undo ``cudaHostRegister`` (if that fails the lease stays open: unmapping registered memory
    is undefined behaviour);
 6. close the lease (and the carrier, in case enable failed before taking it).
@@ -64,6 +66,7 @@ from torch import nn
 from hwr.client.carrier import HostLease, LeaseCarrier
 from hwr.client.errors import HwrError, InvalidRequest, LeaseClosed, Unsupported
 from hwr.dlo_backend import group as groups
+from hwr.dlo_backend.communicator import DloCommunicator, open_dlo_group
 from hwr.dlo_backend.discovery import find_block_stacks
 from hwr.dlo_backend.errors import CollectiveStateError, OffloadError
 from hwr.dlo_backend.hooks import HookRegistry
@@ -71,6 +74,7 @@ from hwr.dlo_backend.lanes import CudaLane, CurrentStreamLane, InlineLane, Lane,
 from hwr.dlo_backend.layout import BlockLayout, manifest_digest, plan_block
 from hwr.dlo_backend.registration import HostRegistration, register_regions
 from hwr.dlo_backend.sharding import build_shard
+from hwr.dlo_backend.shards import LeaseShards, PrivateShards, ShardSource
 from hwr.dlo_backend.slots import SlotPair, SlotState
 from hwr.dlo_backend.sources import (
     SUPPORTED_QUANTIZATION,
@@ -103,6 +107,7 @@ class State(enum.Enum):
 
 class EnableStep(enum.Enum):
     TAKE_LEASE = "take_lease"
+    OPEN_GROUP = "open_group"
     DISCOVER = "discover"
     BIND_SOURCES = "bind_sources"
     VALIDATE = "validate"
@@ -130,6 +135,7 @@ class OffloadOptions:
     host_registration_limit_gib: float = 0.0
     quantization: str | None = None
     cpu_zero_copy: bool = True
+    allgather_host_copy: bool = False
 
 
 @dataclass(frozen=True)
@@ -144,6 +150,7 @@ class OffloadStats:
     block_bytes: int
     host_shard_bytes: int
     registered_bytes: int
+    shard_source: str = "none"
 
 
 class LayerwiseOffloadBackend:
@@ -158,11 +165,12 @@ class LayerwiseOffloadBackend:
         self._state = State.NEW
         self._step: EnableStep | None = None
         self._lease: HostLease | None = None
-        self._group: Any = None
+        self._group: DloCommunicator | None = None
+        self._world = 1
+        self._shard_source: ShardSource | None = None
         self._streamed: list[BlockSource] = []
         self._resident: list[BlockSource] = []
         self._layouts: list[BlockLayout] = []
-        self._shards: list[list[torch.Tensor]] = []
         self._registration: HostRegistration | None = None
         self._lanes: list[Lane] = []
         self._compute: Lane = InlineLane()
@@ -200,7 +208,8 @@ class LayerwiseOffloadBackend:
 
     @property
     def stats(self) -> OffloadStats:
-        world = groups.group_size(self._group)
+        world = self._world
+        source = self._shard_source
         return OffloadStats(
             mode=self._transfer.mode if self._transfer is not None else "none",
             world=world,
@@ -208,8 +217,9 @@ class LayerwiseOffloadBackend:
             resident_blocks=len(self._resident),
             slot_bytes=self._slots.nbytes if self._slots is not None else 0,
             block_bytes=sum(layout.nbytes for layout in self._layouts),
-            host_shard_bytes=sum(int(t.nbytes) for shard in self._shards for t in shard),
+            host_shard_bytes=source.host_bytes if source is not None else 0,
             registered_bytes=self._registration.nbytes if self._registration is not None else 0,
+            shard_source=source.kind if source is not None else "none",
         )
 
     # ------------------------------------------------------------------ transaction
@@ -235,9 +245,14 @@ class LayerwiseOffloadBackend:
         opts = self.options
         self._enter(EnableStep.TAKE_LEASE)
         self._lease = self._take_lease()
-        self._group = groups.select_group(
+        chosen = groups.select_group(
             use_allgather=opts.use_allgather, group=opts.group, dp_group=opts.dp_group, sp_group=opts.sp_group
         )
+        if chosen is not None:
+            # From here every DLO collective runs on DLO's own communicator (see ``communicator``).
+            self._enter(EnableStep.OPEN_GROUP)
+            self._group = open_dlo_group(chosen, opts.device)
+            self._world = groups.group_size(self._group)
         self._agreed(EnableStep.EXCHANGE_MANIFEST, self._prepare)
         self._agreed(EnableStep.AGREE_READY, self._build)
         self._enter(EnableStep.PREFETCH)
@@ -281,8 +296,7 @@ class LayerwiseOffloadBackend:
         self._validate(sources)
         self._resident = sources[: opts.resident_layers]
         self._streamed = sources[opts.resident_layers :]
-        world = groups.group_size(self._group)
-        self._layouts = [plan_block(src.name, src.metas(), world) for src in self._streamed]
+        self._layouts = [plan_block(src.name, src.metas(), self._world) for src in self._streamed]
 
     def _build(self) -> None:
         """Local: shards, host registration, slots and lanes, hooks."""
@@ -291,16 +305,27 @@ class LayerwiseOffloadBackend:
         cuda = opts.device.type == "cuda"
         if self._group is not None:
             rank = groups.group_rank(self._group)
-            arena = self._host_arena(g.shard_nbytes for layout in self._layouts for g in layout.groups)
-            self._shards = [
-                build_shard(layout, src.host, rank, pin=cuda, arena=arena)
-                for layout, src in zip(self._layouts, self._streamed, strict=True)
-            ]
+            if self._lease is not None and not opts.allgather_host_copy:
+                # Read in place: each rank's pieces of every block stay views of the lease mapping.
+                self._shard_source = LeaseShards(self._layouts, [src.host for src in self._streamed], rank)
+            else:
+                arena = self._host_arena(g.shard_nbytes for layout in self._layouts for g in layout.groups)
+                shards = [
+                    build_shard(layout, src.host, rank, pin=cuda, arena=arena)
+                    for layout, src in zip(self._layouts, self._streamed, strict=True)
+                ]
+                self._shard_source = PrivateShards(shards, self._layouts)
         self._enter(EnableStep.REGISTER_HOST)
-        if cuda and self._lease is not None and self._group is None:
-            self._registration = register_regions(
-                self._lease.mapped_regions, opts.host_registration_limit_gib, device=_device_index(opts.device)
-            )
+        if cuda and self._lease is not None:
+            device = _device_index(opts.device)
+            if self._group is None:
+                self._registration = register_regions(
+                    self._lease.mapped_regions, opts.host_registration_limit_gib, device=device
+                )
+            elif isinstance(self._shard_source, LeaseShards):
+                # Only this rank's own ranges: the other ranks' pages are never read here.
+                regions = self._shard_source.regions(self._lease.mapped_regions)
+                self._registration = register_regions(regions, opts.host_registration_limit_gib, device=device)
         self._enter(EnableStep.ALLOCATE)
         self._allocate()
         self._enter(EnableStep.INSTALL_HOOKS)
@@ -360,8 +385,19 @@ class LayerwiseOffloadBackend:
             self._transfer = HostBindTransfer(hosts, self._slots, copy_lane)
         elif self._group is not None:
             # Each rank holds only a shard, so even on a CPU device the block must be gathered.
+            assert self._shard_source is not None
+            registered = self._registration is not None and self._registration.complete
             self._transfer = AllGatherTransfer(
-                self._shards, self._layouts, self._slots, copy_lane, comm_lane, self._group, device
+                self._shard_source,
+                self._layouts,
+                self._slots,
+                copy_lane,
+                comm_lane,
+                self._group,
+                device,
+                inputs=2 if device.type == "cuda" else 1,
+                # Lease pieces the device cannot read asynchronously go through pinned staging.
+                staging=device.type == "cuda" and isinstance(self._shard_source, LeaseShards) and not registered,
             )
         elif device.type == "cpu" or self._direct_readable():
             self._transfer = DirectTransfer(hosts, self._layouts, self._slots, copy_lane)
@@ -459,7 +495,7 @@ class LayerwiseOffloadBackend:
         self._committed = True
 
     def _poison_error(self, message: str) -> HwrError:
-        if self._group is not None:
+        if self._world > 1:
             return CollectiveStateError(f"{message}; recreate the backend and reload the pipeline on every rank")
         return OffloadError(f"{message}; recreate the backend and reload the pipeline")
 
@@ -482,7 +518,8 @@ class LayerwiseOffloadBackend:
         errors = self._teardown()
         self._state = State.FAILED
         after_agreement = self._step in (EnableStep.PREFETCH, EnableStep.COMMIT)
-        if self._gathered or isinstance(exc, CollectiveStateError) or (self._group is not None and after_agreement):
+        collective = self._world > 1  # the communicator itself is already shut down by the teardown
+        if self._gathered or isinstance(exc, CollectiveStateError) or (collective and after_agreement):
             return CollectiveStateError(
                 f"enable failed at step {step!r} after collectives were issued ({exc}); the group is in an "
                 "unknown state: recreate the backend and reload the pipeline on every rank",
@@ -528,7 +565,14 @@ class LayerwiseOffloadBackend:
             self._stream.close()  # it held the transfer and the sources: views of the lease
         if self._slots is not None:
             self._slots.release()
-        self._transfer, self._shards, self._lanes, self._installed = None, [], [], []
+        if isinstance(self._shard_source, LeaseShards):
+            self._shard_source.close()
+        self._transfer, self._shard_source, self._lanes, self._installed = None, None, [], []
+        if self._group is not None:  # after the lanes: no gather may still use it
+            failure = self._group.close()
+            if failure is not None:
+                errors.append(failure)
+            self._group = None
         lease_safe = True
         if self._registration is not None:  # 5. unregister before unmapping
             failures = self._registration.close()

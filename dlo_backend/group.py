@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from hwr.client.errors import InvalidRequest
+from hwr.dlo_backend.communicator import DloCommunicator
 from hwr.dlo_backend.errors import CollectiveStateError, ManifestMismatch, OffloadError
 
 __all__ = ["all_gather_bytes", "exchange_manifest", "group_rank", "group_size", "select_group"]
@@ -40,7 +41,13 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 def all_gather_bytes(output: torch.Tensor, local: torch.Tensor, group: Any) -> None:
-    """Gather every rank's ``local`` into ``output`` in rank order (both 1-D, same dtype)."""
+    """Gather every rank's ``local`` into ``output`` in rank order (both 1-D, same dtype).
+
+    ``group`` is DLO's own ``DloCommunicator`` (the backend's gathers) or a process group.
+    """
+    if isinstance(group, DloCommunicator):
+        group.all_gather(output, local)
+        return
     _all_gather(output, local, group=group)
 
 
@@ -48,10 +55,14 @@ _DIGEST_BYTES = 32
 
 
 def group_size(group: Any) -> int:
+    if isinstance(group, DloCommunicator):
+        return group.size
     return 1 if group is None else int(dist.get_world_size(group))
 
 
 def group_rank(group: Any) -> int:
+    if isinstance(group, DloCommunicator):
+        return group.rank
     return 0 if group is None else int(dist.get_rank(group))
 
 

@@ -68,6 +68,7 @@ def apply_layerwise_offload(
     host_registration_limit_gib: float = 0.0,
     quantization: str | None = None,
     cpu_zero_copy: bool = True,
+    allgather_host_copy: bool = False,
 ) -> OffloadHandle:
     """Stream ``model``'s transformer blocks host -> ``device`` through two device slots.
 
@@ -81,6 +82,14 @@ def apply_layerwise_offload(
       ``dp_group`` if its size > 1, else ``sp_group`` if > 1, else rank-local): each rank keeps
       ``1 / world`` of every block and rebuilds it with an all-gather. NCCL on CUDA, gloo on CPU.
       Every rank must run the same blocks in the same order (activations may differ per rank).
+      The gathers run on DLO's own communicator, created at enable over the same ranks and
+      shut down at close, so the model's and the caller's collectives on those ranks (SP
+      all-reduces inside blocks, barriers between or during forwards) never interleave with them.
+      With a lease as host source each rank reads its own pieces of every block straight from
+      the shared mapping (no private shard); module tensors are sharded into private copies.
+    - ``allgather_host_copy``: with a lease and AllGather, build private host shards at enable
+      instead (pinned on CUDA: upstream's layout, a second host copy of the model per node;
+      kept as the benchmarks' baseline). Ignored without AllGather.
     - ``resident_layers``: the first k blocks stay on the device (rank-local only).
     - ``host_registration_limit_gib``: CUDA only; a lease's mapped regions are registered
       (``cudaHostRegister``, read-only) if they fit (0 = unlimited), else copied through staging.
@@ -111,6 +120,7 @@ def apply_layerwise_offload(
         host_registration_limit_gib=host_registration_limit_gib,
         quantization=quantization,
         cpu_zero_copy=cpu_zero_copy,
+        allgather_host_copy=allgather_host_copy,
     )
     backend = LayerwiseOffloadBackend(model, options, host_source)
     backend.enable()

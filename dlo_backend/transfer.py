@@ -17,13 +17,15 @@ and ``tensor(block, slot, index)`` is what compute binds for tensor ``index`` of
 - ``StagedTransfer``: pack the block into one of two bounded host staging buffers (pinned on
   CUDA), then one H2D copy. A staging buffer is reused only after the copy that last read it
   finished (host wait on its signal).
-- ``AllGatherTransfer``: copy this rank's pre-built shard to a device shard buffer on the copy
-  lane, then ``all_gather`` it into the slot on the communication lane (bytes, so any dtype
-  works on gloo and NCCL). Every rank must call ``fill`` in the same order.
+- ``AllGatherTransfer``: write this rank's shard (pre-built private shards, or its pieces read
+  straight from the lease mapping, see ``shards``) into a device gather input on the copy lane,
+  then ``all_gather`` it into the slot on the communication lane (bytes, so any dtype works on
+  gloo and NCCL), on DLO's own communicator (see ``communicator``). Every rank must call
+  ``fill`` in the same order.
 
 Every writer first waits on ``slots.free[slot]`` (compute may still read the slot's previous
-block) and, for AllGather, on the slot's previous ``ready`` (the last gather still reads the
-shard buffer of that slot). ``HostBindTransfer`` writes nothing, so it waits on neither.
+block) and, for AllGather, on the last gather that read the gather input it is about to
+overwrite. ``HostBindTransfer`` writes nothing, so it waits on neither.
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ from hwr.dlo_backend import lanes
 from hwr.dlo_backend.arena import HostArena
 from hwr.dlo_backend.group import all_gather_bytes
 from hwr.dlo_backend.lanes import Lane, Signal, completed_signal
-from hwr.dlo_backend.layout import GROUP_ALIGN_BYTES, BlockLayout
+from hwr.dlo_backend.layout import BlockLayout
 from hwr.dlo_backend.paging import populate
 from hwr.dlo_backend.sharding import flat_span
+from hwr.dlo_backend.shards import ShardSource, input_nbytes, shard_offsets
 from hwr.dlo_backend.slots import SlotPair
 
 __all__ = ["AllGatherTransfer", "DirectTransfer", "HostBindTransfer", "StagedTransfer", "Transfer"]
@@ -205,62 +208,84 @@ class StagedTransfer(_SlotViews):
         self._hosts = []  # lease views: the mapping must not outlive the lease's close
 
 
-def _shard_offsets(layout: BlockLayout) -> list[int]:
-    offsets, cursor = [], 0
-    for group in layout.groups:
-        offsets.append(cursor)
-        cursor += -(-group.shard_nbytes // GROUP_ALIGN_BYTES) * GROUP_ALIGN_BYTES
-    return offsets
-
-
 class AllGatherTransfer(_SlotViews):
-    """Local shard -> device shard buffer (copy lane) -> all_gather into the slot (comm lane)."""
+    """Shard -> gather input (copy lane) -> all_gather into the slot (comm lane, DLO group only).
+
+    ``source`` writes this rank's shard (private copies or the lease's pieces, see ``shards``).
+    ``inputs`` gather inputs live on the device (one per gather that may be in flight: 2 on CUDA,
+    where the H2D of block ``i + 1`` may overlap the gather of block ``i``; 1 on CPU, where the
+    host waits for a block's gather before it submits the next fill, so a second input would
+    only cost memory). With ``staging``, a CUDA source that cannot be read asynchronously (the
+    lease's pieces when registration failed) is packed on the host into one of two bounded
+    pinned staging buffers first, then copied with one H2D.
+    """
 
     mode = "allgather"
 
     def __init__(
         self,
-        shards: Sequence[list[torch.Tensor]],
+        source: ShardSource,
         layouts: Sequence[BlockLayout],
         slots: SlotPair,
         copy_lane: Lane,
         comm_lane: Lane,
         group: Any,
         device: torch.device,
+        *,
+        inputs: int,
+        staging: bool = False,
     ) -> None:
-        self._shards, self._layouts, self._slots = shards, layouts, slots
+        self.source, self._layouts, self._slots = source, layouts, slots
         self._copy, self._comm, self._group = copy_lane, comm_lane, group
-        self._offsets = [_shard_offsets(layout) for layout in layouts]
-        size = max(
-            offsets[-1] + layout.groups[-1].shard_nbytes for offsets, layout in zip(self._offsets, layouts, strict=True)
-        )
-        self.shard_buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2)]
+        self._offsets = [shard_offsets(layout) for layout in layouts]
+        self._sizes = [input_nbytes(layout) for layout in layouts]
+        size = max(self._sizes)
+        self.inputs = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(inputs)]
+        pin = device.type == "cuda"  # staging exists for CUDA; on CPU (tests) it is plain memory
+        self.staging = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(2 if staging else 0)]
+        self._read: list[Signal] = [completed_signal() for _ in self.inputs]  # last gather reading input k
+        self._staged: list[Signal] = [completed_signal() for _ in self.staging]  # last H2D reading staging k
+        self._fills = 0
 
-    def _copy_shard(self, block: int, slot: int) -> None:
-        for group, (offset, shard) in enumerate(zip(self._offsets[block], self._shards[block], strict=True)):
-            nbytes = self._layouts[block].groups[group].shard_nbytes
-            target = self.shard_buffers[slot][offset : offset + nbytes]
-            target.copy_(shard.view(torch.uint8), non_blocking=True)  # shards are pinned on CUDA
+    @property
+    def input_bytes(self) -> int:
+        return sum(int(t.nbytes) for t in self.inputs) + sum(int(t.nbytes) for t in self.staging)
 
-    def _gather(self, block: int, slot: int) -> None:
+    def _gather(self, block: int, slot: int, gathered: torch.Tensor) -> None:
         layout = self._layouts[block]
         for group, offset in enumerate(self._offsets[block]):
             nbytes = layout.groups[group].shard_nbytes
-            local = self.shard_buffers[slot][offset : offset + nbytes]
             whole = self._slots.group_view(slot, layout, group).view(torch.uint8)
-            all_gather_bytes(whole, local, self._group)
+            all_gather_bytes(whole, gathered[offset : offset + nbytes], self._group)
 
     def fill(self, block: int, slot: int) -> None:
-        # Wait: the previous gather into this slot still reads this slot's shard buffer.
-        self._copy.wait(self._slots.ready[slot])
-        self._copy.submit(lambda: self._copy_shard(block, slot))
+        index = self._fills % len(self.inputs)
+        self._fills += 1
+        target = self.inputs[index]
+        # Wait: the previous gather from this input must have read it before it is overwritten.
+        self._copy.wait(self._read[index])
+        if self.staging:
+            stage = self._fills % 2
+            staging, nbytes = self.staging[stage], self._sizes[block]
+            # Host wait: the H2D that last read this staging buffer must finish before we repack it.
+            self._staged[stage].wait_host()
+            self.source.copy_into(block, staging)
+            self._copy.submit(lambda: target[:nbytes].copy_(staging[:nbytes], non_blocking=True))
+            self._staged[stage] = self._copy.record()
+        else:
+            self._copy.submit(lambda: self.source.copy_into(block, target))
         copied = self._copy.record()
-        # Wait: the gather reads the shard the copy lane just wrote.
+        # Wait: the gather reads the input the copy lane just wrote.
         self._comm.wait(copied)
         # Wait: the gather overwrites the slot, whose previous block compute may still read.
         self._comm.wait(self._slots.free[slot])
-        self._comm.submit(lambda: self._gather(block, slot))
-        self._slots.ready[slot] = self._comm.record()
+        self._comm.submit(lambda: self._gather(block, slot, target))
+        gathered = self._comm.record()
+        self._read[index] = gathered
+        self._slots.ready[slot] = gathered
 
     def close(self) -> None:
-        self.shard_buffers = []
+        self.inputs, self.staging = [], []
+        close = getattr(self.source, "close", None)
+        if close is not None:
+            close()

@@ -88,3 +88,19 @@ def test_a_timed_out_section_stops_its_daemon_too(tmp_path: Path) -> None:
     log = (tmp_path / "stuck.log").read_text()
     assert "serving" in log and "(timed out after 20 s)" in log
     assert exits_within(int(pid_file.read_text()), 10), "hwrd outlived its timed-out section"
+
+
+@pytest.mark.timeout(300)
+def test_allgather_section_end_to_end(tmp_path: Path) -> None:
+    """run_all's section runner on allgather.py: real gloo ranks, the three modes at DP 2."""
+    argv = [str(REPO / "benchmarks" / "allgather.py"), "--size-mib", "16", "--dp", "2", "--passes", "1"]
+    entry = run_all.run_section("allgather", argv, tmp_path, timeout=280)
+    assert entry["rc"] == 0, (tmp_path / "allgather.log").read_text()[-3000:]
+    runs = {r["mode"]: r for r in entry["result"]["runs"]}
+    assert set(runs) == {"rank-local", "allgather-private", "allgather-lease"}
+    assert runs["allgather-lease"]["shard_source"] == ["lease"] and runs["allgather-lease"]["host_shard_mib"] == 0
+    assert runs["allgather-private"]["shard_source"] == ["private"]
+    assert runs["allgather-private"]["host_shard_mib"] >= 15  # 16 MiB over two ranks, plus padding
+    assert all(r["pass_s"] > 0 and r["start_to_first_forward_s"] > 0 for r in runs.values())
+    assert len(entry["result"]["goals"]) == 3
+    assert "| (c) AllGather from the lease | 2 |" in (tmp_path / "allgather.md").read_text()

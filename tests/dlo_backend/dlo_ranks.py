@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -16,17 +18,51 @@ import torch
 import torch.distributed as dist
 
 
-def _init(rank: int, world: int, rdzv: str, timeout_s: float) -> None:
+def init_gloo(rank: int, world: int, rdzv: str, timeout_s: float) -> None:
     dist.init_process_group(
         "gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
     )
 
 
-def _write(outdir: str, rank: int, result: dict[str, Any]) -> None:
+def write_result(outdir: str, rank: int, result: dict[str, Any]) -> None:
     Path(outdir, f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def parity(rank: int, world: int, rdzv: str, outdir: str, lease_path: str | None) -> None:
+_init, _write = init_gloo, write_result
+
+
+def run_ranks(
+    program: Callable[..., None], world: int, tmp: Path, *args: Any, deadline: float = 60, wait_for: int | None = None
+) -> list[dict[str, Any]]:
+    """Run ``program`` on ``world`` spawned ranks; kill whatever is left after ``deadline``.
+
+    A rank that hangs (a deadlocked collective) is killed at the deadline and the caller's
+    assertion that every rank wrote its result fails, so a hang fails a test instead of
+    blocking the suite.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    procs = [
+        ctx.Process(target=program, args=(rank, world, str(tmp / "rdzv"), str(tmp), *args)) for rank in range(world)
+    ]
+    for proc in procs:
+        proc.start()
+    end = time.monotonic() + deadline
+    waited = procs if wait_for is None else procs[:wait_for]
+    for proc in waited:
+        proc.join(max(0.0, end - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    results = []
+    for rank in range(world):
+        path = tmp / f"rank{rank}.json"
+        assert path.exists(), f"rank {rank} wrote no result (exit code {procs[rank].exitcode})"
+        results.append(json.loads(path.read_text()))
+    return results
+
+
+def parity(rank: int, world: int, rdzv: str, outdir: str, lease_path: str | None, host_copy: bool = False) -> None:
     """Same outputs as the unhooked model, for a shared input and for per-rank inputs."""
     from dlo_fixtures import SafetensorsLease, TinyDiT
 
@@ -42,7 +78,13 @@ def parity(rank: int, world: int, rdzv: str, outdir: str, lease_path: str | None
     seen: list[int] = []
     in_slots: list[bool] = []
     handle = apply_layerwise_offload(
-        model, device="cpu", host_source=lease, use_allgather=True, group="auto", dp_group=dist.group.WORLD
+        model,
+        device="cpu",
+        host_source=lease,
+        use_allgather=True,
+        group="auto",
+        dp_group=dist.group.WORLD,
+        allgather_host_copy=host_copy,
     )
 
     def slot_bound(block: torch.nn.Module) -> bool:
@@ -82,6 +124,7 @@ def parity(rank: int, world: int, rdzv: str, outdir: str, lease_path: str | None
             "mode": stats.mode,
             "world": stats.world,
             "shard_bytes": stats.host_shard_bytes,
+            "shard_source": stats.shard_source,
             "expected_shard_bytes": expected_shard,
             "block_bytes": stats.block_bytes,
             "payload_bytes": sum(layout.payload_nbytes for layout in layouts),

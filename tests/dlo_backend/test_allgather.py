@@ -2,62 +2,44 @@
 
 from __future__ import annotations
 
-import json
-import multiprocessing
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import dlo_ranks
 import pytest
 from dlo_fixtures import SafetensorsLease, TinyDiT
 
-
-def _run(
-    program: Callable[..., None], world: int, tmp: Path, *args: Any, deadline: float = 60, wait_for: int | None = None
-) -> list[dict[str, Any]]:
-    """Run ``program`` on ``world`` spawned ranks; kill whatever is left after ``deadline``."""
-    ctx = multiprocessing.get_context("spawn")
-    procs = [
-        ctx.Process(target=program, args=(rank, world, str(tmp / "rdzv"), str(tmp), *args)) for rank in range(world)
-    ]
-    for proc in procs:
-        proc.start()
-    end = time.monotonic() + deadline
-    waited = procs if wait_for is None else procs[:wait_for]
-    for proc in waited:
-        proc.join(max(0.0, end - time.monotonic()))
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    results = []
-    for rank in range(world):
-        path = tmp / f"rank{rank}.json"
-        assert path.exists(), f"rank {rank} wrote no result (exit code {procs[rank].exitcode})"
-        results.append(json.loads(path.read_text()))
-    return results
+_run = dlo_ranks.run_ranks
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("world", "lease_backed"), [(2, True), (4, False)], ids=["2-ranks-lease", "4-ranks"])
-def test_allgather_reproduces_outputs_with_one_shard_per_rank(tmp_path: Path, world: int, lease_backed: bool) -> None:
+@pytest.mark.parametrize(
+    ("world", "lease_backed", "host_copy"),
+    [(2, True, False), (2, True, True), (4, False, False)],
+    ids=["2-ranks-lease", "2-ranks-lease-host-copy", "4-ranks"],
+)
+def test_allgather_reproduces_outputs_with_one_shard_per_rank(
+    tmp_path: Path, world: int, lease_backed: bool, host_copy: bool
+) -> None:
     lease_path = None
     if lease_backed:
         lease_path = tmp_path / "model.safetensors"
         SafetensorsLease.write(lease_path, TinyDiT(3, 2, seed=0).state_dict()).close()
-    results = _run(dlo_ranks.parity, world, tmp_path, str(lease_path) if lease_path else None)
+    results = _run(dlo_ranks.parity, world, tmp_path, str(lease_path) if lease_path else None, host_copy)
     for result in results:
         assert result["equal"] == [True] * 6  # 3 passes x (shared input, this rank's own input)
         assert result["after_close"]
         assert result["mode"] == "allgather" and result["world"] == world
         # CPU zero-copy binding is rank-local only: a shard must be gathered into a real slot.
         assert result["bound_in_slots"] and result["slot_bytes"] > 0
-        # Each rank keeps ceil(1/world) of every block: about block_bytes / world on the host.
-        assert result["shard_bytes"] == result["expected_shard_bytes"]
-        assert result["shard_bytes"] * world - result["block_bytes"] < world * 64
-        assert result["shard_bytes"] < result["payload_bytes"] / world * 1.25
+        if lease_backed and not host_copy:
+            # Read in place: each rank's pieces come from the lease mapping, no private shard.
+            assert result["shard_source"] == "lease" and result["shard_bytes"] == 0
+        else:
+            # Each rank keeps ceil(1/world) of every block: about block_bytes / world on the host.
+            assert result["shard_source"] == "private"
+            assert result["shard_bytes"] == result["expected_shard_bytes"]
+            assert result["shard_bytes"] * world - result["block_bytes"] < world * 64
+            assert result["shard_bytes"] < result["payload_bytes"] / world * 1.25
         assert result["originals_dropped"]
         assert result["max_materialized"] == 1
         if lease_backed:

@@ -16,7 +16,9 @@ from hwr.dlo_backend.transfer import DirectTransfer, HostBindTransfer
 
 pytestmark = pytest.mark.timeout(60)
 
-RANK_LOCAL_STEPS = [s for s in EnableStep if s not in (EnableStep.EXCHANGE_MANIFEST, EnableStep.AGREE_READY)]
+RANK_LOCAL_STEPS = [
+    s for s in EnableStep if s not in (EnableStep.OPEN_GROUP, EnableStep.EXCHANGE_MANIFEST, EnableStep.AGREE_READY)
+]
 
 
 def _no_hooks(model: TinyDiT) -> bool:
