@@ -183,3 +183,9 @@ def unreachable(location: RemoteLocation, why: str) -> RemoteUnavailable:
     """The one error for a remote that does not answer (its message names the remote)."""
     return RemoteUnavailable(f"remote {location.display} is unreachable: {why}"[:500],
                              details={"remote": location.display})
+
+
+def invalid(location: RemoteLocation, name: str, why: str) -> RemoteObjectInvalid:
+    """The one error for a remote object that is refused (its message names the remote)."""
+    return RemoteObjectInvalid(f"remote {location.display}: object {name} {why}"[:500],
+                               details={"remote": location.display, "object": name})

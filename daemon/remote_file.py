@@ -25,7 +25,7 @@ from hwr.daemon.remote import (
     Progress,
     RemoteEntry,
     RemoteLocation,
-    RemoteObjectInvalid,
+    invalid,
     unreachable,
 )
 
@@ -63,30 +63,26 @@ class FileRemote:
             raise self._fail(exc) from None
         finally:
             os.close(fd)
-        raise RemoteObjectInvalid(f"remote object {name} is larger than {limit} bytes",
-                                  details={"remote": self.location.display, "object": name})
+        raise invalid(self.location, name, f"is larger than {limit} bytes")
 
     def get_into(self, name: str, fd: int, size: int, progress: Progress | None = None) -> None:
         try:
             src = os.open(self._path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
-            raise RemoteObjectInvalid(f"remote object {name} is missing",
-                                      details={"remote": self.location.display, "object": name}) from None
+            raise invalid(self.location, name, "is missing") from None
         except OSError as exc:
             raise self._fail(exc) from None
         try:
             have = os.fstat(src).st_size
             if have != size:
-                raise RemoteObjectInvalid(f"remote object {name} is {have} bytes, the manifest says {size}",
-                                          details={"remote": self.location.display, "object": name})
+                raise invalid(self.location, name, f"is {have} bytes, the manifest says {size}")
             offset = 0
             while offset < size:
                 # copy_file_range: in-kernel copy (no userspace buffer); a short count near the
                 # end is fine, 0 before ``size`` means the file shrank under us.
                 n = os.copy_file_range(src, fd, min(_CHUNK * 8, size - offset), offset, offset)
                 if n == 0:
-                    raise RemoteObjectInvalid(f"remote object {name} was truncated while it was read",
-                                              details={"remote": self.location.display, "object": name})
+                    raise invalid(self.location, name, "was truncated while it was read")
                 offset += n
                 if progress is not None:
                     progress(n)

@@ -32,6 +32,7 @@ from hwr.daemon.remote import (
     RemoteEntry,
     RemoteLocation,
     RemoteObjectInvalid,
+    invalid,
     unreachable,
 )
 
@@ -41,6 +42,7 @@ __all__ = ["S3Remote", "transfer_config"]
 #: small, small enough that a 1 GiB artifact is spread over every transfer thread.
 PART_BYTES = 16 << 20
 _MISSING = frozenset({"404", "NoSuchKey", "NotFound"})
+_TRANSPORT = (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, OSError)
 
 
 def transfer_config(threads: int) -> TransferConfig:
@@ -122,6 +124,9 @@ class _Reader:
         self._pos += len(data)
         return data
 
+    def close(self) -> None:
+        pass  # the descriptor belongs to the caller
+
 
 class S3Remote:
     def __init__(self, location: RemoteLocation, *, transfer_threads: int = 8) -> None:
@@ -138,6 +143,8 @@ class S3Remote:
         self._bucket = location.bucket
 
     def _fail(self, exc: Exception) -> Exception:
+        if not isinstance(exc, _TRANSPORT):
+            return exc  # a bug, not the remote: re-raised as it is (logged by the caller)
         if isinstance(exc, botocore.exceptions.ClientError):
             code = str(exc.response.get("Error", {}).get("Code", "error"))
             return unreachable(self.location, f"the service answered {code}")
@@ -161,8 +168,7 @@ class S3Remote:
             reply = self._client.get_object(Bucket=self._bucket, Key=name)
             if int(reply.get("ContentLength", 0)) > limit:
                 reply["Body"].close()
-                raise RemoteObjectInvalid(f"remote object {name} is larger than {limit} bytes",
-                                          details={"remote": self.location.display, "object": name})
+                raise invalid(self.location, name, f"is larger than {limit} bytes")
             return bytes(reply["Body"].read(limit + 1))[: limit + 1]
         except RemoteObjectInvalid:
             raise
@@ -173,22 +179,19 @@ class S3Remote:
 
     def get_into(self, name: str, fd: int, size: int, progress: Progress | None = None) -> None:
         have = self._size(name)
-        details = {"remote": self.location.display, "object": name}
         if have is None:
-            raise RemoteObjectInvalid(f"remote object {name} is missing", details=details)
+            raise invalid(self.location, name, "is missing")
         if have != size:
-            raise RemoteObjectInvalid(f"remote object {name} is {have} bytes, the manifest says {size}",
-                                      details=details)
+            raise invalid(self.location, name, f"is {have} bytes, the manifest says {size}")
         target = _PwriteTarget(fd, size)
         try:
             self._manager.download(self._bucket, name, target, subscribers=[_Sized(size, progress)]).result()
-        except RemoteObjectInvalid as exc:
-            raise RemoteObjectInvalid(exc.message, details=details) from None
+        except RemoteObjectInvalid:
+            raise invalid(self.location, name, "is longer than the manifest says") from None
         except Exception as exc:
             raise self._fail(exc) from None
         if target.written != size:
-            raise RemoteObjectInvalid(f"remote object {name} ended after {target.written} of {size} bytes",
-                                      details=details)
+            raise invalid(self.location, name, f"ended after {target.written} of {size} bytes")
 
     def put_bytes(self, name: str, data: bytes) -> None:
         try:
