@@ -107,3 +107,79 @@ def staging_dirs(root: Path) -> list[str]:
     with contextlib.suppress(FileNotFoundError):
         return sorted(os.listdir(root / "tmp"))
     return []
+
+
+class SlowLink:
+    """A TCP relay from 127.0.0.1:``port`` to the S3 server that moves at most ``rate`` bytes/s
+    each way and counts the bytes: a slow network at the OS boundary, so a test can kill hwrd in
+    the middle of a transfer (``wait_bytes``) instead of racing a fast local one."""
+
+    def __init__(self, target_port: int, rate: float) -> None:
+        self.target_port = target_port
+        self.rate = rate
+        self.sent = {"up": 0, "down": 0}  # up: hwrd -> server (uploads); down: server -> hwrd
+        self._listener = socket.socket()
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(64)
+        self.port = int(self._listener.getsockname()[1])
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._closed = False
+        self._sockets: list[socket.socket] = []
+        import threading
+
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port), 5)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._sockets += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, "up"), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, "down"), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, direction: str) -> None:
+        started, moved = time.monotonic(), 0
+        try:
+            while True:
+                data = src.recv(64 * 1024)
+                if not data:
+                    break
+                dst.sendall(data)
+                moved += len(data)
+                with self._lock:
+                    self.sent[direction] += len(data)
+                ahead = moved / self.rate - (time.monotonic() - started)
+                if ahead > 0:
+                    time.sleep(ahead)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)
+
+    def wait_bytes(self, direction: str, nbytes: int, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.sent[direction] < nbytes:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {self.sent[direction]} bytes went {direction}")
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+        with self._lock:
+            for s in self._sockets:
+                with contextlib.suppress(OSError):
+                    s.close()
