@@ -535,9 +535,9 @@ class Client:
         stream = self._call("PullArtifact", pb.PullArtifactRequest(key=key), 7 * 24 * 3600.0)
         try:
             for m in stream:
+                if progress is not None and m.total_bytes:
+                    progress(m.done_bytes, m.total_bytes)
                 if not m.finished:
-                    if progress is not None:
-                        progress(m.done_bytes, m.total_bytes)
                     continue
                 return {"key": m.key, "outcome": m.outcome, "size_bytes": m.size_bytes}
         except grpc.RpcError as exc:
