@@ -125,7 +125,7 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
                               details={"key": "memfd_staging_max_bytes"})
         if not 1 <= self.commit_threads <= 64:
             raise ConfigError("commit_threads must be between 1 and 64", details={"key": "commit_threads"})
-        if self.remote or self.remote_endpoint_url or self.remote_region:
+        if self.remote:  # without it the tier is off and the other remote_* keys are unused
             from hwr.daemon.remote import parse_location
 
             parse_location(self.remote, endpoint_url=self.remote_endpoint_url, region=self.remote_region)
