@@ -21,7 +21,8 @@ from typing import Any
 import boto3
 import botocore.config
 import botocore.exceptions
-from s3transfer.manager import TransferConfig, TransferManager
+from boto3.s3.transfer import TransferConfig
+from s3transfer.manager import TransferManager
 from s3transfer.subscribers import BaseSubscriber
 
 from hwr.client.identity import is_key
@@ -46,9 +47,9 @@ _TRANSPORT = (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError
 
 
 def transfer_config(threads: int) -> TransferConfig:
-    """The transfer settings hwrd uses (the benchmark's baseline download uses the same)."""
+    """The transfer settings hwrd uses (the benchmark's baseline ``download_file`` uses the same)."""
     return TransferConfig(multipart_threshold=PART_BYTES, multipart_chunksize=PART_BYTES,
-                          max_request_concurrency=threads, max_io_queue_size=1000)
+                          max_concurrency=threads, max_io_queue=1000)
 
 
 class _Sized(BaseSubscriber):  # type: ignore[misc]
