@@ -38,6 +38,11 @@ class FileRemote:
     def __init__(self, location: RemoteLocation) -> None:
         self.location = location
         self.root = Path(location.prefix)
+        self._closing = False  # set by close(): copies stop at their next chunk
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise unreachable(self.location, "hwrd is stopping")
 
     def _path(self, name: str) -> Path:
         return self.root / name
@@ -78,6 +83,7 @@ class FileRemote:
                 raise invalid(self.location, name, f"is {have} bytes, the manifest says {size}")
             offset = 0
             while offset < size:
+                self._check_open()
                 # copy_file_range: in-kernel copy (no userspace buffer); a short count near the
                 # end is fine, 0 before ``size`` means the file shrank under us.
                 n = os.copy_file_range(src, fd, min(_CHUNK * 8, size - offset), offset, offset)
@@ -125,6 +131,7 @@ class FileRemote:
         def write(dst: int) -> None:
             offset = 0
             while offset < size:
+                self._check_open()
                 n = os.copy_file_range(fd, dst, min(_CHUNK * 8, size - offset), offset, offset)
                 if n == 0:
                     raise OSError(5, "the local payload ended early")
@@ -174,4 +181,4 @@ class FileRemote:
             raise self._fail(exc) from None
 
     def close(self) -> None:
-        pass
+        self._closing = True

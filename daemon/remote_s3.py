@@ -236,4 +236,6 @@ class S3Remote:
             raise self._fail(exc) from None
 
     def close(self) -> None:
-        self._manager.shutdown()
+        # Cancel transfers in flight: a stopping daemon must not wait for a multi-GiB upload (its
+        # to-push record makes the next start redo it; a cancelled pull leaves only staging).
+        self._manager.shutdown(cancel=True, cancel_msg="hwrd is stopping")
