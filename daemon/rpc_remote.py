@@ -1,9 +1,7 @@
 """gRPC handlers of the fleet tier: ListRemote, PullArtifact (streamed progress), PushArtifact.
 
 Thin adapters over ``hwr.daemon.fleet.Fleet``; errors map through ``STATUS_BY_CODE`` like every
-handler's (``hwr.daemon.rpc_support``). Pull and push are operator actions: they are checked
-with the same session check as the other store administration handlers (``operator`` role
-where the daemon defines one: ``_check_operator``).
+handler's (``hwr.daemon.rpc_support``). Pull and push are operator actions (``_check_operator``).
 """
 
 from __future__ import annotations
@@ -29,12 +27,13 @@ def _fleet(daemon: Any) -> Any:
     return daemon.fleet
 
 
-def _check_operator(daemon: Any, context: Any) -> None:
-    """The caller's session, and the operator role when the daemon has one (``operator_check``)."""
+def _check_operator(daemon: Any, context: Any, action: str) -> None:
+    """The caller's session, and the ``operator`` role where the daemon defines roles
+    (``Daemon.roles``, ``hwr.daemon.roles``): pull and push are operator actions."""
     session = session_of(daemon, context)
-    check = getattr(daemon, "operator_check", None)
-    if check is not None:
-        check(session, "remote")
+    roles = getattr(daemon, "roles", None)
+    if roles is not None:
+        roles.require(session.cred, "operator", action)
 
 
 async def remote_status(daemon: Any) -> pb.RemoteStatus | None:
@@ -80,7 +79,7 @@ class RemoteRpc:
             pb.PullArtifactResponse]:
         # Streaming: errors are mapped here, as in VerifyArtifact.
         try:
-            _check_operator(self.d, context)
+            _check_operator(self.d, context, "pull")
             fleet = _fleet(self.d)
             key = await _remote_key(fleet, request.key)
             progress = await fleet.puller.start(key, fresh=True)
@@ -101,7 +100,7 @@ class RemoteRpc:
 
     @rpc
     async def PushArtifact(self, request: pb.PushArtifactRequest, context: Any) -> pb.PushArtifactResponse:
-        _check_operator(self.d, context)
+        _check_operator(self.d, context, "push")
         fleet = _fleet(self.d)
         key = await self.d.store_service.resolve(request.key)
         record = await self.d.store_service.lookup(key)  # ArtifactNotFound / ArtifactDenied first
