@@ -8,7 +8,6 @@ nothing is committed. SIGKILL during a pull or a push leaves nothing partial vis
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from collections.abc import Iterator
@@ -96,8 +95,10 @@ def test_node_b_gets_node_a_publication_in_required_mode(fleet: dict[str, Any]) 
         listed = client.remote_list()
         assert [(x["key"], x["state"], x["local"]) for x in listed] == [(key, "complete", True)]
         assert client.inspect(key)["remote_state"] == "present"
-    # A pull is not pushed back, and node B's log names no secret.
-    assert "fleet-test-secret" not in b.log.read_text()
+        time.sleep(0.5)  # a (wrong) push after the pull would have started by now
+        assert client.status()["remote"]["bytes_pushed"] == 0  # a pull is not pushed back
+        assert client.status()["remote"]["pending_pushes"] == 0
+    assert "fleet-test-secret" not in b.log.read_text()  # no secret in node B's log
 
 
 @pytest.mark.timeout(180)
@@ -217,7 +218,3 @@ def test_remote_down_preferred_falls_back_required_names_the_remote(fleet: dict[
             assert client.status()["remote"]["reachable"] is False
     finally:
         b.stop()
-
-
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
