@@ -95,9 +95,6 @@ def test_node_b_gets_node_a_publication_in_required_mode(fleet: dict[str, Any]) 
         listed = client.remote_list()
         assert [(x["key"], x["state"], x["local"]) for x in listed] == [(key, "complete", True)]
         assert client.inspect(key)["remote_state"] == "present"
-        time.sleep(0.5)  # a (wrong) push after the pull would have started by now
-        assert client.status()["remote"]["bytes_pushed"] == 0  # a pull is not pushed back
-        assert client.status()["remote"]["pending_pushes"] == 0
     assert "fleet-test-secret" not in b.log.read_text()  # no secret in node B's log
 
 
@@ -132,7 +129,8 @@ def test_two_concurrent_acquirers_cause_one_fetch(fleet: dict[str, Any], short_t
         size = s3.head_object(Bucket=bucket, Key=object_name(key, "model-00001.safetensors"))["ContentLength"]
         assert metrics['hwr_remote_pulls_total{outcome="pulled"}'] == 1.0
         assert metrics["hwr_remote_pulled_bytes_total"] == float(size)  # one fetch of every byte
-        assert metrics.get('hwr_remote_pushes_total{outcome="pushed"}', 0.0) == 0.0  # a pull is not pushed
+        pushes = {k: v for k, v in metrics.items() if k.startswith("hwr_remote_pushes_total")}
+        assert pushes and sum(pushes.values()) == 0.0, pushes  # a pull is not pushed back (not even tried)
     finally:
         b.stop()
 
