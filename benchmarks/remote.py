@@ -167,24 +167,50 @@ def new_node_start(base: Path, remote: str, endpoint: str, s3: Any, bucket: str,
             client.push(key)
     finally:
         producer.stop()
-    pulled = {}
-    for name, url, ep in (("new_node_s3", remote, endpoint), ("new_node_file", f"file://{shared}", "")):
+    pulled: dict[str, int] = {}
+    failed: dict[str, str] = {}
+    prewarm_pull_s: dict[str, float] = {}
+    for name, url, ep, prewarm in (("new_node_s3", remote, endpoint, False),
+                                   ("new_node_s3_hwrctl_pull_first", remote, endpoint, True),
+                                   ("new_node_file", f"file://{shared}", "", False)):
         fresh = _node(base, name, url, ep, "--remote-push", "false").start()
         try:
-            starts[name] = _start_of(run_workers("required", 1, None, fresh.socket, checkpoint, cfg)[0])
+            if prewarm:  # the operator's path: `hwrctl pull KEY`, then start in required mode
+                began = time.perf_counter()
+                with connect(fresh.socket, timeout=3600) as client:
+                    client.pull(key)
+                prewarm_pull_s[name] = time.perf_counter() - began
+            try:
+                starts[name] = _start_of(run_workers("required", 1, None, fresh.socket, checkpoint, cfg)[0])
+            except RuntimeError as exc:  # e.g. the worker's acquire timed out while the pull ran
+                failed[name] = f"{exc} (see {fresh.log.name})"
             with connect(fresh.socket) as client:
                 pulled[name] = client.status()["remote"]["bytes_pulled"]
         finally:
             fresh.stop()
     cold = starts["cold"]
     return {"depth": cfg.depth, "checkpoint_mib": checkpoint.stat().st_size / MiB, "starts": starts,
-            "bytes_pulled": pulled,
+            "bytes_pulled": pulled, "failed": failed, "prewarm_pull_s": prewarm_pull_s,
             "speedup_first_forward": {name: cold["first_forward_s"] / max(s["first_forward_s"], 1e-9)
                                       for name, s in starts.items() if name.startswith("new_node")},
             "speedup_first_forward_uncached": {
                 name: starts["cold_uncached"]["first_forward_s"] / max(s["first_forward_s"], 1e-9)
                 for name, s in starts.items() if name.startswith("new_node")},
             "bit_identical": len({s["output_sha256"] for s in starts.values()}) == 1}
+
+
+def _print_pull(results: dict[str, Any], load_before: str) -> None:
+    p = results["pull"]
+    print(f"fleet tier: {p['size_bytes'] / MiB:.0f} MiB artifact, {results['repeats']} repeat(s), "
+          f"{os.cpu_count()} CPUs, load average before {load_before}, now {_load()}\n")
+    rows = [[name, f"{p['median_s'][k]:.2f} s", f"{p['throughput_mib_s'][k]:.0f} MiB/s",
+             f"{p['median_s'][k] / p['median_s']['download']:.2f}x"]
+            for name, k in (("boto3 download_file (a)", "download"), ("boto3 download_file + fsync (a')",
+                                                                      "download_fsync"),
+                            ("hwrctl pull: fetch + verify + commit (b)", "pull"))]
+    print(md_table(["transfer", "median", "throughput", "vs (a)"], rows))
+    print(f"\ngoal: pull within 1.3x of a plain download: {p['pull_vs_download']:.2f}x "
+          f"({'met' if p['pull_vs_download'] <= 1.3 else 'NOT met'})\n", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,37 +255,34 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             a.stop()
             b.stop()
+        _print_pull(results, load_before)
         if not args.skip_start:
             results["start"] = new_node_start(base, remote, server.endpoint, s3, bucket, args.size_mib)
     finally:
         server.stop()
     results["load_after"] = _load()
-    p = results["pull"]
-    print(f"fleet tier: {p['size_bytes'] / MiB:.0f} MiB artifact, {args.repeats} repeat(s), {os.cpu_count()} CPUs, "
-          f"load average before {load_before}, after {results['load_after']}\n")
-    rows = [[name, f"{p['median_s'][k]:.2f} s", f"{p['throughput_mib_s'][k]:.0f} MiB/s",
-             f"{p['median_s'][k] / p['median_s']['download']:.2f}x"]
-            for name, k in (("boto3 download_file (a)", "download"), ("boto3 download_file + fsync (a')",
-                                                                      "download_fsync"),
-                            ("hwrctl pull: fetch + verify + commit (b)", "pull"))]
-    print(md_table(["transfer", "median", "throughput", "vs (a)"], rows))
-    print(f"\ngoal: pull within 1.3x of a plain download: {p['pull_vs_download']:.2f}x "
-          f"({'met' if p['pull_vs_download'] <= 1.3 else 'NOT met'})\n")
+    print(f"load average after: {results['load_after']}\n")
     if "start" in results:
         s = results["start"]
         names = {"cold": "cold canonical start, no fleet tier (preferred; checkpoint in page cache)",
                  "cold_uncached": "cold canonical start, no fleet tier (checkpoint not in page cache)",
                  "new_node_s3": "new node, empty store, required: pull on miss from s3:// (moto)",
                  "new_node_file": "new node, empty store, required: pull on miss from file://"}
+        names["new_node_s3_hwrctl_pull_first"] = "new node: `hwrctl pull` first (see below), then required"
         rows = [[names[n], g["outcome"], f"{g['startup_s'] * 1e3:.0f} ms", f"{g['first_forward_s'] * 1e3:.0f} ms",
                  g["output_sha256"][:16]] for n, g in s["starts"].items()]
+        rows += [[names[n], "FAILED", why, "", ""] for n, why in s["failed"].items()]
         print(md_table(["first start", "outcome", "startup", "first forward", "output sha256"], rows))
         for n, x in s["speedup_first_forward"].items():
             y = s["speedup_first_forward_uncached"][n]
+            if n in s["prewarm_pull_s"]:
+                print(f"\n{n} (not the goal's case: its pull ran before the start, "
+                      f"{s['prewarm_pull_s'][n]:.1f} s): {x:.1f}x to first forward")
+                continue
             print(f"\ngoal: {n}'s first start >= 3x faster than the cold canonical start: {x:.1f}x "
                   f"(vs the uncached cold start: {y:.1f}x) to first forward "
                   f"({'met' if x >= 3 and s['bit_identical'] else 'NOT met'})")
-        print(f"outputs bit-identical across all four starts: {s['bit_identical']}")
+        print(f"outputs bit-identical across the starts that ran: {s['bit_identical']}")
     json_line(results, args.json_out)
     return 0
 
