@@ -153,11 +153,14 @@ class Servicer(RemoteRpc, StoreAdminRpc, CheckpointsMixin, hwr_pb2_grpc.HostWeig
                                                    request.tensor_limit)
             return pb.InspectArtifactResponse(
                 artifact=self.d.artifact_info(record), identity_json=record.identity_bytes, manifest_json=manifest,
-                tensors_json=tensors, tensor_count=count, next_tensor_offset=after)
+                tensors_json=tensors, tensor_count=count, next_tensor_offset=after,
+                remote_state=await self._remote_state(key) if not request.tensor_offset else "")
         return pb.InspectArtifactResponse(
             artifact=self.d.artifact_info(record), identity_json=record.identity_bytes,
-            manifest_json=self.d.manifest_bytes(record),
-            remote_state=await self.d.fleet.key_state(key) if self.d.fleet is not None else "")
+            manifest_json=self.d.manifest_bytes(record), remote_state=await self._remote_state(key))
+
+    async def _remote_state(self, key: str) -> str:
+        return await self.d.fleet.key_state(key) if self.d.fleet is not None else ""
 
     @rpc
     async def ListLeases(self, request: pb.ListLeasesRequest, context: Any) -> pb.ListLeasesResponse:
