@@ -1,7 +1,8 @@
 """gRPC handlers of the fleet tier: ListRemote, PullArtifact (streamed progress), PushArtifact.
 
 Thin adapters over ``hwr.daemon.fleet.Fleet``; errors map through ``STATUS_BY_CODE`` like every
-handler's (``hwr.daemon.rpc_support``). Pull and push are operator actions (``_check_operator``).
+handler's (``hwr.daemon.rpc_support``). Pull and push need the ``operator`` role
+(``hwr.daemon.roles``); listing needs a session.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 from hwr.client.errors import ArtifactNotFound, HwrError, InvalidRequest, Unsupported
 from hwr.client.identity import is_key
+from hwr.daemon.roles import OPERATOR, authorize
 from hwr.daemon.rpc_support import abort_with, rpc, session_of
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
 
@@ -25,15 +27,6 @@ def _fleet(daemon: Any) -> Any:
     if daemon.fleet is None:
         raise Unsupported("hwrd has no remote tier configured (config key remote)")
     return daemon.fleet
-
-
-def _check_operator(daemon: Any, context: Any, action: str) -> None:
-    """The caller's session, and the ``operator`` role where the daemon defines roles
-    (``Daemon.roles``, ``hwr.daemon.roles``): pull and push are operator actions."""
-    session = session_of(daemon, context)
-    roles = getattr(daemon, "roles", None)
-    if roles is not None:
-        roles.require(session.cred, "operator", action)
 
 
 async def remote_status(daemon: Any) -> pb.RemoteStatus | None:
@@ -79,7 +72,7 @@ class RemoteRpc:
             pb.PullArtifactResponse]:
         # Streaming: errors are mapped here, as in VerifyArtifact.
         try:
-            _check_operator(self.d, context, "pull")
+            authorize(self.d, context, OPERATOR, "pull")
             fleet = _fleet(self.d)
             key = await _remote_key(fleet, request.key)
             progress = await fleet.puller.start(key, fresh=True)
@@ -100,7 +93,7 @@ class RemoteRpc:
 
     @rpc
     async def PushArtifact(self, request: pb.PushArtifactRequest, context: Any) -> pb.PushArtifactResponse:
-        _check_operator(self.d, context, "push")
+        authorize(self.d, context, OPERATOR, "push")
         fleet = _fleet(self.d)
         key = await self.d.store_service.resolve(request.key)
         record = await self.d.store_service.lookup(key)  # ArtifactNotFound / ArtifactDenied first
