@@ -49,6 +49,7 @@ class Fleet:
         self.bytes_pushed = 0
         self.puller = Puller(remote, store, publications, wait_timeout=wait_timeout, on_outcome=self._pulled)
         self.pusher = Pusher(remote, store, root, on_outcome=self._pushed)
+        self._recording: set[asyncio.Task[None]] = set()  # to-push records being written
         self._probe: tuple[float, str] | None = None  # (monotonic time, "" or the error) of the last probe
 
     @classmethod
@@ -78,7 +79,9 @@ class Fleet:
         """``Publications``' commit hook (on the loop): queue the upload unless a pull committed it."""
         if not self.push_enabled or key in self.puller.committing:
             return
-        asyncio.get_running_loop().create_task(self.pusher.committed(key))
+        task = asyncio.get_running_loop().create_task(self.pusher.committed(key))
+        self._recording.add(task)  # a reference until it ends (the loop keeps only weak ones)
+        task.add_done_callback(self._recording.discard)
 
     def _pulled(self, outcome: str, nbytes: int) -> None:
         self.pulls[outcome] = self.pulls.get(outcome, 0) + 1

@@ -129,6 +129,8 @@ class Pusher:
                 delay = min(self.RETRY_MAX_S, delay * 2)
                 self._queue.put_nowait(key)  # still in _queued: retried after the others
                 continue
+            except (ArtifactNotFound, ArtifactDenied) as exc:  # evicted or denied since: nothing to do
+                log.info("upload of %s skipped: %s", key[:16], exc.message)
             except HwrError as exc:
                 log.error("upload of %s failed: %s", key[:16], exc.message)
             except Exception:
