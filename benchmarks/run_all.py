@@ -67,6 +67,7 @@ def sections(size_mib: int, quick: bool, out: Path) -> dict[str, list[str]]:
                  "--processes", "2" if quick else "4"],
         "soak": [f"{b}/soak.py", "--seconds", "8" if quick else "30"],
         "idle_penalty": [f"{b}/idle_penalty.py", "--repeats", "5", "--sleeps-ms", "0,10,100"],
+        "remote": [f"{b}/remote.py", "--size-mib", str(s), "--repeats", "1" if quick else "2"],
         "gpu_dlo": [f"{b}/gpu_dlo.py", "--device", "cpu", "--depth", "4", "--dim", "1024",
                     "--hidden", "4096", "--tokens", "256", "--reps", "3"],
         "allgather": [f"{b}/allgather.py", "--size-mib", str(s), "--dp", "1,2" if quick else "1,2,4",
@@ -75,7 +76,7 @@ def sections(size_mib: int, quick: bool, out: Path) -> dict[str, list[str]]:
 
 
 JSON_OUT = {"warm_start", "peers", "scaling", "vllm_omni_store", "startup", "publish", "prewarm", "churn", "load",
-            "soak", "idle_penalty", "allgather"}
+            "soak", "idle_penalty", "allgather", "remote"}
 
 
 def machine() -> dict[str, Any]:

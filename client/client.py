@@ -356,7 +356,8 @@ class Client:
         r = self._call("GetStatus", pb.GetStatusRequest())
         return {"version": r.version, "root": r.root, "socket": r.socket, "artifacts": r.artifacts,
                 "leases": r.leases, "sessions": r.sessions, "publications": r.publications,
-                "store_bytes": r.store_bytes, "uptime_s": round(r.uptime_s, 3), "pid": r.pid}
+                "store_bytes": r.store_bytes, "uptime_s": round(r.uptime_s, 3), "pid": r.pid,
+                "remote": _remote_status_dict(r.remote) if r.HasField("remote") else None}
 
     def list_artifacts(self, *, include_denied: bool = False) -> list[dict[str, Any]]:
         """The artifacts the daemon serves; ``include_denied`` adds the denied ones (``state``
@@ -372,6 +373,7 @@ class Client:
         out["identity"] = _json(r.identity_json)
         manifest = _json(r.manifest_json)
         out["files"] = manifest.get("files", []) if isinstance(manifest, dict) else []
+        remote_state = r.remote_state or None  # of the first page (the others repeat it)
         tensors: list[Any] = list(_json(r.tensors_json) or []) if r.tensors_json else []
         full_key = r.artifact.key or key
         while r.tensors_json and r.next_tensor_offset < r.tensor_count:
@@ -384,6 +386,7 @@ class Client:
         if not r.tensors_json and not tensors:  # an older daemon: the whole manifest at once
             tensors = manifest.get("tensors", []) if isinstance(manifest, dict) else []
         out["tensors"] = tensors
+        out["remote_state"] = remote_state
         return out
 
     def leases(self) -> list[dict[str, Any]]:
@@ -536,6 +539,33 @@ class Client:
                 "artifacts": [{"key": a.key, "size_bytes": a.size_bytes, "last_access": a.last_access,
                                "pinned": a.pinned, "leases": a.leases, "held_by_pids": list(a.held_by_pids)}
                               for a in r.artifacts]}
+
+    # --- fleet tier (the daemon's remote object store) ---
+    def remote_list(self) -> list[dict[str, Any]]:
+        """The remote's artifacts: ``key``, ``size_bytes``, ``state`` (complete | incomplete), ``local``."""
+        r = self._call("ListRemote", pb.ListRemoteRequest())
+        return [{"key": a.key, "size_bytes": a.size_bytes, "state": "complete" if a.complete else "incomplete",
+                 "local": a.local, "remote": r.url} for a in r.artifacts]
+
+    def pull(self, key: str, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+        """Pull an artifact from the remote into the store (verified); ``progress(done, total)``.
+        Returns ``key``, ``outcome`` (pulled | already_present) and ``size_bytes``."""
+        stream = self._call("PullArtifact", pb.PullArtifactRequest(key=key), 7 * 24 * 3600.0)
+        try:
+            for m in stream:
+                if progress is not None and m.total_bytes:
+                    progress(m.done_bytes, m.total_bytes)
+                if not m.finished:
+                    continue
+                return {"key": m.key, "outcome": m.outcome, "size_bytes": m.size_bytes}
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from None
+        raise HwrError("the pull ended without a result")
+
+    def push(self, key: str) -> dict[str, Any]:
+        """Upload an artifact to the remote now: ``key``, ``outcome`` (pushed | already_present), ``size_bytes``."""
+        r = self._call("PushArtifact", pb.PushArtifactRequest(key=key), 7 * 24 * 3600.0)
+        return {"key": r.key, "outcome": r.outcome, "size_bytes": r.size_bytes}
 
     # --- reconnect after a daemon restart ---
     # Contract: when hwrd restarts (clean or SIGKILL) the session ends; the client then opens a
@@ -779,6 +809,12 @@ def _json(data: bytes) -> Any:
         return json.loads(data) if data else {}
     except ValueError:
         return {}
+
+
+def _remote_status_dict(r: pb.RemoteStatus) -> dict[str, Any]:
+    return {"url": r.url, "reachable": r.reachable, "error": r.error or None, "push": r.push,
+            "pending_pushes": r.pending_pushes, "pulls_in_flight": r.pulls_in_flight,
+            "bytes_pulled": r.bytes_pulled, "bytes_pushed": r.bytes_pushed}
 
 
 def _checkpoint_dict(c: pb.CheckpointInfo) -> dict[str, Any]:

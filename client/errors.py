@@ -44,6 +44,7 @@ __all__ = [
     "ProducerFailed",
     "ProducerTimeout",
     "PublicationFailed",
+    "RemoteUnavailable",
     "SessionInvalid",
     "StoreIOError",
     "StoreLimitExceeded",
@@ -86,6 +87,14 @@ class ArtifactNotFound(HwrError, LookupError):
     """No committed artifact exists for the identity or key (a miss)."""
 
     code = "LOCAL_MISS"
+
+
+class RemoteUnavailable(ArtifactNotFound):
+    """Not in the local store, and the configured remote tier could not be asked (a miss whose
+    message and ``details["remote"]`` name the remote): preferred mode falls back, required fails."""
+
+    code = "REMOTE_UNAVAILABLE"
+    retryable = True
 
 
 class ArtifactDenied(HwrError, PermissionError):

@@ -78,6 +78,7 @@ _decode = msgspec.json.Decoder().decode
 SC = grpc.StatusCode
 STATUS_BY_CODE: dict[str, grpc.StatusCode] = {
     "LOCAL_MISS": SC.NOT_FOUND,
+    "REMOTE_UNAVAILABLE": SC.UNAVAILABLE,
     "ARTIFACT_DENIED": SC.FAILED_PRECONDITION,
     "MANIFEST_CORRUPT": SC.DATA_LOSS,
     "MANIFEST_INCOMPATIBLE": SC.DATA_LOSS,

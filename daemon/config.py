@@ -94,6 +94,12 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # Client publications up to this many payload bytes stage in sealed memfds (they cannot grow
     # past their size: hwr.daemon.memfd_staging); larger ones stage in files. 0: always files.
     memfd_staging_max_bytes: int = 64 << 20
+    # Fleet tier (hwr.daemon.remote): "" off, "s3://BUCKET/PREFIX" or "file:///PATH". Credentials
+    # come only from the S3 client's standard chain, never from this file.
+    remote: str = ""
+    remote_endpoint_url: str = ""
+    remote_region: str = ""
+    remote_push: bool = True  # upload local publications to the remote (when one is set)
 
     def __post_init__(self) -> None:
         if not 0 <= self.socket_mode <= 0o777:
@@ -119,6 +125,10 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
                               details={"key": "memfd_staging_max_bytes"})
         if not 1 <= self.commit_threads <= 64:
             raise ConfigError("commit_threads must be between 1 and 64", details={"key": "commit_threads"})
+        if self.remote:  # without it the tier is off and the other remote_* keys are unused
+            from hwr.daemon.remote import parse_location
+
+            parse_location(self.remote, endpoint_url=self.remote_endpoint_url, region=self.remote_region)
         if self.metrics_listen:
             from hwr.daemon.metrics import parse_listen
 

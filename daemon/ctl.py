@@ -88,8 +88,18 @@ def cmd_status(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
         f"leases:       {s['leases']}",
         f"sessions:     {s['sessions']}",
         f"publications: {s['publications']}",
+        *_remote_lines(s.get("remote")),
     ])
     return s, text
+
+
+def _remote_lines(remote: dict[str, Any] | None) -> list[str]:
+    if not remote:
+        return []
+    state = "reachable" if remote["reachable"] else f"UNREACHABLE ({remote['error']})"
+    return [f"remote:       {remote['url']} {state}, push {'on' if remote['push'] else 'off'}, "
+            f"{remote['pending_pushes']} pending pushes, {human_bytes(remote['bytes_pulled'])} pulled, "
+            f"{human_bytes(remote['bytes_pushed'])} pushed"]
 
 
 def cmd_ls(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
@@ -118,6 +128,7 @@ def cmd_show(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
         "files:",
         *(f"  {f['file_name']}  {human_bytes(f['size'])}  sha256 {f['sha256'][:16]}…" for f in info["files"]),
         f"tensors:    {len(info['tensors'])}",
+        *([f"remote:     {info['remote_state']}"] if info.get("remote_state") else []),
     ]
     return info, "\n".join(lines)
 
@@ -176,7 +187,7 @@ def cmd_completion(client: Client | None, args: argparse.Namespace) -> tuple[Any
 
 
 # modules that register more subcommands, imported by main()
-EXTENSIONS: tuple[str, ...] = ("hwr.daemon.ctl_checkpoints", "hwr.daemon.ctl_store_admin")
+EXTENSIONS: tuple[str, ...] = ("hwr.daemon.ctl_checkpoints", "hwr.daemon.ctl_store_admin", "hwr.daemon.ctl_remote")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,6 +16,10 @@ Exposed (all names prefixed ``hwr_``)::
     publications_total{outcome}    counter  outcome = committed | failed
     evictions_total{reason}        counter  reason chosen by the evicting code (a fixed word)
     verification_failures_total{code}  counter  code = the typed error code (MANIFEST_CORRUPT, ...)
+    remote_pulls_total{outcome}    counter  fleet tier (only with a remote): pulled | already_present |
+                                   miss | invalid | unavailable | denied | failed
+    remote_pushes_total{outcome}   counter  pushed | already_present | skipped | unavailable | failed
+    remote_pulled_bytes_total, remote_pushed_bytes_total  counters  payload bytes moved
     acquire_duration_seconds       histogram  Acquire handling time, successful acquires only
     publication_phase_seconds{phase}  histogram  where a publication's time goes, per phase:
                                    admission (identity slot + capacity reservation, including
@@ -277,6 +281,7 @@ class Instruments:
 def exposition(daemon: Daemon) -> bytes:
     """One consistent snapshot of ``daemon`` (call on the event loop thread)."""
     registry, publications, inst = daemon.registry, daemon.publications, daemon.metrics
+    from hwr.daemon.fleet import metric_blocks as fleet_blocks
     records = daemon.store.artifacts()
     pubs = Counter("hwr_publications_total", "Publications finished, by outcome.", "outcome")
     pubs.inc("committed", publications.committed)
@@ -290,5 +295,5 @@ def exposition(daemon: Daemon) -> bytes:
         counter_lines("hwr_leases_granted_total", "Leases granted since start.", registry.leases_granted),
         counter_lines("hwr_leases_released_total", "Leases released since start.", registry.leases_released),
         pubs.lines(), inst.evictions.lines(), inst.verification_failures.lines(), inst.acquire.lines(),
-        inst.publication_phases.lines(),
+        inst.publication_phases.lines(), *fleet_blocks(daemon.fleet),
     ])

@@ -46,6 +46,7 @@ from hwr.daemon.peer_publish import PeerPublishing
 from hwr.daemon.peercred import AllowList, daemon_allow_list
 from hwr.daemon.publications import Publications
 from hwr.daemon.rpc_decode import add_servicer
+from hwr.daemon.rpc_remote import remote_status
 from hwr.daemon.servicer import Servicer, prefix_match
 from hwr.daemon.sessions import Registry, Session
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
@@ -72,6 +73,7 @@ class Daemon:
         self.store_service: Any = None  # hwr.daemon.store_service.StoreService
         self.publications: Publications
         self.checkpoints: Any = None  # hwr.daemon.checkpoints.Checkpoints, opened in start()
+        self.fleet: Any = None  # hwr.daemon.fleet.Fleet when a remote tier is configured
         self._allow: AllowList = daemon_allow_list(config.allow_uids, config.allow_gids)
         from hwr.daemon.roles import roles_from
 
@@ -102,11 +104,17 @@ class Daemon:
         self.store_service.on_evict = self.metrics.count_eviction
         self.publications = Publications(self.store, gate=self.store_service,
                                          commit_threads=self.config.commit_threads,
-                                         on_phase=self.metrics.observe_publication_phase)
+                                         on_phase=self.metrics.observe_publication_phase,
+                                         on_commit=self._committed)
         from hwr.daemon.memfd_staging import MemfdStagings
 
         self.publications.memfd_staging = MemfdStagings(self.config.memfd_staging_max_bytes)
         await self.store_service.start(self.publications)
+        from hwr.daemon.fleet import Fleet
+
+        self.fleet = Fleet.open(self.config, self.store, self.publications)
+        if self.fleet is not None:
+            await self.fleet.start()
         from hwr.daemon.checkpoints import Checkpoints
 
         self.checkpoints = Checkpoints(Path(self.config.root) / "checkpoints")
@@ -160,6 +168,8 @@ class Daemon:
             await self._peer.close()
         if self._metrics_server is not None:
             await self._metrics_server.close()
+        if self.fleet is not None:
+            await self.fleet.stop()
         if self.store_service is not None:
             await self.store_service.stop()
         if self.store is not None:
@@ -205,9 +215,18 @@ class Daemon:
     async def lookup(self, key: str) -> Any:
         try:
             return await self.store_service.lookup(key)  # waits while the key is being evicted
+        except ArtifactNotFound:
+            if self.fleet is None:
+                raise
+            await self.fleet.pull_on_miss(key)  # a miss here: pull it from the remote tier, then
+            return await self.store_service.lookup(key)  # the eviction gate again (see its docstring)
         except (ManifestCorrupt, ManifestIncompatible, ChecksumMismatch) as exc:
             self.metrics.count_verification_failure(exc.code)
             raise
+
+    def _committed(self, key: str) -> None:
+        if self.fleet is not None:
+            self.fleet.committed(key)  # push after publish (pulls excluded)
 
     def manifest_bytes(self, record: Any) -> bytes:
         return self.leasing.manifest(record)[0]  # one cache for gRPC and the peer channel
@@ -266,7 +285,7 @@ class Daemon:
             artifacts=len(records), leases=self.registry.lease_count(),
             sessions=len(self.registry.sessions()), publications=len(self.publications.active()),
             store_bytes=sum(r.size_bytes for r in records), uptime_s=time.monotonic() - self._started,
-            pid=os.getpid(),
+            pid=os.getpid(), remote=await remote_status(self),
         )
 
     # peer-channel callbacks ----------------------------------------------------------------

@@ -21,6 +21,7 @@ from hwr.client.wire import MAX_WAIT_TIMEOUT_MS
 from hwr.daemon.leasing import key_of, parse_identity
 from hwr.daemon.roles import PUBLISH, authorize
 from hwr.daemon.rpc_checkpoints import CheckpointsMixin
+from hwr.daemon.rpc_remote import RemoteRpc
 from hwr.daemon.rpc_store_admin import StoreAdminRpc
 from hwr.daemon.rpc_support import rpc, session_of
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
@@ -40,7 +41,7 @@ MAX_TENSORS = 1 << 20
 MAX_PUBLICATION_BYTES = 1 << 50  # 1 PiB: far above any model, far below int64 overflow
 
 
-class Servicer(StoreAdminRpc, CheckpointsMixin, hwr_pb2_grpc.HostWeightRuntimeServicer):
+class Servicer(RemoteRpc, StoreAdminRpc, CheckpointsMixin, hwr_pb2_grpc.HostWeightRuntimeServicer):
     """Sessions, leases, publication and inspection. Handlers of other concerns live in mixins
     (``hwr.daemon.rpc_*``, built on ``hwr.daemon.rpc_support``) listed before this class's bases."""
 
@@ -151,10 +152,14 @@ class Servicer(StoreAdminRpc, CheckpointsMixin, hwr_pb2_grpc.HostWeightRuntimeSe
                                                    request.tensor_limit)
             return pb.InspectArtifactResponse(
                 artifact=self.d.artifact_info(record), identity_json=record.identity_bytes, manifest_json=manifest,
-                tensors_json=tensors, tensor_count=count, next_tensor_offset=after)
+                tensors_json=tensors, tensor_count=count, next_tensor_offset=after,
+                remote_state=await self._remote_state(key) if not request.tensor_offset else "")
         return pb.InspectArtifactResponse(
             artifact=self.d.artifact_info(record), identity_json=record.identity_bytes,
-            manifest_json=self.d.manifest_bytes(record))
+            manifest_json=self.d.manifest_bytes(record), remote_state=await self._remote_state(key))
+
+    async def _remote_state(self, key: str) -> str:
+        return await self.d.fleet.key_state(key) if self.d.fleet is not None else ""
 
     @rpc
     async def ListLeases(self, request: pb.ListLeasesRequest, context: Any) -> pb.ListLeasesResponse:

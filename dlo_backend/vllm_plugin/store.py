@@ -14,6 +14,8 @@ filesystem store when hwrd is configured (see ``config``):
 
 Outcome table (hwr error -> ``StoreResult``):
 
+    RemoteUnavailable (a miss, hwrd's remote tier down) -> FAILED, DOMAIN_UNAVAILABLE, retryable,
+                                                      the message naming the remote
     ArtifactNotFound                               -> MISS
     ArtifactDenied / ManifestCorrupt / ...Incompat. / ChecksumMismatch -> INVALID (typed failure)
     ActiveBuildTimeout                             -> TIMEOUT (retryable)
@@ -77,6 +79,7 @@ from hwr.client.errors import (
     IdentityCollision,
     ManifestCorrupt,
     ManifestIncompatible,
+    RemoteUnavailable,
 )
 from hwr.client.identity import ArtifactIdentity
 from hwr.client.lease import Lease
@@ -124,6 +127,10 @@ def failure_from_error(exc: HwrError, stage: ResolutionStage, target: DaemonTarg
 
 
 def _result_for_error(exc: HwrError, stage: ResolutionStage, target: DaemonTarget) -> StoreResult:
+    if isinstance(exc, RemoteUnavailable):  # a miss whose remote tier is down: name the remote
+        return StoreResult(StoreStatus.FAILED, failure=_failure(
+            ResolutionStage.DOMAIN, FailureCode.DOMAIN_UNAVAILABLE, f"hwrd: {exc.message}", retryable=True,
+            details={"hwr_code": exc.code, "socket": str(target.socket), **exc.details}))
     if isinstance(exc, ArtifactNotFound):
         return StoreResult(StoreStatus.MISS)
     failure = failure_from_error(exc, stage, target)

@@ -65,6 +65,8 @@ def main(argv: list[str]) -> int:
         report["evict"] = attempt(lambda: client.evict(key) and None)
         report["gc"] = attempt(lambda: client.gc() and None)
         report["verify"] = attempt(lambda: client.verify(key) and None)
+        report["pull"] = attempt(lambda: client.pull(key) and None)  # fleet tier: operator actions
+        report["push"] = attempt(lambda: client.push(key) and None)
         for name, path in plan.get("checkpoints", {}).items():
             def add_and_read(path: str = path) -> str:
                 ckpt = client.add_checkpoint(path)

@@ -41,9 +41,13 @@ CASES: dict[str, Case] = {
     # A registered checkpoint needs a real model directory (tests/e2e/test_prewarm.py covers building);
     # here the daemon answers a missing one with a typed error: exit 1, one stderr line.
     "prewarm": lambda c: (["no-such-checkpoint", "--producer", "cast"], 1),
+    # This daemon has no remote tier: UNSUPPORTED, exit 1 (tests/e2e/test_fleet_ops.py runs them on one).
+    "remote": lambda c: (["ls"], 1),
+    "pull": lambda c: ([c["key"]], 1),
+    "push": lambda c: ([c["key"]], 1),
 }
 ORDER = ["status", "ls", "show", "leases", "completion", "verify", "pin", "unpin", "deny", "allow",
-         "checkpoints", "prewarm", "usage", "gc", "evict"]
+         "checkpoints", "prewarm", "usage", "gc", "evict", "remote", "pull", "push"]
 
 
 def registered() -> list[str]:

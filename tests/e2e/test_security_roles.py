@@ -28,7 +28,7 @@ from hwr.daemon.launcher import DaemonProcess
 
 NOBODY = 65534
 WORKER = Path(__file__).with_name("role_worker.py")
-OPERATOR_ACTIONS = ("deny", "pin", "evict", "gc", "verify")
+OPERATOR_ACTIONS = ("deny", "pin", "evict", "gc", "verify", "pull", "push")
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another uid needs root")
 

@@ -277,20 +277,22 @@ class InspectArtifactRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ..., paged: _Optional[bool] = ..., tensor_offset: _Optional[int] = ..., tensor_limit: _Optional[int] = ...) -> None: ...
 
 class InspectArtifactResponse(_message.Message):
-    __slots__ = ("artifact", "identity_json", "manifest_json", "tensors_json", "tensor_count", "next_tensor_offset")
+    __slots__ = ("artifact", "identity_json", "manifest_json", "tensors_json", "tensor_count", "next_tensor_offset", "remote_state")
     ARTIFACT_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_JSON_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
     TENSORS_JSON_FIELD_NUMBER: _ClassVar[int]
     TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
     NEXT_TENSOR_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_STATE_FIELD_NUMBER: _ClassVar[int]
     artifact: ArtifactInfo
     identity_json: bytes
     manifest_json: bytes
     tensors_json: bytes
     tensor_count: int
     next_tensor_offset: int
-    def __init__(self, artifact: _Optional[_Union[ArtifactInfo, _Mapping]] = ..., identity_json: _Optional[bytes] = ..., manifest_json: _Optional[bytes] = ..., tensors_json: _Optional[bytes] = ..., tensor_count: _Optional[int] = ..., next_tensor_offset: _Optional[int] = ...) -> None: ...
+    remote_state: str
+    def __init__(self, artifact: _Optional[_Union[ArtifactInfo, _Mapping]] = ..., identity_json: _Optional[bytes] = ..., manifest_json: _Optional[bytes] = ..., tensors_json: _Optional[bytes] = ..., tensor_count: _Optional[int] = ..., next_tensor_offset: _Optional[int] = ..., remote_state: _Optional[str] = ...) -> None: ...
 
 class LeaseInfo(_message.Message):
     __slots__ = ("lease_id", "key", "session_id", "pid", "uid", "client_name", "acquired_at")
@@ -325,7 +327,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("version", "root", "socket", "artifacts", "leases", "sessions", "publications", "store_bytes", "uptime_s", "pid")
+    __slots__ = ("version", "root", "socket", "artifacts", "leases", "sessions", "publications", "store_bytes", "uptime_s", "pid", "remote")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROOT_FIELD_NUMBER: _ClassVar[int]
     SOCKET_FIELD_NUMBER: _ClassVar[int]
@@ -336,6 +338,7 @@ class GetStatusResponse(_message.Message):
     STORE_BYTES_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FIELD_NUMBER: _ClassVar[int]
     version: str
     root: str
     socket: str
@@ -346,7 +349,8 @@ class GetStatusResponse(_message.Message):
     store_bytes: int
     uptime_s: float
     pid: int
-    def __init__(self, version: _Optional[str] = ..., root: _Optional[str] = ..., socket: _Optional[str] = ..., artifacts: _Optional[int] = ..., leases: _Optional[int] = ..., sessions: _Optional[int] = ..., publications: _Optional[int] = ..., store_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ..., pid: _Optional[int] = ...) -> None: ...
+    remote: RemoteStatus
+    def __init__(self, version: _Optional[str] = ..., root: _Optional[str] = ..., socket: _Optional[str] = ..., artifacts: _Optional[int] = ..., leases: _Optional[int] = ..., sessions: _Optional[int] = ..., publications: _Optional[int] = ..., store_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ..., pid: _Optional[int] = ..., remote: _Optional[_Union[RemoteStatus, _Mapping]] = ...) -> None: ...
 
 class CheckpointRef(_message.Message):
     __slots__ = ("checkpoint_id",)
@@ -649,3 +653,85 @@ class GetStoreUsageResponse(_message.Message):
     evictions: int
     artifacts: _containers.RepeatedCompositeFieldContainer[ArtifactUsage]
     def __init__(self, store_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., store_limit_bytes: _Optional[int] = ..., artifact_limit_bytes: _Optional[int] = ..., min_free_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., locked_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., artifacts: _Optional[_Iterable[_Union[ArtifactUsage, _Mapping]]] = ...) -> None: ...
+
+class RemoteStatus(_message.Message):
+    __slots__ = ("url", "reachable", "error", "push", "pending_pushes", "pulls_in_flight", "bytes_pulled", "bytes_pushed")
+    URL_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    PENDING_PUSHES_FIELD_NUMBER: _ClassVar[int]
+    PULLS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PULLED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PUSHED_FIELD_NUMBER: _ClassVar[int]
+    url: str
+    reachable: bool
+    error: str
+    push: bool
+    pending_pushes: int
+    pulls_in_flight: int
+    bytes_pulled: int
+    bytes_pushed: int
+    def __init__(self, url: _Optional[str] = ..., reachable: _Optional[bool] = ..., error: _Optional[str] = ..., push: _Optional[bool] = ..., pending_pushes: _Optional[int] = ..., pulls_in_flight: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., bytes_pushed: _Optional[int] = ...) -> None: ...
+
+class RemoteArtifact(_message.Message):
+    __slots__ = ("key", "size_bytes", "complete", "local")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    size_bytes: int
+    complete: bool
+    local: bool
+    def __init__(self, key: _Optional[str] = ..., size_bytes: _Optional[int] = ..., complete: _Optional[bool] = ..., local: _Optional[bool] = ...) -> None: ...
+
+class ListRemoteRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListRemoteResponse(_message.Message):
+    __slots__ = ("url", "artifacts")
+    URL_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
+    url: str
+    artifacts: _containers.RepeatedCompositeFieldContainer[RemoteArtifact]
+    def __init__(self, url: _Optional[str] = ..., artifacts: _Optional[_Iterable[_Union[RemoteArtifact, _Mapping]]] = ...) -> None: ...
+
+class PullArtifactRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    def __init__(self, key: _Optional[str] = ...) -> None: ...
+
+class PullArtifactResponse(_message.Message):
+    __slots__ = ("finished", "done_bytes", "total_bytes", "key", "outcome", "size_bytes")
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    DONE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    finished: bool
+    done_bytes: int
+    total_bytes: int
+    key: str
+    outcome: str
+    size_bytes: int
+    def __init__(self, finished: _Optional[bool] = ..., done_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., key: _Optional[str] = ..., outcome: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class PushArtifactRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    def __init__(self, key: _Optional[str] = ...) -> None: ...
+
+class PushArtifactResponse(_message.Message):
+    __slots__ = ("key", "outcome", "size_bytes")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    outcome: str
+    size_bytes: int
+    def __init__(self, key: _Optional[str] = ..., outcome: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...

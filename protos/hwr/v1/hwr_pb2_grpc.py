@@ -145,6 +145,21 @@ class HostWeightRuntimeStub:
                 request_serializer=hwr_dot_v1_dot_hwr__pb2.GetStoreUsageRequest.SerializeToString,
                 response_deserializer=hwr_dot_v1_dot_hwr__pb2.GetStoreUsageResponse.FromString,
                 _registered_method=True)
+        self.ListRemote = channel.unary_unary(
+                '/hwr.v1.HostWeightRuntime/ListRemote',
+                request_serializer=hwr_dot_v1_dot_hwr__pb2.ListRemoteRequest.SerializeToString,
+                response_deserializer=hwr_dot_v1_dot_hwr__pb2.ListRemoteResponse.FromString,
+                _registered_method=True)
+        self.PullArtifact = channel.unary_stream(
+                '/hwr.v1.HostWeightRuntime/PullArtifact',
+                request_serializer=hwr_dot_v1_dot_hwr__pb2.PullArtifactRequest.SerializeToString,
+                response_deserializer=hwr_dot_v1_dot_hwr__pb2.PullArtifactResponse.FromString,
+                _registered_method=True)
+        self.PushArtifact = channel.unary_unary(
+                '/hwr.v1.HostWeightRuntime/PushArtifact',
+                request_serializer=hwr_dot_v1_dot_hwr__pb2.PushArtifactRequest.SerializeToString,
+                response_deserializer=hwr_dot_v1_dot_hwr__pb2.PushArtifactResponse.FromString,
+                _registered_method=True)
 
 
 class HostWeightRuntimeServicer:
@@ -365,6 +380,40 @@ class HostWeightRuntimeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListRemote(self, request, context):
+        """--- fleet tier: the remote object store (config key `remote`) ---
+        Every fleet RPC answers UNIMPLEMENTED (UNSUPPORTED) when hwrd has no remote configured and
+        UNAVAILABLE (REMOTE_UNAVAILABLE, details.remote = the URL without credentials) when the
+        remote does not answer.
+
+        Lists the remote's artifacts: complete ones (READY.json present) and incomplete uploads,
+        each with whether the local store has it too. Status: OK; UNIMPLEMENTED; UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullArtifact(self, request, context):
+        """Pulls one artifact (full key, or a unique prefix among the remote's complete artifacts)
+        into the local store, verified like every pull on miss, streaming progress (finished=false)
+        and then one result (finished=true). Joins a pull of the same key in flight. Status: OK;
+        NOT_FOUND (LOCAL_MISS: not in the remote); DATA_LOSS (MANIFEST_CORRUPT / CHECKSUM_MISMATCH:
+        the remote's copy was refused, nothing was committed); FAILED_PRECONDITION (ARTIFACT_DENIED:
+        denied on this node); RESOURCE_EXHAUSTED (capacity); UNIMPLEMENTED; UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushArtifact(self, request, context):
+        """Uploads one local artifact to the remote now (READY.json last), joining an upload in
+        flight. Status: OK; NOT_FOUND; FAILED_PRECONDITION (ARTIFACT_DENIED); UNIMPLEMENTED;
+        UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HostWeightRuntimeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -477,6 +526,21 @@ def add_HostWeightRuntimeServicer_to_server(servicer, server):
                     servicer.GetStoreUsage,
                     request_deserializer=hwr_dot_v1_dot_hwr__pb2.GetStoreUsageRequest.FromString,
                     response_serializer=hwr_dot_v1_dot_hwr__pb2.GetStoreUsageResponse.SerializeToString,
+            ),
+            'ListRemote': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRemote,
+                    request_deserializer=hwr_dot_v1_dot_hwr__pb2.ListRemoteRequest.FromString,
+                    response_serializer=hwr_dot_v1_dot_hwr__pb2.ListRemoteResponse.SerializeToString,
+            ),
+            'PullArtifact': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullArtifact,
+                    request_deserializer=hwr_dot_v1_dot_hwr__pb2.PullArtifactRequest.FromString,
+                    response_serializer=hwr_dot_v1_dot_hwr__pb2.PullArtifactResponse.SerializeToString,
+            ),
+            'PushArtifact': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushArtifact,
+                    request_deserializer=hwr_dot_v1_dot_hwr__pb2.PushArtifactRequest.FromString,
+                    response_serializer=hwr_dot_v1_dot_hwr__pb2.PushArtifactResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1074,6 +1138,87 @@ class HostWeightRuntime:
             '/hwr.v1.HostWeightRuntime/GetStoreUsage',
             hwr_dot_v1_dot_hwr__pb2.GetStoreUsageRequest.SerializeToString,
             hwr_dot_v1_dot_hwr__pb2.GetStoreUsageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRemote(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hwr.v1.HostWeightRuntime/ListRemote',
+            hwr_dot_v1_dot_hwr__pb2.ListRemoteRequest.SerializeToString,
+            hwr_dot_v1_dot_hwr__pb2.ListRemoteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullArtifact(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/hwr.v1.HostWeightRuntime/PullArtifact',
+            hwr_dot_v1_dot_hwr__pb2.PullArtifactRequest.SerializeToString,
+            hwr_dot_v1_dot_hwr__pb2.PullArtifactResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushArtifact(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hwr.v1.HostWeightRuntime/PushArtifact',
+            hwr_dot_v1_dot_hwr__pb2.PushArtifactRequest.SerializeToString,
+            hwr_dot_v1_dot_hwr__pb2.PushArtifactResponse.FromString,
             options,
             channel_credentials,
             insecure,
