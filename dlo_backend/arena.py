@@ -79,6 +79,14 @@ class HostArena:
         return self.registration is not None
 
     @property
+    def address_range(self) -> tuple[int, int]:
+        """``(start, end)`` host addresses of the arena's memory (for checks of where buffers lie)."""
+        if self._base is None:
+            raise RuntimeError("the host arena is closed")
+        start = self._base.data_ptr()
+        return start, start + self.capacity
+
+    @property
     def used(self) -> int:
         return self._cursor
 

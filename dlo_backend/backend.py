@@ -74,7 +74,7 @@ from hwr.dlo_backend.lanes import CudaLane, CurrentStreamLane, InlineLane, Lane,
 from hwr.dlo_backend.layout import BlockLayout, manifest_digest, plan_block
 from hwr.dlo_backend.registration import HostRegistration, register_regions
 from hwr.dlo_backend.sharding import build_shard
-from hwr.dlo_backend.shards import LeaseShards, PrivateShards, ShardSource
+from hwr.dlo_backend.shards import LeaseShards, PrivateShards, ShardSource, input_nbytes
 from hwr.dlo_backend.slots import SlotPair, SlotState
 from hwr.dlo_backend.sources import (
     SUPPORTED_QUANTIZATION,
@@ -387,6 +387,9 @@ class LayerwiseOffloadBackend:
             # Each rank holds only a shard, so even on a CPU device the block must be gathered.
             assert self._shard_source is not None
             registered = self._registration is not None and self._registration.complete
+            # Lease pieces the device cannot read asynchronously go through pinned staging.
+            staging = device.type == "cuda" and isinstance(self._shard_source, LeaseShards) and not registered
+            size = max(input_nbytes(layout) for layout in self._layouts)
             self._transfer = AllGatherTransfer(
                 self._shard_source,
                 self._layouts,
@@ -396,8 +399,8 @@ class LayerwiseOffloadBackend:
                 self._group,
                 device,
                 inputs=2 if device.type == "cuda" else 1,
-                # Lease pieces the device cannot read asynchronously go through pinned staging.
-                staging=device.type == "cuda" and isinstance(self._shard_source, LeaseShards) and not registered,
+                staging=staging,
+                arena=self._host_arena([size] * 2) if staging else None,
             )
         elif device.type == "cpu" or self._direct_readable():
             self._transfer = DirectTransfer(hosts, self._layouts, self._slots, copy_lane)

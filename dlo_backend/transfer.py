@@ -234,6 +234,7 @@ class AllGatherTransfer(_SlotViews):
         *,
         inputs: int,
         staging: bool = False,
+        arena: HostArena | None = None,
     ) -> None:
         self.source, self._layouts, self._slots = source, layouts, slots
         self._copy, self._comm, self._group = copy_lane, comm_lane, group
@@ -241,8 +242,12 @@ class AllGatherTransfer(_SlotViews):
         self._sizes = [input_nbytes(layout) for layout in layouts]
         size = max(self._sizes)
         self.inputs = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(inputs)]
-        pin = device.type == "cuda"  # staging exists for CUDA; on CPU (tests) it is plain memory
-        self.staging = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(2 if staging else 0)]
+        count = 2 if staging else 0
+        if arena is not None:  # exact sizes, one registration (see ``arena``)
+            self.staging = [arena.take(size, torch.uint8) for _ in range(count)]
+        else:
+            pin = device.type == "cuda"  # staging exists for CUDA; on CPU (tests) it is plain memory
+            self.staging = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(count)]
         self._read: list[Signal] = [completed_signal() for _ in self.inputs]  # last gather reading input k
         self._staged: list[Signal] = [completed_signal() for _ in self.staging]  # last H2D reading staging k
         self._fills = 0

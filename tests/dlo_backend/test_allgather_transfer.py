@@ -16,10 +16,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from hwr.dlo_backend.arena import HostArena, arena_bytes
 from hwr.dlo_backend.communicator import DloCommunicator
 from hwr.dlo_backend.lanes import ThreadLane, completed_signal
 from hwr.dlo_backend.layout import TensorMeta, plan_block
-from hwr.dlo_backend.shards import LeaseShards
+from hwr.dlo_backend.shards import LeaseShards, input_nbytes
 from hwr.dlo_backend.slots import SlotPair
 from hwr.dlo_backend.transfer import AllGatherTransfer
 
@@ -35,7 +36,9 @@ def _blocks() -> list[list[torch.Tensor]]:
     return out
 
 
-def _rank(rank: int, store: dist.Store, inputs: int, staging: bool, failures: list[str]) -> None:
+def _rank(
+    rank: int, store: dist.Store, inputs: int, staging: bool, failures: list[str], use_arena: bool = False
+) -> None:
     hosts = _blocks()
     layouts = [
         plan_block(f"b{i}", [TensorMeta(f"t{j}", t.dtype, tuple(t.shape), tuple(t.stride())) for j, t in enumerate(h)],
@@ -46,10 +49,20 @@ def _rank(rank: int, store: dist.Store, inputs: int, staging: bool, failures: li
     comm = DloCommunicator(backend, [0, 1], rank, "t", timedelta(seconds=20))
     lanes = [ThreadLane("copy"), ThreadLane("comm")]
     slots = SlotPair(max(layout.nbytes for layout in layouts), torch.device("cpu"))
+    size = max(input_nbytes(layout) for layout in layouts)
+    arena = HostArena(arena_bytes([size] * 2)) if use_arena else None
     transfer = AllGatherTransfer(
         LeaseShards(layouts, hosts, rank), layouts, slots, *lanes, comm, torch.device("cpu"),
-        inputs=inputs, staging=staging,
+        inputs=inputs, staging=staging, arena=arena,
     )
+    if arena is not None:
+        # The staging buffers are carved from the arena (one exact-size registration on CUDA).
+        start, end = arena.address_range
+        for buffer in transfer.staging:
+            if start > buffer.data_ptr() or buffer.data_ptr() + buffer.nbytes > end:
+                failures.append(f"rank {rank}: a staging buffer lies outside the arena")
+        if arena.used < 2 * size:
+            failures.append(f"rank {rank}: the arena handed out {arena.used} bytes, not two staging buffers")
     try:
         for _ in range(2):  # two passes over the ring
             transfer.fill(0, 0)
@@ -71,6 +84,9 @@ def _rank(rank: int, store: dist.Store, inputs: int, staging: bool, failures: li
         for lane in lanes:
             lane.close()
         comm.close()
+        if arena is not None:
+            del transfer
+            arena.close()
 
 
 @pytest.mark.timeout(60)
@@ -79,6 +95,19 @@ def test_every_block_is_rebuilt_bit_exact_through_every_input_configuration(inpu
     store = dist.HashStore()
     failures: list[str] = []
     threads = [threading.Thread(target=_rank, args=(r, store, inputs, staging, failures)) for r in range(WORLD)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(50)
+    assert not any(thread.is_alive() for thread in threads), "a rank hung"
+    assert failures == []
+
+
+@pytest.mark.timeout(60)
+def test_staging_carved_from_a_host_arena_rebuilds_every_block() -> None:
+    store = dist.HashStore()
+    failures: list[str] = []
+    threads = [threading.Thread(target=_rank, args=(r, store, 2, True, failures, True)) for r in range(WORLD)]
     for thread in threads:
         thread.start()
     for thread in threads:
