@@ -1,8 +1,9 @@
 """Fixtures of the fault suite, and the summary lines CI shows (faults tried, nothing lost).
 
-Each test calls ``faultkit.tally(kind, tried=N, lost=M)``; ``pytest_terminal_summary`` prints one line per
-kind at the end of the run (``hwr faults: <kind>: N tried, M lost``) and the suite fails on any
-loss through the tests' own assertions.
+Each test fills its ``outcome`` fixture (``faultkit.Outcome``: kind, faults tried, losses found);
+``pytest_terminal_summary`` prints one line per kind at the end of the run (``hwr faults: <kind>: N
+tried, M lost`` and ``, K failed`` when a test of that kind failed; "(nothing lost)" only when no
+loss was found and every test passed). The suite fails on any loss through the tests' own assertions.
 """
 
 from __future__ import annotations
@@ -16,16 +17,42 @@ import pytest
 
 from hwr.daemon.launcher import DaemonProcess
 
-from .faultkit import TALLY
+from .faultkit import OUTCOMES, Outcome
 
 
 def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
-    if not TALLY:
+    if not OUTCOMES:
         return
     terminalreporter.section("hwr fault suite")
-    for kind, (tried, lost) in sorted(TALLY.items()):
+    kinds: dict[str, list[int]] = {}
+    for o in OUTCOMES:
+        counts = kinds.setdefault(o.kind, [0, 0, 0])
+        counts[0] += o.tried
+        counts[1] += o.lost
+        counts[2] += o.failed
+    for kind, (tried, lost, failed) in sorted(kinds.items()):
         terminalreporter.write_line(f"hwr faults: {kind}: {tried} tried, {lost} lost"
-                                    + ("" if lost else " (nothing lost)"))
+                                    + (f", {failed} failed" if failed else "")
+                                    + ("" if lost or failed else " (nothing lost)"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):  # type: ignore[no-untyped-def]
+    report = (yield).get_result()
+    if report.when == "call":
+        item.hwr_call_outcome = report.outcome
+
+
+@pytest.fixture
+def outcome(request: pytest.FixtureRequest) -> Iterator[Outcome]:
+    """The test's ``Outcome``; recorded after the test (failed unless its call passed; a skipped
+    test records nothing)."""
+    result = Outcome(kind=request.node.name)
+    yield result
+    verdict = getattr(request.node, "hwr_call_outcome", "failed")
+    if verdict != "skipped":
+        result.failed = verdict != "passed"
+        OUTCOMES.append(result)
 
 
 @pytest.fixture
