@@ -18,6 +18,7 @@ import pytest
 from hwr.daemon.launcher import DaemonProcess
 
 from .faultkit import OUTCOMES, Outcome
+from .tmpfs import SmallTmpfs, TmpfsDaemon
 
 
 def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
@@ -68,8 +69,10 @@ def spawn(fault_tmp: Path) -> Iterator[Callable[..., DaemonProcess]]:
     started: list[DaemonProcess] = []
 
     def start(*extra: str, root: Path | None = None, faults: Path | None = None,
-              daemon: DaemonProcess | None = None) -> DaemonProcess:
+              daemon: DaemonProcess | None = None, tmpfs: SmallTmpfs | None = None) -> DaemonProcess:
         env = {"HWR_TEST_FAULTS": str(faults)} if faults is not None else None
+        if daemon is None and tmpfs is not None:  # the store on the tmpfs, the daemon in its namespaces
+            daemon = TmpfsDaemon(tmpfs, fault_tmp / "hwrd.sock", *extra, env=env)
         proc = daemon or DaemonProcess(root or fault_tmp / "store", fault_tmp / "hwrd.sock", *extra, env=env)
         if proc not in started:
             started.append(proc)
