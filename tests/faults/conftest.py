@@ -14,8 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
-from hwr.daemon.launcher import DaemonProcess
+from daemon_proc import DaemonProcess, allowed, finish_daemon
 
 from .faultkit import OUTCOMES, Outcome
 from .tmpfs import SmallTmpfs, TmpfsDaemon
@@ -64,8 +63,9 @@ def fault_tmp() -> Iterator[Path]:
 
 
 @pytest.fixture
-def spawn(fault_tmp: Path) -> Iterator[Callable[..., DaemonProcess]]:
-    """Start hwrd processes on ``fault_tmp`` (optionally with a fault control file); stopped after."""
+def spawn(fault_tmp: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., DaemonProcess]]:
+    """Start hwrd processes on ``fault_tmp`` (optionally with a fault control file); stopped after,
+    failing the test on a non-zero exit or a logged traceback (``daemon_proc.finish_daemon``)."""
     started: list[DaemonProcess] = []
 
     def start(*extra: str, root: Path | None = None, faults: Path | None = None,
@@ -79,8 +79,11 @@ def spawn(fault_tmp: Path) -> Iterator[Callable[..., DaemonProcess]]:
         return proc.start(timeout=60)
 
     yield start
+    failures = []
     for proc in reversed(started):
-        if proc.proc is not None and proc.proc.poll() is None:
-            proc.stop()
-        else:
-            proc.kill()
+        try:
+            finish_daemon(proc, allowed(request))
+        except pytest.fail.Exception as exc:
+            failures.append(str(exc))
+    if failures:
+        pytest.fail("\n".join(dict.fromkeys(failures)), pytrace=False)

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import torch
+from daemon_proc import finish_daemon
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -56,7 +57,7 @@ def peer_target() -> Iterator[tuple[DaemonProcess, Any, str, str]]:
             foreign.close()
             owner.close()
         finally:
-            daemon.stop()
+            finish_daemon(daemon)
 
 
 def _values(key: str, lease_id: str) -> st.SearchStrategy[Any]:

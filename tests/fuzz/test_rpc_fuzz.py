@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from daemon_proc import finish_daemon
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message_factory import GetMessageClass
 from hypothesis import HealthCheck, given, settings
@@ -52,7 +53,7 @@ def fuzz_daemon() -> Iterator[tuple[DaemonProcess, Any, str]]:
             yield daemon, client, key
             client.close()
         finally:
-            daemon.stop()
+            finish_daemon(daemon)
 
 
 def _strings(real_key: str) -> st.SearchStrategy[str]:
