@@ -35,7 +35,7 @@ from hwr.daemon.launcher import DaemonProcess
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
 from hwr.protos.hwr.v1 import hwr_pb2_grpc
 
-from .fuzzkit import count
+from .fuzzkit import checked
 
 EXAMPLES = max(1, int(os.environ.get("HWR_FUZZ_EXAMPLES", "150")) // 3)
 SERVICE = pb.DESCRIPTOR.services_by_name["HostWeightRuntime"]
@@ -162,16 +162,16 @@ def test_every_rpc_answers_malformed_input_with_a_typed_error(fuzz_daemon, metho
     @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
     @given(message(method.input_type, key), tokens)
     def run(request: Any, token: str) -> None:
-        count(f"rpc {method.name}")
-        metadata = {"valid": client._metadata, "none": (), "forged": ((SESSION_KEY, "f" * 48),)}[token]
-        try:
-            response = _call(stub, method, request, metadata)
-        except grpc.RpcError as exc:
-            codes.add(_check(exc, method.name, request))
-            return
-        codes.add("OK")
-        if token == "valid" and not method.server_streaming:
-            _tidy(client, method.name, response)
+        with checked(f"rpc {method.name}"):
+            metadata = {"valid": client._metadata, "none": (), "forged": ((SESSION_KEY, "f" * 48),)}[token]
+            try:
+                response = _call(stub, method, request, metadata)
+            except grpc.RpcError as exc:
+                codes.add(_check(exc, method.name, request))
+                return
+            codes.add("OK")
+            if token == "valid" and not method.server_streaming:
+                _tidy(client, method.name, response)
 
     run()
     # The daemon is still serving and the client's session still works.
