@@ -78,7 +78,9 @@ def test_sigkill_of_the_daemon_under_load_loses_nothing(spawn, fault_tmp: Path, 
             # The crash state itself: nothing partial in artifacts/, whatever step was running,
             # no good artifact denied, no acknowledged publication gone without an eviction.
             on_disk = set(check_on_disk(root))
-            assert os.listdir(root / "deny") == [], f"{where}: good artifacts were denied: {os.listdir(root / 'deny')}"
+            denied = os.listdir(root / "deny")
+            outcome.lost += len(denied)  # no longer served: lost to the clients
+            assert denied == [], f"{where}: good artifacts were denied: {denied}"
             acked = acknowledged(acks)
             missing = acked - on_disk - retired(daemon.log)
             outcome.lost += len(missing)
