@@ -175,7 +175,7 @@ def test_every_rpc_answers_malformed_input_with_a_typed_error(fuzz_daemon, metho
 
     run()
     # The daemon is still serving and the client's session still works.
-    status = client.status()  # raises if the daemon stopped serving or ended this session
+    status = client.status()  # raises if the daemon stopped serving or ended the client's session
     assert status["sessions"] >= 1, status  # this client's own session is still counted
     assert codes, method.name
 
