@@ -81,7 +81,6 @@ async def serve(config: DaemonConfig, args: argparse.Namespace | None = None) ->
     inherited = assign(inherited_sockets(), Path(config.socket), peer_path(config.socket))
     daemon = Daemon(config, inherited=inherited)
     notifier = Notifier.from_env()
-    await daemon.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -89,18 +88,27 @@ async def serve(config: DaemonConfig, args: argparse.Namespace | None = None) ->
         notifier.stopping()  # first, so systemd knows the exit that follows is intended
         stop.set()
 
+    # Before start: the sockets answer from inside start(), so a supervisor may signal from then
+    # on; without a handler SIGTERM (or SIGHUP) would kill the daemon with no clean shutdown. A
+    # stop that arrives during start is carried out right after it; a reload waits for it.
+    reload_pending = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_stop)
+    loop.add_signal_handler(signal.SIGHUP, reload_pending.set)
+    await daemon.start()
     reloader = Reloader(daemon, config_file=args.config if args else None,
                         overrides=_overrides(args) if args else {},
                         flag_text=_flag_text(args) if args else {}, notifier=notifier)
     loop.add_signal_handler(signal.SIGHUP, reloader.reload)
+    if reload_pending.is_set() and not stop.is_set():
+        reloader.reload()
     watchdog = None
     interval = watchdog_interval(os.environ)
     if interval is not None and notifier.enabled:
         watchdog = loop.create_task(_watchdog(notifier, interval))
-    notifier.ready(daemon.status_line())
-    print(f"hwrd: serving on {config.socket} (root {config.root})", file=sys.stderr, flush=True)
+    if not stop.is_set():  # a stop during start already told systemd STOPPING=1
+        notifier.ready(daemon.status_line())
+        print(f"hwrd: serving on {config.socket} (root {config.root})", file=sys.stderr, flush=True)
     await stop.wait()
     logging.getLogger("hwrd").info("shutting down")
     if watchdog is not None:

@@ -875,6 +875,9 @@ class Store:
             if not os.path.lexists(path):
                 raise ArtifactNotFound(f"no artifact {key}", details={"key": key})
             trash = self.root / "tmp" / f"{key}.removed.{self._unique()}"
+            # Logged before the rename, so a log that lacks this line proves the artifact was
+            # never removed on purpose (the fault suite tells lost artifacts from evicted ones).
+            log.debug("retiring artifact %s", key)
             try:
                 with self._moved(key, None):
                     store_io.rename(path, trash)

@@ -29,15 +29,18 @@ def test_a_serving_daemon_never_loads_torch(short_tmp) -> None:
     publication and a lease, its address space must hold no torch library (producers run in
     their own processes)."""
     import torch
+    from daemon_proc import DaemonProcess, finish_daemon
 
     from hwr.client import ArtifactIdentity, connect
-    from hwr.daemon.launcher import DaemonProcess
 
-    with DaemonProcess(short_tmp / "store", short_tmp / "hwrd.sock") as daemon:
+    daemon = DaemonProcess(short_tmp / "store", short_tmp / "hwrd.sock").start()
+    try:
         with connect(daemon.socket) as client:
             key = client.publish(ArtifactIdentity.simple("no-torch"), {"w": torch.ones(8)})
             with client.acquire(key) as lease:
                 assert float(lease.tensors["w"][3]) == 1.0
         with open(f"/proc/{daemon.pid}/maps") as f:
             torch_maps = [line for line in f if "libtorch" in line or "/torch/" in line]
+    finally:
+        finish_daemon(daemon)
     assert not torch_maps, torch_maps[:3]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import mmap
 import os
+import struct
 from pathlib import Path
 
 import pytest
@@ -57,16 +59,43 @@ def _artifact(tmp_path: Path):
     return tensors, path, Manifest.build(ArtifactIdentity.simple("m"), records, files)
 
 
+def _mapped_range(path: Path) -> tuple[int, int]:
+    """[start, end) of this process's one mapping of ``path``, from /proc/self/maps (by inode)."""
+    inode = os.stat(path).st_ino
+    found = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and int(fields[4]) == inode and fields[5] == str(path):
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                found.append((lo, hi))
+    assert len(found) == 1, f"expected one mapping of {path}: {found}"
+    return found[0]
+
+
 def test_views_alias_the_mapping(tmp_path: Path) -> None:
+    """Each view's bytes lie inside the file's mapping (found in /proc/self/maps, not through
+    the code under test), at the offset the file's own header gives (read here with struct +
+    json), so they are the mapped pages themselves, not copies."""
     tensors, path, manifest = _artifact(tmp_path)
+    raw = path.read_bytes()
+    (header_len,) = struct.unpack("<Q", raw[:8])
+    offsets = {k: v["data_offsets"] for k, v in json.loads(raw[8 : 8 + header_len]).items() if k != "__metadata__"}
     header = read_header(path)
     pairs = validate_payload_header(header, manifest, manifest.files[0])
     fd = os.open(path, os.O_RDONLY)
     with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as mapped:
+        lo, hi = _mapped_range(path)
         views = tensor_views(mapped, header, [r for r, _ in pairs])
         for name, t in tensors.items():
-            assert torch.equal(views[name], t) and views[name].stride() == t.stride()
-        del views
+            view = views[name]
+            assert torch.equal(view, t) and view.stride() == t.stride()
+            if view.numel() == 0:
+                continue  # no bytes to alias
+            begin, end = offsets[name]
+            assert view.data_ptr() == lo + 8 + header_len + begin, f"{name} is not at its offset in the mapping"
+            assert view.data_ptr() + view.numel() * view.element_size() == lo + 8 + header_len + end <= hi
+        del views, view
     os.close(fd)
 
 

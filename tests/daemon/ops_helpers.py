@@ -16,6 +16,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from daemon_proc import finish_daemon
+
 from hwr.daemon.launcher import answers as launcher_answers
 
 HWRD = [sys.executable, "-m", "hwr.daemon.main"]
@@ -114,12 +116,9 @@ def parse_samples(text: str) -> dict[str, float]:
 
 @contextlib.contextmanager
 def started(daemon):  # type: ignore[no-untyped-def]
-    """Start a ``DaemonProcess``; stop it (or kill it) at exit."""
+    """Start a ``DaemonProcess``; stop it at exit, failing on a bad exit or a logged traceback."""
     daemon.start()
     try:
         yield daemon
     finally:
-        if daemon.proc is not None and daemon.proc.poll() is None:
-            daemon.stop()
-        else:
-            daemon.kill()
+        finish_daemon(daemon)

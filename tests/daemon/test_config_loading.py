@@ -99,11 +99,17 @@ def test_every_option_has_a_flag_and_a_variable() -> None:
         assert key in dests or f"opt_{key}" in dests, key
         if f"opt_{key}" in dests:
             assert flag_name(key) in help_text and env_name(key) in help_text, key
-        env = {env_name(key): "x", "HWR_ROOT": "/r", "HWR_SOCKET": "/s"}
-        try:  # the variable is read: a bad value is reported against it (or accepted for strings)
-            load_config_with_sources(None, env=env)
+        # The variable is read: a bad value is reported against it, and a string option takes
+        # the text itself (so a variable that were never read fails either way).
+        text = f"/from-{env_name(key).lower()}"
+        env = {"HWR_ROOT": "/r", "HWR_SOCKET": "/s", env_name(key): text}
+        try:
+            cfg, sources = load_config_with_sources(None, env=env)
         except ConfigError as exc:
             assert exc.details.get("source") == f"env {env_name(key)}", (key, str(exc))
+            continue
+        assert str(getattr(cfg, key)) == text, (key, getattr(cfg, key))
+        assert sources.by_key.get(key) == f"env {env_name(key)}", (key, sources.by_key.get(key))
 
 
 def test_later_sources_win(short_tmp: Path) -> None:

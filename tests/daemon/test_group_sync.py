@@ -104,14 +104,34 @@ def test_a_failed_round_fails_every_caller_it_covered(short_tmp: Path, monkeypat
     assert results == {"after": "ok"}
 
 
-def test_concurrent_commits_share_directory_fsyncs_and_all_land(short_tmp: Path) -> None:
+def test_concurrent_commits_share_directory_fsyncs_and_all_land(short_tmp: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eight commits arrive while the first one's artifacts/ fsync is in flight (held at the OS
+    boundary until the other seven wait on it): they must share one following round, two
+    directory fsyncs in all instead of eight, and every artifact lands complete."""
+    real_fsync_dir = store_io.fsync_dir
     with Store.open(short_tmp / "store") as store:
+        sync = store._artifacts_sync
+        first_round = threading.Event()
+
+        def hold_the_first_round(path: Path) -> None:
+            if Path(path) == sync.path and not first_round.is_set():
+                first_round.set()
+                for _ in range(2000):  # up to 10 s for the other seven commits to arrive
+                    with sync._lock:
+                        if sync.joined - joined_before >= 7:
+                            break
+                    threading.Event().wait(0.005)
+            real_fsync_dir(path)
+
+        monkeypatch.setattr(store_io, "fsync_dir", hold_the_first_round)
         stagings = [store.begin(ArtifactIdentity.simple(f"group-{i}"), [TensorSpec("w", torch.float32, (64,))])
                     for i in range(8)]
+        rounds_before, joined_before = sync.rounds, sync.joined
         barrier = threading.Barrier(len(stagings))
         records: list[object] = []
 
-        def commit(staging) -> None:
+        def commit(staging) -> None:  # type: ignore[no-untyped-def]
             barrier.wait()
             records.append(store.commit(staging))
 
@@ -122,7 +142,8 @@ def test_concurrent_commits_share_directory_fsyncs_and_all_land(short_tmp: Path)
             t.join(30)
         assert len(records) == 8
         assert sorted(os.listdir(store.root / "artifacts")) == sorted(s.key for s in stagings)
-        assert 1 <= store._artifacts_sync.rounds <= 8
+        rounds, joined = sync.rounds - rounds_before, sync.joined - joined_before
+        assert (rounds, joined) == (2, 7), f"8 concurrent commits ran {rounds} directory fsyncs ({joined} joined)"
     with Store.open(short_tmp / "store") as reopened:  # every one validates after a restart
         assert len(reopened.artifacts()) == 8 and reopened.start_report == []
 

@@ -103,7 +103,7 @@ def parity(rank: int, world: int, rdzv: str, outdir: str, lease_path: str | None
     ]
     stats = handle.stats
     layouts = handle.backend._layouts
-    expected_shard = sum(math.ceil(g.numel / world) * g.itemsize for layout in layouts for g in layout.groups)
+    expected_shard = shard_bytes_by_the_documented_layout(TinyDiT(3, 2, seed=0), world)  # a fresh twin's shapes
     equal = []
     with torch.no_grad():
         for _ in range(3):
@@ -222,3 +222,27 @@ def early_stop(rank: int, world: int, rdzv: str, outdir: str, timeout_s: float) 
     failed_after = time.monotonic() - start
     handle.close()
     _write(outdir, rank, {"errors": errors, "seconds": failed_after, "state": handle.backend.state.value})
+
+
+def shard_bytes_by_the_documented_layout(model: torch.nn.Module, world: int) -> int:
+    """Host bytes one rank keeps for every block of ``model``, from the slot layout as
+    ``hwr.dlo_backend.layout`` documents it, computed here without the backend's planner: per
+    block, its parameters and buffers (non-persistent ones too: they are streamed) module by
+    module, grouped by dtype in first-appearance order, each tensor's storage span
+    starting on a 64-byte boundary inside its group, and each rank keeping
+    ``ceil(group elements / world)`` elements of every group."""
+    total = 0
+    stacks = [getattr(model, attr) for attr in model._layerwise_offload_blocks_attrs]
+    for block in (b for stack in stacks for b in stack):
+        ends: dict[torch.dtype, int] = {}
+        itemsize: dict[torch.dtype, int] = {}
+        tensors = [t for module in block.modules()
+                   for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]]
+        for tensor in tensors:
+            itemsize[tensor.dtype] = tensor.element_size()
+            align = max(1, 64 // tensor.element_size())
+            start = -(-ends.get(tensor.dtype, 0) // align) * align
+            span = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+            ends[tensor.dtype] = start + (span if tensor.numel() else 0)
+        total += sum(math.ceil(end / world) * itemsize[dtype] for dtype, end in ends.items())
+    return total

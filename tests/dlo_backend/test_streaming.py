@@ -100,14 +100,35 @@ def test_resident_layers_stay_materialized_and_are_not_streamed() -> None:
 
 
 def test_out_of_order_calls_fall_back_to_on_demand_fetch() -> None:
+    """Calls in the order 1, 3, 0: block 3 never follows block 2, so the ring never prefetches
+    it and each of its calls must fetch it into a slot on demand (not in a slot before its
+    pre-hook, in one while it runs); block 0 follows 3, as the ring predicts, so it runs from
+    the prefetch. Outputs stay bit-identical."""
     model = TinyDiT(4, 0)
     x = torch.randn(2, 16)
     with torch.no_grad():
         want = model.blocks[0](model.blocks[3](model.blocks[1](x)))
     handle = apply_layerwise_offload(model, device="cpu", blocks_attr="blocks")
+    owners_before: dict[int, tuple[int | None, int | None]] = {}
+    calls: list[tuple[int, bool]] = []  # (block, fetched on demand)
+
+    def arriving(i: int) -> None:
+        owners_before[i] = handle.backend.slot_state().owners
+
+    def running(i: int) -> None:
+        during = handle.backend.slot_state().owners
+        assert i in during, f"block {i} runs from no slot: {during}"
+        calls.append((i, i not in owners_before[i]))
+
+    for i, block in enumerate(model.blocks):
+        block.register_forward_pre_hook(lambda *_, i=i: arriving(i), prepend=True)  # before the backend's hook
+        block.norm.register_forward_pre_hook(lambda *_, i=i: running(i))
     with torch.no_grad():
         for _ in range(2):
             assert torch.equal(model.blocks[0](model.blocks[3](model.blocks[1](x))), want)
+    assert [b for b, _ in calls] == [1, 3, 0] * 2
+    assert all(fetched for b, fetched in calls if b == 3), calls
+    assert not any(fetched for b, fetched in calls if b == 0), calls  # the check tells the two apart
     handle.close()
 
 

@@ -9,7 +9,9 @@ blocks prepared at most, placeholders between calls) is unchanged.
 
 from __future__ import annotations
 
-import mmap
+import hashlib
+import platform
+import sys
 from pathlib import Path
 
 import pytest
@@ -155,12 +157,49 @@ def test_page_range_covers_exactly_the_touched_pages(address: int, nbytes: int, 
     assert address - start < page and start + length - (address + nbytes) < page
 
 
+def _mapping_kb(address: int) -> dict[str, int]:
+    """The ``/proc/self/smaps`` counters (kB) of the mapping that contains ``address``."""
+    fields: dict[str, int] | None = None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):  # a mapping's first line: "lo-hi perms ..."
+                if fields is not None:
+                    break
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                if lo <= address < hi:
+                    fields = {}
+            elif fields is not None and line.split()[-1] == "kB":
+                fields[head.rstrip(":")] = int(line.split()[1])
+    assert fields is not None, f"no mapping contains {address:#x}"
+    return fields
+
+
+def _kernel_has_populate_read() -> bool:
+    major, minor = (int(x) for x in platform.release().split(".")[:2])
+    return sys.platform.startswith("linux") and (major, minor) >= (5, 14)
+
+
 def test_populate_maps_a_file_view_and_ignores_what_it_cannot(tmp_path: Path) -> None:
-    lease = SafetensorsLease.write(tmp_path / "m.safetensors", {"w": torch.randn(64, 1024)})
+    """``populate`` maps every page under the view into this process (Rss of the file mapping,
+    from /proc/self/smaps, goes from a few fault-around pages to the whole view) without writing
+    one (the bytes unchanged); empty and meta tensors are refused."""
+    if not _kernel_has_populate_read():
+        pytest.skip(f"kernel {platform.release()} has no MADV_POPULATE_READ (5.14+)")
+    original = torch.randn(1024, 1024)  # 4 MiB: far more than a fault-around batch
+    lease = SafetensorsLease.write(tmp_path / "m.safetensors", {"w": original})
+    digest = hashlib.sha256((tmp_path / "m.safetensors").read_bytes()).hexdigest()
     view = lease.tensors["w"]
-    assert populate(view) in (True, False)  # False only on a kernel without MADV_POPULATE_READ
-    assert torch.equal(view, lease.tensors["w"])  # read-only: nothing was written
+    nbytes = view.numel() * view.element_size()
+    before = _mapping_kb(view.data_ptr())
+    assert before["Rss"] * 1024 < nbytes // 2, f"the view was mapped before populate: {before}"
+    assert populate(view) is True
+    after = _mapping_kb(view.data_ptr())
+    assert after["Rss"] * 1024 >= nbytes, f"populate left pages of the view unmapped: {before} -> {after}"
+    # Read-only: the bytes are the ones written (the file's pages may still be dirty from the
+    # write that made it, so smaps' Dirty counters cannot tell).
+    assert torch.equal(view, original)
+    assert hashlib.sha256((tmp_path / "m.safetensors").read_bytes()).hexdigest() == digest
     assert populate(torch.empty(0)) is False
     assert populate(torch.empty(4, device="meta")) is False
     lease.close()
-    assert mmap.PAGESIZE > 0

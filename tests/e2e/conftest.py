@@ -1,4 +1,5 @@
-"""Fixtures of the end-to-end tests: real hwrd processes on temp roots, stopped (or killed) after.
+"""Fixtures of the end-to-end tests: real hwrd processes on temp roots, stopped (or killed) after;
+a daemon's non-zero exit or logged traceback fails the test (``daemon_proc.finish_daemon``).
 
 ``shared_hwrd`` is one daemon for every test that asks for it in the session (each test uses its
 own identities and leaves no lease behind), because a daemon start costs seconds on a small CI
@@ -9,12 +10,13 @@ from ``tests/conftest.py``, is still a fresh daemon per test.)
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
-from hwr.daemon.launcher import DaemonProcess, temporary_daemon
+from daemon_proc import DaemonProcess, allowed, finish_daemon
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -23,12 +25,17 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session")
 def shared_hwrd() -> Iterator[DaemonProcess]:
-    with temporary_daemon("hwr-") as daemon:
-        yield daemon
+    with tempfile.TemporaryDirectory(prefix="hwr-") as d:
+        os.chmod(d, 0o700)
+        daemon = DaemonProcess(Path(d) / "store", Path(d) / "hwrd.sock").start()
+        try:
+            yield daemon
+        finally:
+            finish_daemon(daemon)  # no allow-list: a test that provokes a traceback needs its own daemon
 
 
 @pytest.fixture
-def spawn_daemon(short_tmp: Path) -> Iterator[Callable[..., DaemonProcess]]:
+def spawn_daemon(short_tmp: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., DaemonProcess]]:
     """Start hwrd processes (``root``/``socket`` default to ``short_tmp``); all stopped at teardown."""
     started: list[DaemonProcess] = []
 
@@ -39,8 +46,11 @@ def spawn_daemon(short_tmp: Path) -> Iterator[Callable[..., DaemonProcess]]:
         return proc.start()
 
     yield spawn
+    failures = []
     for proc in reversed(started):
-        if proc.proc is not None and proc.proc.poll() is None:
-            proc.stop()
-        else:
-            proc.kill()
+        try:
+            finish_daemon(proc, allowed(request))
+        except pytest.fail.Exception as exc:
+            failures.append(str(exc))
+    if failures:
+        pytest.fail("\n".join(dict.fromkeys(failures)), pytrace=False)

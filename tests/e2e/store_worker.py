@@ -4,11 +4,15 @@ Modes: ``map-then-drop-session`` (lease, keep the tensor views mapped, close the
 session ends, print ``ready``, sleep); ``hold`` (keep the lease open, print ``ready`` and, after
 the daemon restarted, ``reattached N`` once the client rebound the lease, then sleep);
 ``stall`` (begin a publication, print ``ready``, never write or commit; then read one line and
-try to commit, printing the error code).
+try to commit, printing the error code); ``hold-unmapped`` (take a lease's descriptors without
+mapping them and without automatic reattachment, print ``ready``; on each line read, hash the
+payloads through the descriptors and print ``sha <hex>...``, one digest per payload).
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import sys
 import time
 
@@ -38,6 +42,23 @@ def main(mode: str, sock: str, key: str) -> None:
         print(f"reattached {client.reconnects} {float(lease.tensors['w'][0])}", flush=True)
         while True:
             time.sleep(1)
+    if mode == "hold-unmapped":
+        # A process that received descriptors and has not mapped them yet (the documented
+        # blind spot of the /proc mappings scan), and whose client never reattaches: after a
+        # daemon restart only the lease journal knows it may still map these bytes.
+        client.auto_reconnect = False
+        _lease_id, _key, _manifest, fds = client._peer_acquire(key)
+        print("ready", flush=True)
+        for _line in sys.stdin:
+            digests = []
+            for fd in fds:
+                h = hashlib.sha256()
+                offset = 0
+                while chunk := os.pread(fd, 1 << 20, offset):
+                    h.update(chunk)
+                    offset += len(chunk)
+                digests.append(h.hexdigest())
+            print("sha " + " ".join(digests), flush=True)
     if mode == "stall":
         pub = client.publisher(ArtifactIdentity.simple(key), [TensorSpec("w", torch.float32, (1024,))])
         print("ready", flush=True)

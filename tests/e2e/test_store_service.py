@@ -9,6 +9,7 @@ recovery with automatic client reattachment.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import subprocess
 import sys
@@ -268,6 +269,47 @@ def test_restart_keeps_held_artifacts_and_clients_reattach(spawn_daemon) -> None
             while client.leases() and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert client.gc(0)["evicted"] == [key]
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_restart_protects_an_artifact_held_only_through_the_lease_journal(spawn_daemon) -> None:
+    """The holder has the lease's descriptors but no mapping (so the /proc mappings scan cannot
+    see it) and never reattaches: across a SIGKILL of the daemon, the replayed lease journal is
+    the only thing that keeps ``gc`` from evicting its artifact. Once the holder exits, the
+    hold goes and the same ``gc`` evicts it."""
+    daemon = spawn_daemon()
+    root = Path(daemon.root)
+    with connect(daemon.socket) as client:
+        key = _publish(client, "journal-only", 9)
+        spare = _publish(client, "journal-spare", 10)
+    holder = _worker("hold-unmapped", str(daemon.socket), key)
+    try:
+        payloads = sorted((root / "artifacts" / key).glob("*.safetensors"))
+        expected = [hashlib.sha256(p.read_bytes()).hexdigest() for p in payloads]
+        daemon.kill()  # SIGKILL: the journal on disk is all the restarted daemon learns from
+        daemon = spawn_daemon()
+        # The premise: nothing but the journal can protect it.
+        maps = Path(f"/proc/{holder.pid}/maps").read_text()
+        assert str(root.resolve() / "artifacts") not in maps, "the holder maps the artifact"
+        with connect(daemon.socket) as client:
+            assert client.leases() == [], "the holder reattached: the journal is not alone"
+            report = client.gc(0)
+            assert key not in report["evicted"], "gc evicted an artifact a live process may still map"
+            assert spare in report["evicted"], report  # gc did run, and evicts what nobody holds
+            assert key in _keys(client)
+        assert holder.stdin is not None and holder.stdout is not None
+        holder.stdin.write("check\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().split() == ["sha", *expected]
+        holder.kill()
+        holder.wait()
+        with connect(daemon.socket) as client:
+            deadline = time.monotonic() + 10
+            while key not in client.gc(0)["evicted"]:
+                assert time.monotonic() < deadline, "the hold outlived its process"
+                time.sleep(0.1)
     finally:
         holder.kill()
         holder.wait()

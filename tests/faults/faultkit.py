@@ -11,8 +11,8 @@
   asynchronous), and no descriptor of the daemon points into ``artifacts/`` or ``tmp/``;
 - **daemon serving**: it answers status and a fresh acquire.
 
-Also ``Control`` (the ``HWR_TEST_FAULTS`` file, see ``hwr.daemon.fault_injection``) and ``Worker``
-(a ``fault_worker.py`` process).
+Also ``Control`` (the ``HWR_TEST_FAULTS`` file, see ``hwr.daemon.fault_injection``), ``Worker``
+(a ``fault_worker.py`` process) and ``Outcome`` (what a test tried and lost, for the summary).
 """
 
 from __future__ import annotations
@@ -20,12 +20,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +40,23 @@ from hwr.client.identity import is_key
 from hwr.client.manifest import Manifest
 
 WORKER = Path(__file__).with_name("fault_worker.py")
-TALLY: dict[str, list[int]] = {}  # kind -> [tried, lost], printed by conftest's terminal summary
 
 
-def tally(kind: str, *, tried: int, lost: int = 0) -> None:
-    counts = TALLY.setdefault(kind, [0, 0])
-    counts[0] += tried
-    counts[1] += lost
+@dataclass
+class Outcome:
+    """What one fault test tried and found, printed by conftest's terminal summary.
+
+    ``tried``: faults injected; ``lost``: losses the checks found, counted *before* the assertion
+    that fails on them; ``failed``: set at teardown from the test's own result, so a failing run
+    never prints "nothing lost" (the ``outcome`` fixture records it)."""
+
+    kind: str = ""
+    tried: int = 0
+    lost: int = 0
+    failed: bool = False
+
+
+OUTCOMES: list[Outcome] = []
 
 N = 1 << 16  # float32 elements of the test artifacts' one tensor (256 KiB)
 
@@ -111,7 +125,10 @@ def model_number(lease) -> int:  # type: ignore[no-untyped-def]
 
 
 def check_invariants(daemon, *, held: Iterable[str] = (), live_pids: Iterable[int] = (),  # type: ignore[no-untyped-def]
-                     settle_s: float = 20.0) -> dict[str, Any]:
+                     settle_s: float = 20.0, outcome: Outcome | None = None) -> dict[str, Any]:
+    """The invariants above; held artifacts found missing or changed are added to
+    ``outcome.lost`` before the assertion that fails on them."""
+    outcome = outcome or Outcome()
     root = Path(daemon.root)
     held, live = set(held), set(live_pids)
     with connect(daemon.socket) as client:
@@ -130,10 +147,13 @@ def check_invariants(daemon, *, held: Iterable[str] = (), live_pids: Iterable[in
         listed = {a["key"] for a in client.list_artifacts()}
         assert listed <= on_disk, f"the daemon lists artifacts that are not complete on disk: {listed - on_disk}"
         lost = held - listed
+        outcome.lost += len(lost)
         assert not lost, f"leased artifacts were lost: {lost}"
         for key in held:
             with client.acquire(key) as lease:
-                assert bool((lease.tensors["w"] == float(model_number(lease))).all()), f"{key} bytes changed"
+                intact = bool((lease.tensors["w"] == float(model_number(lease))).all())
+                outcome.lost += not intact
+                assert intact, f"{key} bytes changed"
         probe = publish(client, f"probe-{uuid.uuid4().hex[:8]}", 5, 1024)
         with client.acquire(probe) as lease:
             assert float(lease.tensors["w"][0]) == 5.0
@@ -168,25 +188,47 @@ class Control:
 
 
 class Worker:
-    """A ``fault_worker.py`` process (line protocol on stdin/stdout)."""
+    """A ``fault_worker.py`` process (line protocol on stdin/stdout; stderr goes to a file).
 
-    def __init__(self, *args: str) -> None:
+    ``expect(word)`` returns the rest of the worker's next line, which must start with ``word``:
+    any other answer (a holder's ``bad``), the worker's exit, or ``timeout`` seconds of silence
+    fail the test with a message that quotes the worker's stderr, instead of waiting for the
+    pytest timeout."""
+
+    def __init__(self, *args: str, timeout: float = 60.0) -> None:
+        self.timeout = timeout
+        self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in kill()
         self.proc = subprocess.Popen([sys.executable, str(WORKER), *args], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+                                     stdout=subprocess.PIPE, stderr=self._stderr, text=True, bufsize=1)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
-    def expect(self, word: str) -> str:
-        assert self.proc.stdout is not None
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                err = self.proc.stderr.read() if self.proc.stderr else ""
-                raise AssertionError(f"worker exited before {word!r}: {err[-3000:]}")
-            if line.startswith(word):
-                return line[len(word):].strip()
+    def stderr(self) -> str:
+        self._stderr.seek(0)
+        return self._stderr.read()[-3000:]
+
+    def expect(self, word: str, timeout: float | None = None) -> str:
+        try:
+            line = self._lines.get(timeout=self.timeout if timeout is None else timeout)
+        except queue.Empty:
+            raise AssertionError(f"worker {self.pid} gave no {word!r} line in time; stderr: {self.stderr()}") from None
+        if line is None:
+            self.proc.wait(10)
+            raise AssertionError(f"worker exited ({self.proc.returncode}) before {word!r}: {self.stderr()}")
+        if not line.startswith(word):
+            raise AssertionError(f"worker {self.pid} answered {line.strip()!r} instead of {word!r}; "
+                                 f"stderr: {self.stderr()}")
+        return line[len(word):].strip()
 
     def send(self, line: str) -> None:
         assert self.proc.stdin is not None
@@ -197,9 +239,10 @@ class Worker:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(10)
+        self._stderr.close()
 
     def stop(self) -> dict[str, Any]:
-        """Ask a churn worker to finish; returns its counts (``ops``, ``typed``, ``bad``)."""
+        """Ask a churn worker to finish; returns its counts (``ops``, ``typed``, ``bad``, ...)."""
         self.send("stop")
         result = json.loads(self.expect("result"))
         self.proc.wait(30)

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import torch
+from daemon_proc import finish_daemon
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -32,7 +33,7 @@ from hwr.client import ArtifactIdentity, connect
 from hwr.client.wire import STATUS_BY_CODE, recv_frame, send_frame
 from hwr.daemon.launcher import DaemonProcess
 
-from .fuzzkit import count
+from .fuzzkit import checked
 
 EXAMPLES = max(1, int(os.environ.get("HWR_FUZZ_EXAMPLES", "150")))
 OPS = ["acquire", "release", "hello", "fds", "staging_fds", "ping", "publish_begin", "publish_commit",
@@ -56,7 +57,7 @@ def peer_target() -> Iterator[tuple[DaemonProcess, Any, str, str]]:
             foreign.close()
             owner.close()
         finally:
-            daemon.stop()
+            finish_daemon(daemon)
 
 
 def _values(key: str, lease_id: str) -> st.SearchStrategy[Any]:
@@ -96,27 +97,27 @@ def test_every_peer_frame_gets_one_answer_ok_or_typed(peer_target) -> None:
     @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
     @given(_frames(key, lease_id))
     def run(frame: dict[str, Any]) -> None:
-        count("peer frame")
-        send_frame(conn, frame)
-        reply, fds = recv_frame(conn, want_fds=True)
-        try:
-            if reply.get("ok") is True:
-                codes.add("OK")
-                tail = reply.get("manifest_bytes", 0)
-                if tail:
-                    assert len(conn.recv(tail, socket.MSG_WAITALL)) == tail
-                assert len(fds) == reply.get("count", 0), (frame, reply)
-                if frame.get("op") == "acquire":  # undo it so every example starts alike
-                    send_frame(conn, {"op": "release", "lease_id": reply["lease_id"]})
-                    assert recv_frame(conn)[0] == {"ok": True, "released": True}
-                return
-            assert reply.get("ok") is False and fds == [], (frame, reply)
-            assert reply["code"] in STATUS_BY_CODE, (frame, reply)  # typed, never "internal error"
-            assert isinstance(reply["message"], str) and reply["message"], (frame, reply)
-            assert isinstance(reply["details"], dict), (frame, reply)
-            codes.add(reply["code"])
-        finally:
-            _close_fds(fds)
+        with checked("peer frame"):
+            send_frame(conn, frame)
+            reply, fds = recv_frame(conn, want_fds=True)
+            try:
+                if reply.get("ok") is True:
+                    codes.add("OK")
+                    tail = reply.get("manifest_bytes", 0)
+                    if tail:
+                        assert len(conn.recv(tail, socket.MSG_WAITALL)) == tail
+                    assert len(fds) == reply.get("count", 0), (frame, reply)
+                    if frame.get("op") == "acquire":  # undo it so every example starts alike
+                        send_frame(conn, {"op": "release", "lease_id": reply["lease_id"]})
+                        assert recv_frame(conn)[0] == {"ok": True, "released": True}
+                    return
+                assert reply.get("ok") is False and fds == [], (frame, reply)
+                assert reply["code"] in STATUS_BY_CODE, (frame, reply)  # typed, never "internal error"
+                assert isinstance(reply["message"], str) and reply["message"], (frame, reply)
+                assert isinstance(reply["details"], dict), (frame, reply)
+                codes.add(reply["code"])
+            finally:
+                _close_fds(fds)
 
     run()
     send_frame(conn, {"op": "ping"})
@@ -128,30 +129,29 @@ def test_every_peer_frame_gets_one_answer_ok_or_typed(peer_target) -> None:
 def test_byte_soup_ends_at_most_its_own_connection(peer_target) -> None:
     daemon, owner, key, _lease_id = peer_target
 
+    def soup(data: bytes) -> None:
+        """Send ``data`` and read until the daemon closes; then the daemon must still answer."""
+        with checked("peer byte soup"):
+            with _open(daemon) as conn:
+                conn.sendall(data)
+                conn.shutdown(socket.SHUT_WR)
+                with contextlib.suppress(ConnectionResetError):
+                    while conn.recv(65536):  # answers (or nothing) until the daemon closes
+                        pass
+            with _open(daemon) as conn:  # only that connection ended: a fresh one is served
+                send_frame(conn, {"op": "ping"})
+                assert recv_frame(conn)[0] == {"ok": True}, data[:80]
+
     @settings(max_examples=max(1, EXAMPLES // 5), deadline=None, suppress_health_check=list(HealthCheck))
     @given(st.one_of(st.binary(max_size=64),
                      st.builds(lambda n, body: struct.pack(">I", n) + body,
                                st.integers(0, (1 << 32) - 1), st.binary(max_size=40))))
     def run(data: bytes) -> None:
-        count("peer byte soup")
-        with _open(daemon) as conn:
-            conn.sendall(data)
-            conn.shutdown(socket.SHUT_WR)
-            try:
-                while conn.recv(65536):  # answers (or nothing) until the daemon closes
-                    pass
-            except ConnectionResetError:
-                pass
+        soup(data)
 
     run()
     for body in (b"[" * 100_000, b'{"op":' + b"[" * 5000 + b"]" * 5000 + b"}", b'{"op":NaN}', b'{"op":1e999}'):
-        count("peer byte soup")
-        with _open(daemon) as conn:  # too deep for any decoder, or JSON only Python's json takes
-            conn.sendall(struct.pack(">I", len(body)) + body)
-            conn.shutdown(socket.SHUT_WR)
-            with contextlib.suppress(ConnectionResetError):
-                while conn.recv(65536):
-                    pass
+        soup(struct.pack(">I", len(body)) + body)  # too deep for any decoder, or JSON only Python's json takes
     with owner.acquire(key) as lease:  # the daemon still serves
         assert float(lease.tensors["w"][3]) == 3.0
 

@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from daemon_proc import finish_daemon
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message_factory import GetMessageClass
 from hypothesis import HealthCheck, given, settings
@@ -34,7 +35,7 @@ from hwr.daemon.launcher import DaemonProcess
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
 from hwr.protos.hwr.v1 import hwr_pb2_grpc
 
-from .fuzzkit import count
+from .fuzzkit import checked
 
 EXAMPLES = max(1, int(os.environ.get("HWR_FUZZ_EXAMPLES", "150")) // 3)
 SERVICE = pb.DESCRIPTOR.services_by_name["HostWeightRuntime"]
@@ -52,7 +53,7 @@ def fuzz_daemon() -> Iterator[tuple[DaemonProcess, Any, str]]:
             yield daemon, client, key
             client.close()
         finally:
-            daemon.stop()
+            finish_daemon(daemon)
 
 
 def _strings(real_key: str) -> st.SearchStrategy[str]:
@@ -161,20 +162,21 @@ def test_every_rpc_answers_malformed_input_with_a_typed_error(fuzz_daemon, metho
     @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
     @given(message(method.input_type, key), tokens)
     def run(request: Any, token: str) -> None:
-        count(f"rpc {method.name}")
-        metadata = {"valid": client._metadata, "none": (), "forged": ((SESSION_KEY, "f" * 48),)}[token]
-        try:
-            response = _call(stub, method, request, metadata)
-        except grpc.RpcError as exc:
-            codes.add(_check(exc, method.name, request))
-            return
-        codes.add("OK")
-        if token == "valid" and not method.server_streaming:
-            _tidy(client, method.name, response)
+        with checked(f"rpc {method.name}"):
+            metadata = {"valid": client._metadata, "none": (), "forged": ((SESSION_KEY, "f" * 48),)}[token]
+            try:
+                response = _call(stub, method, request, metadata)
+            except grpc.RpcError as exc:
+                codes.add(_check(exc, method.name, request))
+                return
+            codes.add("OK")
+            if token == "valid" and not method.server_streaming:
+                _tidy(client, method.name, response)
 
     run()
     # The daemon is still serving and the client's session still works.
-    assert client.status()["artifacts"] >= 0
+    status = client.status()  # raises if the daemon stopped serving or ended the client's session
+    assert status["sessions"] >= 1, status  # this client's own session is still counted
     assert codes, method.name
 
 

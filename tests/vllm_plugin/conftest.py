@@ -7,18 +7,24 @@ plugin installed into ``HostWeightRuntime`` for one test and removed after it, w
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from hwr.daemon.launcher import DaemonProcess, temporary_daemon
+from daemon_proc import DaemonProcess, finish_daemon
 
 
 @pytest.fixture(scope="module")
 def vo_hwrd() -> Iterator[DaemonProcess]:
-    with temporary_daemon("hwr-vo-") as daemon:
-        yield daemon
+    with tempfile.TemporaryDirectory(prefix="hwr-vo-") as d:
+        os.chmod(d, 0o700)
+        daemon = DaemonProcess(Path(d) / "store", Path(d) / "hwrd.sock").start()
+        try:
+            yield daemon
+        finally:
+            finish_daemon(daemon)
 
 
 @pytest.fixture

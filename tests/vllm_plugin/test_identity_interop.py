@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("vllm_omni")
 
 import torch
+from daemon_proc import finish_daemon
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from vllm_omni.host_weight_runtime import (
@@ -110,4 +111,4 @@ def test_published_by_vllm_omnis_own_store_is_served_by_hwrd_after_adoption(shor
         assert all(torch.equal(warm.lease.tensors[n], t) for n, t in data.items())
         warm.lease.close()
     finally:
-        daemon.stop()
+        finish_daemon(daemon)
