@@ -116,17 +116,14 @@ def _smaps() -> dict[str, int]:
 
 
 def rank_worker(spec: dict[str, Any]) -> None:
-    import mmap
-    import warnings
     from datetime import timedelta
-    from types import MappingProxyType
 
     import torch
     import torch.distributed as dist
     from torch import nn
 
-    from hwr.client.carrier import MappedRegion
     from hwr.dlo_backend import apply_layerwise_offload
+    from hwr.dlo_backend.file_lease import FileLease
 
     imported = time.time()
     rank, world = spec["rank"], spec["world"]
@@ -159,46 +156,6 @@ def rank_worker(spec: dict[str, Any]) -> None:
                 x = block(x)
             return x
 
-    class MappedLease:
-        """A read-only shared mapping of the artifact as a ``HostLease`` (what hwrd hands out)."""
-
-        key = "bench-allgather"
-
-        def __init__(self, path: str) -> None:
-            fd = os.open(path, os.O_RDONLY)
-            size = os.fstat(fd).st_size
-            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-            os.close(fd)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # read-only on purpose
-                raw = torch.frombuffer(self._map, dtype=torch.uint8)
-            (n,) = struct.unpack("<Q", self._map[:8])
-            header = json.loads(self._map[8 : 8 + n])
-            self._tensors: dict[str, torch.Tensor] | None = {
-                name: raw[8 + n + info["data_offsets"][0] : 8 + n + info["data_offsets"][1]]
-                .view(torch.bfloat16)
-                .view(info["shape"])
-                for name, info in header.items()
-            }
-            page = mmap.PAGESIZE
-            self._regions = (MappedRegion("model.safetensors", raw.data_ptr(), -(-size // page) * page, True),)
-
-        @property
-        def tensors(self) -> MappingProxyType[str, torch.Tensor]:
-            assert self._tensors is not None
-            return MappingProxyType(self._tensors)
-
-        @property
-        def mapped_regions(self) -> tuple[MappedRegion, ...]:
-            return self._regions
-
-        @property
-        def closed(self) -> bool:
-            return self._tensors is None
-
-        def close(self) -> None:
-            self._tensors = None
-
     with torch.device("meta"):
         model = Stack(spec["depth"], spec["dim"], spec["hidden"])
     x = torch.randn(spec["tokens"], spec["dim"], generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
@@ -206,7 +163,7 @@ def rank_worker(spec: dict[str, Any]) -> None:
     handle = apply_layerwise_offload(
         model,
         device="cpu",
-        host_source=MappedLease(spec["path"]),
+        host_source=FileLease(spec["path"], key="bench-allgather"),
         use_allgather=mode != "rank-local",
         group=dist.group.WORLD if mode != "rank-local" else None,
         allgather_host_copy=mode == "allgather-private",

@@ -30,22 +30,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
-import os
-import struct
 import tempfile
 import time
-import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
-from types import MappingProxyType
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from hwr.client.carrier import MappedRegion
 from hwr.dlo_backend import apply_layerwise_offload
+from hwr.dlo_backend.file_lease import FileLease
 from hwr.dlo_backend.sharding import flat_span
 
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -71,48 +66,6 @@ class Stack(nn.Module):
         for block in self.blocks:
             x = block(x)
         return x
-
-
-class MappedLease:
-    """A read-only mmapped safetensors file as a ``HostLease`` (transposed 2-D tensors restored)."""
-
-    def __init__(self, path: Path, transposed: set[str]) -> None:
-        self._fd = os.open(path, os.O_RDONLY)
-        size = os.fstat(self._fd).st_size
-        self._map = mmap.mmap(self._fd, size, prot=mmap.PROT_READ)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the mapping is read-only on purpose
-            raw = torch.frombuffer(self._map, dtype=torch.uint8)
-        (n,) = struct.unpack("<Q", self._map[:8])
-        header = json.loads(self._map[8 : 8 + n])
-        header.pop("__metadata__", None)
-        self._tensors: dict[str, torch.Tensor] | None = {}
-        for name, info in header.items():
-            lo, hi = info["data_offsets"]
-            view = raw[8 + n + lo : 8 + n + hi].view(_DTYPES[info["dtype"]]).view(info["shape"])
-            self._tensors[name] = view.t() if name in transposed else view
-        page = mmap.PAGESIZE
-        self._regions = (MappedRegion("model.safetensors", raw.data_ptr(), -(-size // page) * page, True),)
-
-    key = "bench"
-
-    @property
-    def tensors(self) -> Mapping[str, torch.Tensor]:
-        assert self._tensors is not None
-        return MappingProxyType(self._tensors)
-
-    @property
-    def mapped_regions(self) -> tuple[MappedRegion, ...]:
-        return self._regions
-
-    @property
-    def closed(self) -> bool:
-        return self._tensors is None
-
-    def close(self) -> None:
-        if self._tensors is not None:
-            self._tensors = None
-            os.close(self._fd)
 
 
 def _sync(device: torch.device) -> None:
@@ -222,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                 skeleton,
                 device=device,
                 blocks_attr="blocks",
-                host_source=MappedLease(path, transposed),
+                host_source=FileLease(path, key="bench", transposed=transposed),
                 host_registration_limit_gib=limit,
                 # This benchmark measures the copy itself; a CPU device would otherwise bind the
                 # mapping zero-copy (nothing to measure, no slots to copy into).
@@ -321,7 +274,7 @@ def _allgather_rank(rank: int, world: int, spec: dict[str, object]) -> None:
     dist.init_process_group(backend, init_method=f"file://{spec['rdzv']}", rank=rank, world_size=world)
     depth, dim, hidden, dtype = int(spec["depth"]), int(spec["dim"]), int(spec["hidden"]), _DTYPES[str(spec["dtype"])]
     path, transposed = Path(str(spec["path"])), set(spec["transposed"])  # type: ignore[arg-type]
-    state = MappedLease(path, transposed).tensors
+    state = FileLease(path, key="bench", transposed=transposed).tensors
     resident = Stack(depth, dim, hidden, dtype).to(device)
     resident.load_state_dict({k: v.clone() for k, v in state.items()})
     x = torch.randn(int(spec["tokens"]), dim, generator=torch.Generator().manual_seed(rank)).to(dtype).to(device)
@@ -337,7 +290,7 @@ def _allgather_rank(rank: int, world: int, spec: dict[str, object]) -> None:
                 skeleton,
                 device=device,
                 blocks_attr="blocks",
-                host_source=MappedLease(path, transposed),
+                host_source=FileLease(path, key="bench", transposed=transposed),
                 use_allgather=mode != "rank-local",
                 group=dist.group.WORLD if mode != "rank-local" else None,
                 allgather_host_copy=mode == "allgather-private",

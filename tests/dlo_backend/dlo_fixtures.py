@@ -8,31 +8,15 @@ pages. It counts ``close()`` calls and keeps an event log shared with test probe
 from __future__ import annotations
 
 import json
-import mmap
-import os
-import struct
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from types import MappingProxyType
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from hwr.client.carrier import MappedRegion
-from hwr.client.errors import LeaseClosed
-
-_DTYPES = {
-    "F32": torch.float32,
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F64": torch.float64,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "U8": torch.uint8,
-    "F8_E4M3": torch.float8_e4m3fn,
-}
+from hwr.client.safetensors_header import read_header
+from hwr.dlo_backend.file_lease import FileLease
 
 
 class Block(nn.Module):
@@ -92,34 +76,16 @@ def block_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: t.detach().clone() for name, t in model.state_dict().items()}
 
 
-class SafetensorsLease:
-    """A ``HostLease`` over a real read-only mapping of a safetensors file."""
+class SafetensorsLease(FileLease):
+    """A ``HostLease`` over a real read-only mapping of a safetensors file (``FileLease``), which
+    records its ``close()`` calls; 2-D tensors listed in the file's ``transposed`` metadata are
+    restored as transposed views."""
 
     def __init__(self, path: Path, key: str = "k" * 64, log: list[str] | None = None) -> None:
-        self._key = key
         self.log = log if log is not None else []
         self.close_calls = 0
-        self._fd = os.open(path, os.O_RDONLY)
-        size = os.fstat(self._fd).st_size
-        self._map = mmap.mmap(self._fd, size, prot=mmap.PROT_READ)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # frombuffer warns that the mapping is not writable
-            raw = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.base = raw.data_ptr()
-        self.size = size
-        (header_len,) = struct.unpack("<Q", self._map[:8])
-        header = json.loads(self._map[8 : 8 + header_len])
-        meta = header.pop("__metadata__", {}) or {}
-        transposed = set(json.loads(meta.get("transposed", "[]")))
-        start = 8 + header_len
-        tensors: dict[str, torch.Tensor] = {}
-        for name, info in header.items():
-            lo, hi = info["data_offsets"]
-            view = raw[start + lo : start + hi].view(_DTYPES[info["dtype"]]).view(info["shape"])
-            tensors[name] = view.t() if name in transposed else view
-        self._tensors: dict[str, torch.Tensor] | None = tensors
-        page = mmap.PAGESIZE
-        self._regions = (MappedRegion("model.safetensors", self.base, -(-size // page) * page, True),)
+        meta = read_header(path, require_alignment=False).metadata or {}
+        super().__init__(path, key=key, transposed=json.loads(meta.get("transposed", "[]")))
 
     @classmethod
     def write(cls, path: Path, tensors: Mapping[str, torch.Tensor], **kwargs: object) -> SafetensorsLease:
@@ -134,31 +100,7 @@ class SafetensorsLease:
         save_file(payload, str(path), metadata={"transposed": json.dumps(transposed)})
         return cls(path, **kwargs)  # type: ignore[arg-type]
 
-    @property
-    def key(self) -> str:
-        return self._key
-
-    @property
-    def tensors(self) -> Mapping[str, torch.Tensor]:
-        if self._tensors is None:
-            raise LeaseClosed("lease closed")
-        return MappingProxyType(self._tensors)
-
-    @property
-    def mapped_regions(self) -> tuple[MappedRegion, ...]:
-        return self._regions
-
-    @property
-    def closed(self) -> bool:
-        return self._tensors is None
-
-    def contains(self, tensor: torch.Tensor) -> bool:
-        return self.base <= tensor.data_ptr() < self.base + self.size
-
     def close(self) -> None:
         self.close_calls += 1
         self.log.append("close")
-        if self._tensors is None:
-            return
-        self._tensors = None
-        os.close(self._fd)
+        super().close()
