@@ -130,8 +130,8 @@ def pin_ref(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def main(argv: list[str] | None = None) -> dict[str, object]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and run options both modes of this script share."""
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--dim", type=int, default=2048)
@@ -139,6 +139,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="BF16")
     parser.add_argument("--reps", type=int, default=5)
+
+
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_arguments(parser)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     dtype = _DTYPES[args.dtype]
@@ -326,13 +331,7 @@ def allgather_main(argv: list[str] | None = None) -> dict[str, object]:
 
     parser = argparse.ArgumentParser(description="DLO AllGather modes over NCCL (gloo with --device cpu)")
     parser.add_argument("--allgather-dp", type=int, required=True)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--depth", type=int, default=8)
-    parser.add_argument("--dim", type=int, default=2048)
-    parser.add_argument("--hidden", type=int, default=8192)
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="BF16")
-    parser.add_argument("--reps", type=int, default=5)
+    add_model_arguments(parser)
     args = parser.parse_args(argv)
     world = args.allgather_dp
     result: dict[str, object] = {"benchmark": "gpu_dlo_allgather", "device": args.device, "dp": world}
