@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from common import fmt_ms, fmt_ratio
+
 MiB = 1 << 20
 
 
@@ -32,19 +34,9 @@ class Row:
         return [self.what, self.hwr, self.peer, self.ratio, self.limit, where]
 
 
-def ms(value: float | None) -> str:
-    if value is None:
-        return "-"
-    digits = 3 if value < 1 else 2 if value < 10 else 1 if value < 100 else 0
-    return f"{value:,.{digits}f} ms"
-
-
-def times(peer: float | None, hwr: float | None) -> str:
-    """``peer / hwr`` as ``12.3x``: how many times hwr is ahead (lower is better for both)."""
-    if not peer or not hwr:
-        return "-"
-    r = peer / hwr
-    return f"{r:,.0f}x" if r >= 100 else f"{r:,.1f}x" if r >= 10 else f"{r:.2f}x"
+# The benchmarks' own formatting, so the summary reads exactly like the section tables.
+ms = fmt_ms
+times = fmt_ratio  # ``peer / hwr`` as ``12.3x``: how many times hwr is ahead (lower is better for both)
 
 
 PEER_NAMES = {"safe_open": "safetensors safe_open (mmap)", "load_file": "safetensors load_file (0.8: mmap)",
