@@ -62,7 +62,7 @@ def serve_command(args: argparse.Namespace) -> list[str]:
 
 
 def hwrd_command(args: argparse.Namespace) -> list[str]:
-    return [sys.executable, "-m", "hwr.daemon.main", "--root", str(args.hwrd_root), "--socket", str(args.socket)]
+    return [sys.executable, "-m", "hwr.daemon.app.main", "--root", str(args.hwrd_root), "--socket", str(args.socket)]
 
 
 def request_body(args: argparse.Namespace) -> dict[str, Any]:
@@ -83,7 +83,7 @@ def http(url: str, body: dict[str, Any] | None = None, timeout: float = 10.0) ->
 
 
 def hwrctl_ls(socket: Path) -> list[dict[str, Any]]:
-    out = subprocess.run([sys.executable, "-m", "hwr.daemon.ctl", "--socket", str(socket), "ls", "--json"],
+    out = subprocess.run([sys.executable, "-m", "hwr.daemon.ctl.cli", "--socket", str(socket), "ls", "--json"],
                          capture_output=True, text=True, timeout=60, check=False)
     try:
         return json.loads(out.stdout)
@@ -167,7 +167,7 @@ def main() -> int:
         body = shlex.quote(json.dumps(request_body(args)))
         print(f"# request (after GET /health answers 200)\ncurl -s http://127.0.0.1:{args.port}/v1/images/generations "
               f"-H 'Content-Type: application/json' -d {body}")
-        print("# artifacts\n" + shlex.join([sys.executable, "-m", "hwr.daemon.ctl", "--socket", str(args.socket),
+        print("# artifacts\n" + shlex.join([sys.executable, "-m", "hwr.daemon.ctl.cli", "--socket", str(args.socket),
                                            "ls", "--json"]))
         return 0
 

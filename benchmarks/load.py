@@ -247,7 +247,7 @@ def _drive(daemon: Any, metrics: Path, ops: int, mix: dict[str, float], base: in
 
 
 def _pipeline_order(item: tuple[str, Any]) -> tuple[int, str]:
-    from hwr.daemon.metrics import PUBLICATION_PHASES as order  # a publication's phases in turn
+    from hwr.daemon.system.metrics import PUBLICATION_PHASES as order  # a publication's phases in turn
 
     return (order.index(item[0]) if item[0] in order else len(order), item[0])
 

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from common import json_line, md_table
 
 from hwr.client import ArtifactIdentity, connect
-from hwr.daemon.launcher import DaemonProcess
+from hwr.daemon.app.launcher import DaemonProcess
 
 MiB = 1 << 20
 PREFIX = "bench"
@@ -91,7 +91,7 @@ def _drop_cache(path: Path) -> None:
 
 def pull_vs_download(s3: Any, bucket: str, b: DaemonProcess, key: str, repeats: int,
                      workdir: Path) -> dict[str, Any]:
-    from hwr.daemon.remote_s3 import transfer_config
+    from hwr.daemon.fleet.remote_s3 import transfer_config
 
     config = transfer_config(8)
     objects = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=f"{PREFIX}/artifacts/{key}/")["Contents"]]

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import json_line, md_table
 
 from hwr.client import connect
-from hwr.daemon.launcher import DaemonProcess
+from hwr.daemon.app.launcher import DaemonProcess
 from hwr.demo import demo_identity, run_workers
 from hwr.demo_model import DemoConfig, canonical_checkpoint
 

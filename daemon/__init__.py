@@ -1,1 +1,43 @@
-"""See the package README section."""
+"""hwrd, the node daemon, in rooms: sub-packages that depend only downwards.
+
+Each room is a sub-package of ``hwr.daemon``. A module may import from its own room, from the
+rooms listed before its own below, and from ``hwr.client`` / ``hwr.protos`` (the contract
+packages); never from a room after its own, and never from a sibling room on the same line.
+``tests/daemon/test_rooms.py`` checks every import in the tree, lazy ones and ``TYPE_CHECKING``
+ones included, against :data:`ROOMS`.
+
+From the bottom up:
+
+``policy``       pure decisions over plain values: admission, capacity, eviction order, LRU, pages
+``system``       the OS boundary and process plumbing: sockets, peer credentials, socket
+                 activation, sd_notify, filesystem guards, /proc scans, memfd seals, config, logs,
+                 metric instruments
+``store``        the on-disk artifact store of one root: staging, validation, atomic commit,
+                 deny/quarantine, retirement, usage accounting
+``checkpoints``  the registry of canonical checkpoints, opened with the caller's rights
+``producers``    transforms from a checkpoint to final-layout artifacts, in isolated processes
+``service``      the node service: sessions and leases, acquire/release, publications, the read
+                 API in front of the store, capacity, eviction, pins, the lease journal, scrub
+``fleet``        the remote tier: pull on miss, push after publish
+``peer`` ``rpc`` the two transports (Unix-socket peer channel with descriptor passing; gRPC),
+                 siblings that never import each other
+``app``          wiring: builds every object with its collaborators, starts and stops them (hwrd)
+``ctl``          hwrctl, a client application of the daemon (imports only the client library)
+
+A warm acquire crosses them once, top-down: ``peer.channel`` (or ``rpc.servicer``) ->
+``service.leasing`` -> ``service.catalog`` -> ``store`` and back with descriptors.
+"""
+
+#: The rooms from the bottom up; rooms in one tuple are siblings (neither imports the other).
+ROOMS: tuple[tuple[str, ...], ...] = (
+    ("policy",),
+    ("system",),
+    ("store",),
+    ("checkpoints",),
+    ("producers",),
+    ("service",),
+    ("fleet",),
+    ("peer", "rpc"),
+    ("app",),
+    ("ctl",),
+)

@@ -162,7 +162,7 @@ def summarize(reports: list[dict[str, Any]]) -> dict[str, Any]:
 
 # main ---------------------------------------------------------------------------------------------
 def _demo(args: argparse.Namespace) -> int:
-    from hwr.daemon.launcher import DaemonProcess
+    from hwr.daemon.app.launcher import DaemonProcess
     from hwr.demo_model import DemoConfig, canonical_checkpoint
 
     cfg = DemoConfig.for_size(args.size_mb, hidden=args.hidden, heads=16)

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 import pytest
 
-from hwr.daemon.launcher import DaemonProcess
+from hwr.daemon.app.launcher import DaemonProcess
 
 __all__ = ["DaemonProcess", "allowed", "daemon_problems", "finish_daemon"]
 

@@ -11,11 +11,12 @@ import pytest
 @pytest.mark.parametrize(
     "modules",
     [
-        "hwr.daemon.main, hwr.daemon.server",
+        "hwr.daemon.app.main, hwr.daemon.app.server",
         # what the daemon imports when it runs (not only at module import): store, leases, peer
-        "hwr.daemon.store, hwr.daemon.store_service, hwr.daemon.publications, hwr.daemon.peer, "
-        "hwr.daemon.leasing, hwr.daemon.checkpoints, hwr.daemon.rpc_checkpoints, hwr.daemon.rpc_store_admin",
-        "hwr.daemon.ctl, hwr.daemon.ctl_checkpoints, hwr.daemon.ctl_store_admin, hwr.client",
+        "hwr.daemon.store.root, hwr.daemon.service.store_service, hwr.daemon.service.publications, "
+        "hwr.daemon.peer.channel, hwr.daemon.service.leasing, hwr.daemon.checkpoints.registry, "
+        "hwr.daemon.rpc.checkpoints, hwr.daemon.rpc.store_admin",
+        "hwr.daemon.ctl.cli, hwr.daemon.ctl.checkpoints, hwr.daemon.ctl.store_admin, hwr.client",
     ],
 )
 def test_no_torch_import(modules: str) -> None:

@@ -30,10 +30,10 @@ from typing import Any
 
 from hwr.client.identity import ArtifactIdentity, SourceIdentity
 from hwr.client.wire import close_fds
-from hwr.daemon.checkpoints import Checkpoint, Checkpoints
+from hwr.daemon.checkpoints.registry import Checkpoint, Checkpoints
 from hwr.daemon.producers import Producer, SourceTensor
 from hwr.daemon.producers.runner import run_job
-from hwr.daemon.store_staging import ProducerDigests, TensorSpec
+from hwr.daemon.store.staging import ProducerDigests, TensorSpec
 
 __all__ = ["BuiltArtifact", "build_rank", "checkpoint_identity", "source_identity"]
 

@@ -10,7 +10,7 @@ padding) are read back from the file in the gaps. Anything out of order (a futur
 writes blocks backwards, or twice) makes ``finish`` return None, and the daemon hashes the
 staging itself as for a client publication: reporting digests is an optimisation, never needed
 for correctness. Why the daemon may trust these digests, and the limits of that, is in
-``hwr.daemon.store_staging.ProducerDigests``.
+``hwr.daemon.store.staging.ProducerDigests``.
 
 Memory: at most ``MAX_PENDING`` blocks wait for the hashing threads (each at most
 ``BLOCK_BYTES`` of output), so the producer's peak RSS stays bounded.

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hwr.daemon.metrics import Histogram
+from hwr.daemon.system.metrics import Histogram
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))  # as test_run_all does: "benchmarks" is this package

@@ -1,7 +1,7 @@
 """Helpers of the operations tests: a notify socket, hwrd with extra environment, metrics scrapes.
 
 Real processes and real sockets only: the notify socket is the same AF_UNIX datagram socket
-systemd would provide, and hwrd is the real ``python -m hwr.daemon.main``.
+systemd would provide, and hwrd is the real ``python -m hwr.daemon.app.main``.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from pathlib import Path
 
 from daemon_proc import finish_daemon
 
-from hwr.daemon.launcher import answers as launcher_answers
+from hwr.daemon.app.launcher import answers as launcher_answers
 
-HWRD = [sys.executable, "-m", "hwr.daemon.main"]
+HWRD = [sys.executable, "-m", "hwr.daemon.app.main"]
 
 
 class NotifySocket:

@@ -13,7 +13,7 @@ import pytest
 from ops_helpers import HWRD, hwrd_process, wait_for
 
 from hwr.client import ArtifactIdentity, connect
-from hwr.daemon.activation import InheritedSocket, assign, listen_fd_count, private_grpc_path
+from hwr.daemon.system.activation import InheritedSocket, assign, listen_fd_count, private_grpc_path
 
 # Like systemd: put the sockets at fds 3.., set LISTEN_PID to the pid that will run hwrd, exec.
 LAUNCH = """

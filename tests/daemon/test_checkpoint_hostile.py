@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from hwr.client import connect
 from hwr.client.errors import CheckpointModified, InvalidRequest
 from hwr.client.safetensors_header import DEFAULT_METADATA, plan_file
-from hwr.daemon.launcher import DaemonProcess
+from hwr.daemon.app.launcher import DaemonProcess
 
 GIB = 1 << 30
 

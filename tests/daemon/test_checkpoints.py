@@ -19,8 +19,8 @@ from hwr.client.errors import (
     ManifestCorrupt,
     PermissionDeniedError,
 )
-from hwr.daemon import checkpoints as ckmod
-from hwr.daemon.checkpoints import Checkpoints, hf_blob_link
+from hwr.daemon.checkpoints import registry as ckmod
+from hwr.daemon.checkpoints.registry import Checkpoints, hf_blob_link
 
 REV = "a" * 40
 BLOB = "b" * 64

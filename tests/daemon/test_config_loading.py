@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hwr.client.errors import ConfigError
-from hwr.daemon.config import (
+from hwr.daemon.system.config import (
     DaemonConfig,
     describe,
     env_name,
@@ -22,7 +22,7 @@ from hwr.daemon.config import (
     parse_text,
 )
 
-HWRD = [sys.executable, "-m", "hwr.daemon.main"]
+HWRD = [sys.executable, "-m", "hwr.daemon.app.main"]
 
 
 def _check(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -91,7 +91,7 @@ def test_check_config_prints_effective_values_with_sources(short_tmp: Path) -> N
 
 
 def test_every_option_has_a_flag_and_a_variable() -> None:
-    from hwr.daemon.main import _parser
+    from hwr.daemon.app.main import _parser
 
     dests = {a.dest for a in _parser()._actions}
     help_text = subprocess.run([*HWRD, "--help"], capture_output=True, text=True, timeout=120).stdout
@@ -138,14 +138,14 @@ def test_variable_text_round_trips(uids: list[int], level: str, mode: int) -> No
 
 
 def test_commit_threads_sizes_the_publication_pool(tmp_path: Path) -> None:
-    from hwr.daemon.publications import COMMIT_THREADS, Publications
-    from hwr.daemon.store import Store
+    from hwr.daemon.service.publications import COMMIT_THREADS, Publications
+    from hwr.daemon.store.root import Store
 
     if Path("/etc/hwrd/hwrd.toml").exists():
         pytest.skip("a system config file would set the values under test")
 
     cfg, _ = load_config_with_sources(None, env={"HWR_ROOT": "/r", "HWR_SOCKET": "/s"}, flag_text={})
-    assert cfg.commit_threads == COMMIT_THREADS == 8  # the measured default (daemon/config.py)
+    assert cfg.commit_threads == COMMIT_THREADS == 8  # the measured default (daemon/system/config.py)
     cfg, sources = load_config_with_sources(None, env={"HWR_ROOT": "/r", "HWR_SOCKET": "/s",
                                                        "HWR_COMMIT_THREADS": "3"})
     assert cfg.commit_threads == 3 and sources.by_key["commit_threads"] == "env HWR_COMMIT_THREADS"

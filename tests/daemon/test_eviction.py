@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hwr.daemon import mappings
-from hwr.daemon.lease_journal import LeaseJournal, process_start
+from hwr.daemon.service.lease_journal import LeaseJournal, process_start
+from hwr.daemon.system import mappings
 
 
 def test_scan_finds_a_mapping_by_dev_inode_and_reports_unreadable(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hwr.client.errors import UntrustedStore
-from hwr.daemon import fsguard
+from hwr.daemon.system import fsguard
 
 
 @pytest.mark.parametrize(("magic", "allowed"), [(0xEF53, True), (0x01021994, True), (0x58465342, True),

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from hwr.client.identity import ArtifactIdentity
-from hwr.daemon import store_io
-from hwr.daemon.store import Store, TensorSpec
-from hwr.daemon.store_io import GroupSync
+from hwr.daemon.store import fileio as store_io
+from hwr.daemon.store.fileio import GroupSync
+from hwr.daemon.store.root import Store, TensorSpec
 
 
 class GatedFsync:

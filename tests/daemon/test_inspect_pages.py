@@ -1,11 +1,11 @@
-"""``hwr.daemon.inspect_pages.page`` and ``hwrctl``'s ``printable``: pure functions, real inputs."""
+"""``hwr.daemon.policy.inspect_pages.page`` and ``hwrctl``'s ``printable``: pure functions, real inputs."""
 
 from __future__ import annotations
 
 import json
 
-from hwr.daemon.ctl import printable, table
-from hwr.daemon.inspect_pages import PAGE_BYTES, page
+from hwr.daemon.ctl.cli import printable, table
+from hwr.daemon.policy.inspect_pages import PAGE_BYTES, page
 
 
 def _manifest(count: int, name_len: int = 20) -> bytes:

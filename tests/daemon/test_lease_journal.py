@@ -11,7 +11,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hwr.daemon.lease_journal import LeaseJournal, process_start
+from hwr.daemon.service.lease_journal import LeaseJournal, process_start
 
 KEY = "ab" * 32
 

@@ -12,8 +12,8 @@ import torch
 from ops_helpers import parse_samples, scrape_unix, started
 
 from hwr.client import ArtifactIdentity, connect
-from hwr.daemon.launcher import DaemonProcess
-from hwr.daemon.metrics import PUBLICATION_PHASES, Counter, Histogram, label_value, parse_listen
+from hwr.daemon.app.launcher import DaemonProcess
+from hwr.daemon.system.metrics import PUBLICATION_PHASES, Counter, Histogram, label_value, parse_listen
 
 
 def test_histogram_buckets_are_cumulative() -> None:

@@ -17,11 +17,11 @@ import hwr.client as hc
 from hwr.client.errors import ArtifactDenied, ChecksumMismatch
 from hwr.client.identity import ArtifactIdentity
 from hwr.client.safetensors_header import read_header
-from hwr.daemon import store_io
 from hwr.daemon.producers import base, worker
 from hwr.daemon.producers.digests import StreamDigests
-from hwr.daemon.store import Store, TensorSpec
-from hwr.daemon.store_staging import ProducerDigests
+from hwr.daemon.store import fileio as store_io
+from hwr.daemon.store.root import Store, TensorSpec
+from hwr.daemon.store.staging import ProducerDigests
 
 
 def _sha(data: bytes) -> str:

@@ -14,9 +14,9 @@ import torch
 from ops_helpers import NotifySocket, started, wait_for
 
 from hwr.client import ArtifactIdentity, connect
-from hwr.daemon.config import load_config
-from hwr.daemon.launcher import DaemonProcess
-from hwr.daemon.reload import plan_reload
+from hwr.daemon.app.launcher import DaemonProcess
+from hwr.daemon.app.reload import plan_reload
+from hwr.daemon.system.config import load_config
 
 NOBODY = 65534
 

@@ -15,9 +15,9 @@ import torch
 
 from hwr.client.errors import ConfigError, ManifestCorrupt
 from hwr.client.identity import ArtifactIdentity
-from hwr.daemon.remote import RemoteObjectInvalid, parse_location
-from hwr.daemon.remote_pull import plan_from_documents
-from hwr.daemon.store import Store
+from hwr.daemon.fleet.pull import plan_from_documents
+from hwr.daemon.fleet.remote import RemoteObjectInvalid, parse_location
+from hwr.daemon.store.root import Store
 
 
 def test_locations_parse_and_print_without_secrets() -> None:

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from hwr.client.errors import ManifestCorrupt, PermissionDeniedError
-from hwr.daemon.caller_access import CallerOpener, mode_grants
-from hwr.daemon.checkpoints import Checkpoints
-from hwr.daemon.config import load_config
-from hwr.daemon.peercred import PeerCred
-from hwr.daemon.roles import OPERATOR, PUBLISH, Roles, roles_from
+from hwr.daemon.checkpoints.caller_access import CallerOpener, mode_grants
+from hwr.daemon.checkpoints.registry import Checkpoints
+from hwr.daemon.service.roles import OPERATOR, PUBLISH, Roles, roles_from
+from hwr.daemon.system.config import load_config
+from hwr.daemon.system.peercred import PeerCred
 
 DAEMON = 990
 
@@ -53,7 +53,7 @@ def test_role_keys_have_file_environment_and_flag_forms(short_tmp: Path) -> None
     config = load_config(config_file, env=env)
     roles = roles_from(config)
     assert roles.publish_uids == {1000} and roles.operator_uids == {1001, 1002} and roles.operator_gids == {10}
-    from hwr.daemon.main import _flag_text, _parser
+    from hwr.daemon.app.main import _flag_text, _parser
 
     args = _parser().parse_args(["--publish-gids", "20,21"])
     assert _flag_text(args)["publish_gids"] == "20,21"
@@ -135,7 +135,7 @@ def test_role_keys_are_applied_by_a_reload(short_tmp: Path) -> None:
 
     import msgspec
 
-    from hwr.daemon.reload import Reloader, plan_reload
+    from hwr.daemon.app.reload import Reloader, plan_reload
 
     old = load_config(env={"HWR_ROOT": str(short_tmp), "HWR_SOCKET": str(short_tmp / "s")})
     new = msgspec.structs.replace(old, operator_uids=(1000,), publish_gids=(7,))

@@ -13,7 +13,7 @@ import pytest
 from ops_helpers import NotifySocket, answers, hwrd_process
 
 from hwr.client import connect
-from hwr.daemon.sdnotify import Notifier, watchdog_interval
+from hwr.daemon.system.sdnotify import Notifier, watchdog_interval
 
 
 def test_watchdog_interval_is_half_of_watchdog_usec() -> None:

@@ -22,7 +22,8 @@ def test_sigterm_as_soon_as_the_peer_socket_exists_is_a_clean_stop(short_tmp: Pa
     codes = []
     for attempt in range(3):
         root, sock = short_tmp / f"store{attempt}", short_tmp / f"s{attempt}.sock"
-        proc = subprocess.Popen([sys.executable, "-m", "hwr.daemon.main", "--root", str(root), "--socket", str(sock)],
+        argv = [sys.executable, "-m", "hwr.daemon.app.main", "--root", str(root), "--socket", str(sock)]
+        proc = subprocess.Popen(argv,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 60
         while not os.path.exists(f"{sock}.peer") and proc.poll() is None and time.monotonic() < deadline:

@@ -26,9 +26,10 @@ from hwr.client.errors import (
 )
 from hwr.client.identity import ArtifactIdentity
 from hwr.client.safetensors_header import read_header
-from hwr.daemon import fsguard, store_io
-from hwr.daemon.store import Store, TensorSpec
-from hwr.daemon.store_staging import write_tensor
+from hwr.daemon.store import fileio as store_io
+from hwr.daemon.store.root import Store, TensorSpec
+from hwr.daemon.store.staging import write_tensor
+from hwr.daemon.system import fsguard
 
 IDENTITY = ArtifactIdentity.simple("org/model")
 
@@ -82,7 +83,7 @@ def test_publish_then_lookup_returns_identical_bytes(store: Store) -> None:
 
 def test_the_record_built_at_commit_equals_a_full_inspection(store: Store) -> None:
     """``record_for_commit`` (no re-read) must describe exactly what ``inspect_artifact`` finds."""
-    from hwr.daemon.store_validation import inspect_artifact
+    from hwr.daemon.store.validation import inspect_artifact
 
     record = store.publish(IDENTITY, _tensors(), max_file_bytes=4096)
     inspected = inspect_artifact(store.root / "artifacts" / IDENTITY.key, IDENTITY.key, os.geteuid())
@@ -410,7 +411,7 @@ def test_remove_tree_deletes_read_only_flat_and_nested_directories(tmp_path: Pat
 def test_a_commit_closes_the_checked_descriptors_it_is_given(store: Store, damage: bool) -> None:
     """``commit(opened=...)`` hashes through the sole-opener check's descriptors and closes
     every one of them, committed or refused (no descriptor leak in the daemon)."""
-    from hwr.daemon.exclusive import open_sole
+    from hwr.daemon.system.exclusive import open_sole
 
     tensor = torch.arange(1 << 12, dtype=torch.float32)
     staging = store.begin(IDENTITY, [TensorSpec("w", tensor.dtype, tuple(tensor.shape))])
@@ -438,7 +439,7 @@ def test_plan_validation_is_not_skipped_for_specs_equal_to_a_planned_one(bad_sha
     """``(True, 4)`` and ``(2.0, 4)`` compare and hash equal to ``(1, 4)`` / ``(2, 4)``: a plan
     memoised for the int shape must not let the bool or float shape through validation."""
     from hwr.client.errors import InvalidRequest
-    from hwr.daemon.store_staging import plan_payloads
+    from hwr.daemon.store.staging import plan_payloads
 
     good = tuple(int(d) for d in bad_shape)
     plan_payloads([TensorSpec("w", torch.float32, good)])  # now memoised
@@ -500,7 +501,7 @@ def test_a_lookup_racing_an_eviction_reports_not_found_and_denies_nothing(
 def test_a_lookup_during_a_commit_rename_waits_for_the_commit(store: Store, monkeypatch) -> None:
     """Between a commit's rename into ``artifacts/`` and its chmod to 0555, the directory is at
     its staging mode; a lookup then must wait for the commit, not deny the new artifact."""
-    from hwr.daemon import store as store_module
+    from hwr.daemon.store import root as store_module
 
     seen: dict[str, object] = {}
 

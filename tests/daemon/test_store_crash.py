@@ -12,13 +12,13 @@ import torch
 
 from hwr.client.errors import ArtifactNotFound
 from hwr.client.identity import ArtifactIdentity
-from hwr.daemon.store import PUBLICATION_STEPS, Store
+from hwr.daemon.store.root import PUBLICATION_STEPS, Store
 
 _CHILD = r"""
 import os, signal, sys, torch
 from pathlib import Path
 from hwr.client.identity import ArtifactIdentity
-from hwr.daemon import store as store_module
+from hwr.daemon.store import root as store_module
 root, step = Path(sys.argv[1]), sys.argv[2]
 def hook(name):
     if name == step:

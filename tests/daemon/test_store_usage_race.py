@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from hwr.client.identity import ArtifactIdentity
-from hwr.daemon.sessions import Registry
-from hwr.daemon.store import Store
-from hwr.daemon.store_service import StoreService
-from hwr.daemon.store_staging import TensorSpec, write_tensor
+from hwr.daemon.service.sessions import Registry
+from hwr.daemon.service.store_service import StoreService
+from hwr.daemon.store.root import Store
+from hwr.daemon.store.staging import TensorSpec, write_tensor
 
 
 def test_a_commit_between_the_disk_read_and_the_reservation_drop_is_still_counted(tmp_path: Path) -> None:
@@ -71,8 +71,8 @@ def test_retired_bytes_of_a_publication_that_never_commits_are_deleted_or_left_f
         tmp_path: Path) -> None:
     """``finished`` deletes the trash a failed/aborted publication still holds (purge pool); once
     the service is stopped it leaves it in ``tmp/`` (wiped at the next start) instead of raising."""
-    from hwr.daemon.capacity import Reservations
-    from hwr.daemon.store_service import Ticket
+    from hwr.daemon.policy.capacity import Reservations
+    from hwr.daemon.service.store_service import Ticket
 
     store = Store.open(tmp_path / "root")
     config = SimpleNamespace(store_limit_bytes=0, artifact_limit_bytes=0, min_free_bytes=0,
@@ -272,7 +272,7 @@ def test_a_lookup_that_races_a_quarantine_reports_the_deny_not_a_missing_artifac
     """Regression (seen once in CI under load): a lookup that passed the deny check while a
     scrub was denying and quarantining the artifact found it gone and said ArtifactNotFound.
     It must hand back the record and let ``open_payloads`` say what the artifact is now."""
-    import hwr.daemon.store as store_module
+    import hwr.daemon.store.root as store_module
     from hwr.client.errors import ArtifactDenied, ChecksumMismatch
 
     store = Store.open(tmp_path / "root")
@@ -323,7 +323,7 @@ def test_the_reservation_ledger_keeps_its_sums_and_key_index_exact() -> None:
     (repeated ones included), drops (repeated ones and unknown ones included)."""
     import random
 
-    from hwr.daemon.capacity import Reservations
+    from hwr.daemon.policy.capacity import Reservations
 
     rng = random.Random(7)
     ledger = Reservations()

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from hwr.daemon.launcher import DaemonProcess
+from hwr.daemon.app.launcher import DaemonProcess
 
 #: Credentials of the test server: the standard chain's environment variables, never hwrd flags.
 S3_ENV = {"AWS_ACCESS_KEY_ID": "fleet-test-access", "AWS_SECRET_ACCESS_KEY": "fleet-test-secret-value",

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from hwr.daemon.launcher import DaemonProcess
+from hwr.daemon.app.launcher import DaemonProcess
 
 SCRIPT = Path(__file__).resolve()
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -287,8 +287,8 @@ def main(argv: list[str]) -> int:
     command, args = argv[0], argv[1:]
     if command == "hwrd-fault":
         step, marker, rest = args[0], Path(args[1]), args[2:]
-        from hwr.daemon import store as store_module
-        from hwr.daemon.main import main as hwrd_main
+        from hwr.daemon.app.main import main as hwrd_main
+        from hwr.daemon.store import root as store_module
 
         def hook(name: str) -> None:
             if name == step:

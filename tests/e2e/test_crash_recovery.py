@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hwr.client import ArtifactIdentity, ArtifactNotFound, connect
-from hwr.daemon.launcher import DaemonProcess
+from hwr.daemon.app.launcher import DaemonProcess
 
 from .helpers import MIB, FaultDaemon, Worker, artifact_entries, digests, staging_entries, wait_until
 

@@ -21,7 +21,7 @@ import torch
 
 from hwr.client import ArtifactIdentity, Client, connect
 from hwr.client.errors import DaemonUnavailable, HwrError
-from hwr.daemon.launcher import DaemonProcess
+from hwr.daemon.app.launcher import DaemonProcess
 
 LIMIT = 64
 
@@ -64,7 +64,7 @@ def test_out_of_descriptors_refuses_promptly_then_serves_again(spawn_daemon: Cal
 
 
 def test_hwrd_raises_its_soft_open_files_limit_to_the_hard_one() -> None:
-    code = ("import resource; from hwr.daemon.accepting import raise_nofile_limit; "
+    code = ("import resource; from hwr.daemon.system.accepting import raise_nofile_limit; "
             "resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1])); "
             "print(*raise_nofile_limit(), *resource.getrlimit(resource.RLIMIT_NOFILE))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

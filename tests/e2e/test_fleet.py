@@ -20,7 +20,7 @@ import torch
 from hwr.client import ArtifactIdentity, connect
 from hwr.client.errors import ArtifactNotFound, ChecksumMismatch, ManifestCorrupt, RemoteUnavailable
 from hwr.client.resolver import Outcome, resolve
-from hwr.daemon.launcher import DaemonProcess
+from hwr.daemon.app.launcher import DaemonProcess
 
 from . import fleet_fixtures
 from .fleet_fixtures import S3Server, artifact_dirs, node, staging_dirs

@@ -20,7 +20,7 @@ import torch
 
 from hwr.client import ArtifactIdentity, connect
 from hwr.client.errors import ArtifactDenied
-from hwr.daemon import ctl
+from hwr.daemon.ctl import cli as ctl
 
 from .fleet_fixtures import artifact_dirs, node
 from .helpers import digests

@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import save_file
 
 from hwr.client.paths import checkpoint_ref
-from hwr.daemon import ctl
-from hwr.daemon.launcher import DaemonProcess
+from hwr.daemon.app.launcher import DaemonProcess
+from hwr.daemon.ctl import cli as ctl
 
 pytestmark = pytest.mark.timeout(180)
 

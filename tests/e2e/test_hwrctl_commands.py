@@ -1,6 +1,6 @@
 """Every hwrctl subcommand against a real hwrd, in both output modes.
 
-The registered subcommands are discovered from ``hwr.daemon.ctl`` (plus its ``EXTENSIONS``); a
+The registered subcommands are discovered from ``hwr.daemon.ctl.cli`` (plus its ``EXTENSIONS``); a
 subcommand without a case below fails the test, so a new one cannot ship unexercised. Each case
 runs ``hwrctl.main`` in-process (the daemon is a real process on a real socket) once with the
 table output and once with ``--json``: exit status as expected, a JSON document on stdout with
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from hwr.client import ArtifactIdentity, connect
-from hwr.daemon import ctl
-from hwr.daemon.launcher import DaemonProcess
+from hwr.daemon.app.launcher import DaemonProcess
+from hwr.daemon.ctl import cli as ctl
 
 # name -> (argv after the subcommand, given the per-mode context; expected exit status)
 Case = Callable[[dict[str, str]], tuple[list[str], int]]

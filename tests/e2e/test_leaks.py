@@ -9,7 +9,7 @@ import torch
 
 from hwr.client import ArtifactIdentity, connect
 from hwr.client.publisher import specs_for
-from hwr.daemon.launcher import DaemonProcess
+from hwr.daemon.app.launcher import DaemonProcess
 
 from .helpers import count_mappings, fd_count, patterned, wait_until
 

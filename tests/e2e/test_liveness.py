@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hwr.client import ArtifactIdentity, Client, connect
-from hwr.daemon.launcher import DaemonProcess
+from hwr.daemon.app.launcher import DaemonProcess
 
 from .helpers import Worker, patterned, wait_until
 
@@ -29,7 +29,7 @@ def _publish_small(client: Client, model: str) -> str:
 
 def _hwrctl_leases(daemon: DaemonProcess) -> list[dict[str, object]]:
     run = subprocess.run(
-        [sys.executable, "-m", "hwr.daemon.ctl", "--socket", str(daemon.socket), "leases", "--json"],
+        [sys.executable, "-m", "hwr.daemon.ctl.cli", "--socket", str(daemon.socket), "leases", "--json"],
         capture_output=True, text=True, timeout=60,
     )
     assert run.returncode == 0, run.stderr

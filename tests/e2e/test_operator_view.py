@@ -22,13 +22,13 @@ import torch
 from hwr.client import ArtifactIdentity, connect
 from hwr.client.errors import HwrError
 from hwr.client.publisher import specs_for
-from hwr.daemon.launcher import DaemonProcess
+from hwr.daemon.app.launcher import DaemonProcess
 
 ESC = "\x1b[2J\x1b[31m"
 
 
 def hwrctl(daemon: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "hwr.daemon.ctl", "--socket", str(daemon.socket), *args],
+    return subprocess.run([sys.executable, "-m", "hwr.daemon.ctl.cli", "--socket", str(daemon.socket), *args],
                           capture_output=True, text=True, timeout=120)
 
 

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from hwr.daemon.launcher import DaemonProcess
+from hwr.daemon.app.launcher import DaemonProcess
 
 SYSTEMD = Path(__file__).resolve().parents[2] / "systemd"
 HWRD_BIN = Path(sys.executable).parent / "hwrd"
@@ -60,7 +60,7 @@ def test_sysusers_and_tmpfiles_apply_to_a_scratch_root(tmp_path: Path) -> None:
 
 
 def test_example_config_is_valid() -> None:
-    result = subprocess.run([sys.executable, "-m", "hwr.daemon.main", "--config", str(SYSTEMD / "hwrd.toml"),
+    result = subprocess.run([sys.executable, "-m", "hwr.daemon.app.main", "--config", str(SYSTEMD / "hwrd.toml"),
                              "--check-config"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert 'metrics_listen = "unix:/run/hwrd/metrics.sock"' in result.stdout
@@ -81,7 +81,7 @@ def test_journald_log_format_has_priority_and_no_timestamp(tmp_path: Path) -> No
     import logging
     import os
 
-    from hwr.daemon import logs
+    from hwr.daemon.system import logs
 
     path = tmp_path / "log"
     with open(path, "w") as stream:
@@ -97,9 +97,9 @@ def test_journald_log_format_has_priority_and_no_timestamp(tmp_path: Path) -> No
 
 
 def test_progress_bar_and_completion_scripts() -> None:
-    from hwr.daemon.completion import completion_script
-    from hwr.daemon.ctl import build_parser
-    from hwr.daemon.progress import render
+    from hwr.daemon.ctl.cli import build_parser
+    from hwr.daemon.ctl.completion import completion_script
+    from hwr.daemon.ctl.progress import render
 
     assert render("verify", 512 << 20, 1 << 30, "bytes").endswith(" 50.0% 512.0 MiB/1.0 GiB")
     for shell in ("bash", "zsh"):

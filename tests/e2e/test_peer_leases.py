@@ -1,7 +1,7 @@
 """Acceptance: acquire and release on the peer channel (the client's hot path).
 
 The peer channel's ``acquire``/``release`` share one daemon-side implementation with the gRPC
-``Acquire``/``Release`` RPCs (``hwr.daemon.leasing``): same lease table, same typed errors (code,
+``Acquire``/``Release`` RPCs (``hwr.daemon.service.leasing``): same lease table, same typed errors (code,
 message, details), same deny checks. A client that only leases never opens a gRPC channel; the
 journal holds a lease's record before its descriptors arrive; the manifest crosses the socket
 once per process and artifact; and a payload changed behind the daemon's back is refused even
@@ -22,7 +22,7 @@ import torch
 from hwr.client import ArtifactIdentity, Client, connect
 from hwr.client.errors import ArtifactDenied, HwrError, ManifestCorrupt
 from hwr.client.wire import encode_frame, recv_frame, send_frame
-from hwr.daemon.launcher import DaemonProcess
+from hwr.daemon.app.launcher import DaemonProcess
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
 from hwr.protos.hwr.v1 import hwr_pb2_grpc
 

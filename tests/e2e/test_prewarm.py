@@ -23,9 +23,9 @@ from hwr.daemon.producers.cast import CastProducer
 from hwr.daemon.producers.fp8 import E4M3_MAX
 
 pytestmark = pytest.mark.timeout(180)
-# The console script's entry point (``python -m hwr.daemon.ctl`` would run a second copy of the
+# The console script's entry point (``python -m hwr.daemon.ctl.cli`` would run a second copy of the
 # module, without the subcommands that extensions register on the imported one).
-HWRCTL = [sys.executable, "-c", "import sys; from hwr.daemon.ctl import main; sys.exit(main())"]
+HWRCTL = [sys.executable, "-c", "import sys; from hwr.daemon.ctl.cli import main; sys.exit(main())"]
 
 
 def make_checkpoint(path: Path, n_blocks: int = 2, width: int = 64) -> dict[str, torch.Tensor]:

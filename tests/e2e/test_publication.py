@@ -13,7 +13,7 @@ import torch
 from hwr.client import ArtifactIdentity, HwrError, connect
 from hwr.client.publisher import TensorSpec, specs_for
 from hwr.client.wire import ERROR_CODE_KEY, SESSION_KEY
-from hwr.daemon.launcher import DaemonProcess
+from hwr.daemon.app.launcher import DaemonProcess
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
 from hwr.protos.hwr.v1 import hwr_pb2_grpc
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hwr.client import ArtifactIdentity, connect
-from hwr.daemon.launcher import DaemonProcess
+from hwr.daemon.app.launcher import DaemonProcess
 
 from .helpers import Worker, digests, patterned
 

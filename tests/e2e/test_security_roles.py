@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from hwr.client import ArtifactIdentity, connect
-from hwr.daemon.launcher import DaemonProcess
+from hwr.daemon.app.launcher import DaemonProcess
 
 NOBODY = 65534
 WORKER = Path(__file__).with_name("role_worker.py")

@@ -9,7 +9,7 @@ import torch
 
 from hwr.client import ArtifactIdentity, connect
 from hwr.client.wire import SESSION_KEY
-from hwr.daemon.launcher import DaemonProcess
+from hwr.daemon.app.launcher import DaemonProcess
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
 from hwr.protos.hwr.v1 import hwr_pb2_grpc
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hwr.client import ArtifactIdentity, connect
-from hwr.daemon.launcher import DaemonProcess
+from hwr.daemon.app.launcher import DaemonProcess
 
 from .helpers import MIB, Worker, digests, mapping_pss_kib, patterned, pss_kib, workers
 

@@ -24,7 +24,7 @@ import torch
 from hwr.client import ArtifactIdentity, connect
 from hwr.client.errors import ManifestCorrupt, PublicationFailed
 from hwr.client.publisher import specs_for
-from hwr.daemon.launcher import DaemonProcess
+from hwr.daemon.app.launcher import DaemonProcess
 
 from .helpers import wait_until
 

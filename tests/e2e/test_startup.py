@@ -185,7 +185,7 @@ DISABLED_PROBE = textwrap.dedent(
 
 @pytest.mark.timeout(60)
 def test_disabled_mode_opens_no_socket_and_no_file(short_tmp: Path) -> None:
-    from hwr.daemon.launcher import DaemonProcess
+    from hwr.daemon.app.launcher import DaemonProcess
 
     daemon = DaemonProcess(short_tmp / "store", short_tmp / "d.sock", "--log-level", "debug").start()
     try:

@@ -22,7 +22,7 @@ import torch
 
 from hwr.client import ArtifactIdentity, connect
 from hwr.client.errors import ActiveLease, ArtifactDenied, StoreLimitExceeded
-from hwr.daemon import ctl
+from hwr.daemon.ctl import cli as ctl
 
 WORKER = Path(__file__).with_name("store_worker.py")
 MIB = 1 << 20

@@ -16,7 +16,7 @@ import torch
 from hwr.client import ArtifactIdentity, Client, connect
 from hwr.client.identity import canonical_json
 from hwr.client.wire import ERROR_CODE_KEY, ERROR_DETAILS_KEY, SESSION_KEY, recv_frame, send_frame
-from hwr.daemon.launcher import DaemonProcess
+from hwr.daemon.app.launcher import DaemonProcess
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
 from hwr.protos.hwr.v1 import hwr_pb2_grpc
 

@@ -11,7 +11,7 @@
   asynchronous), and no descriptor of the daemon points into ``artifacts/`` or ``tmp/``;
 - **daemon serving**: it answers status and a fresh acquire.
 
-Also ``Control`` (the ``HWR_TEST_FAULTS`` file, see ``hwr.daemon.fault_injection``), ``Worker``
+Also ``Control`` (the ``HWR_TEST_FAULTS`` file, see ``hwr.daemon.app.fault_injection``), ``Worker``
 (a ``fault_worker.py`` process) and ``Outcome`` (what a test tried and lost, for the summary).
 """
 

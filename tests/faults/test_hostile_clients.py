@@ -34,7 +34,7 @@ import pytest
 
 from hwr.client import Client, connect
 from hwr.client.errors import DaemonUnavailable, HwrError
-from hwr.daemon.launcher import DaemonProcess
+from hwr.daemon.app.launcher import DaemonProcess
 
 from .faultkit import publish
 
@@ -444,7 +444,7 @@ def test_escape_sequences_in_client_strings(artifact: Callable[..., tuple[Daemon
     worker = Worker("named", f"{daemon.socket}.peer", f"client{evil}", evil_key, as_nobody=True)
     try:
         worker.ready()
-        outputs = [subprocess.run([sys.executable, "-m", "hwr.daemon.ctl", "--socket", str(daemon.socket), *args],
+        outputs = [subprocess.run([sys.executable, "-m", "hwr.daemon.ctl.cli", "--socket", str(daemon.socket), *args],
                                   capture_output=True, text=True, timeout=60)
                    for args in (["leases"], ["ls"], ["show", evil_key[:12]])]
         report = worker.result()

@@ -1,7 +1,7 @@
 """Faults at the store's OS boundary: ENOSPC/EIO at every write step, a full tmpfs, files changed
 behind the daemon's back, and wall-clock jumps. Every test ends with ``check_invariants``.
 
-Injection (``hwr.daemon.fault_injection``): the daemon starts with ``HWR_TEST_FAULTS=<control
+Injection (``hwr.daemon.app.fault_injection``): the daemon starts with ``HWR_TEST_FAULTS=<control
 file>``; the test then arms "fail the N-th store syscall (fallocate/pwrite/fsync/rename) with
 ERRNO" and publishes; the daemon logs every counted call, so the test learns which step failed
 and stops when a publication completes with no fault fired (every step has then been hit once).

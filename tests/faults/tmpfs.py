@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from hwr.daemon.launcher import DaemonProcess
+from hwr.daemon.app.launcher import DaemonProcess
 
 
 @dataclass
@@ -105,5 +105,5 @@ class TmpfsDaemon(DaemonProcess):
         self.log = sock.parent / "hwrd-tmpfs.log"
 
     def command(self) -> list[str]:
-        return [*self.fs.enter, sys.executable, "-m", "hwr.daemon.main", "--root", str(self.fs.where / "store"),
+        return [*self.fs.enter, sys.executable, "-m", "hwr.daemon.app.main", "--root", str(self.fs.where / "store"),
                 "--socket", str(self.socket), *self.extra]

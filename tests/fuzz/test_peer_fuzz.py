@@ -1,4 +1,4 @@
-"""Fuzzing the peer channel's frames (``hwr.daemon.peer``): random ops and field values, and raw
+"""Fuzzing the peer channel's frames (``hwr.daemon.peer.channel``): random ops and field values, and raw
 byte soup, sent to a live hwrd.
 
 Every well-formed frame (a JSON object) must be answered by exactly one frame: ``ok: true`` or a
@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 from hwr.client import ArtifactIdentity, connect
 from hwr.client.wire import STATUS_BY_CODE, recv_frame, send_frame
-from hwr.daemon.launcher import DaemonProcess
+from hwr.daemon.app.launcher import DaemonProcess
 
 from .fuzzkit import checked
 

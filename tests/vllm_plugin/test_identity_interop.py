@@ -29,7 +29,7 @@ from vo_helpers import TensorProducer, identity, runtime, tensors
 
 import hwr.client
 from hwr.client import ArtifactIdentity
-from hwr.daemon.launcher import DaemonProcess
+from hwr.daemon.app.launcher import DaemonProcess
 from hwr.dlo_backend.vllm_plugin.store import HwrdHostWeightStore
 
 text = st.text(min_size=1, max_size=12)

@@ -113,7 +113,7 @@ def test_local_production_then_hit_runs_the_producer_once(vo_hwrd, runtime_root,
 
 @pytest.mark.parametrize("mode", [RuntimeMode.PREFERRED, RuntimeMode.REQUIRED])
 def test_daemon_down_preferred_falls_back_required_fails(short_tmp: Path, runtime_root, monkeypatch, mode):
-    from hwr.daemon.launcher import DaemonProcess
+    from hwr.daemon.app.launcher import DaemonProcess
 
     daemon = DaemonProcess(short_tmp / "down-store", short_tmp / "down.sock").start()
     monkeypatch.setenv("HWR_SOCKET", str(daemon.socket))

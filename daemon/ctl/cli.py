@@ -1,0 +1,238 @@
+"""``hwrctl``: the operator's view of hwrd.
+
+Usage: ``hwrctl [--socket PATH] SUBCOMMAND [ARGS] [--json]``. The socket comes from the flag,
+else ``$HWR_SOCKET``, else the default (see ``hwr.client.paths``).
+
+Output: a readable table by default; with ``--json`` a stable document for scripts
+(``ls``: array of objects with at least ``key``, ``size_bytes``, ``state``, ``leases``;
+``leases``: array with at least ``key``, ``pid``; ``status``: object with at least ``version``,
+``root``, ``artifacts``, ``leases``).
+
+Exit status (documented in ``hwrctl --help`` too): 0 ok, 1 the operation failed, 2 usage error,
+3 the daemon is unreachable. Errors are one line on stderr (``hwrctl: CODE: message``), never a
+traceback. Long operations draw a progress bar on stderr (``hwr.daemon.ctl.progress``), never on
+stdout. ``hwrctl completion bash|zsh`` prints a shell completion script (no daemon needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from hwr import __version__
+from hwr.client.client import Client, connect
+from hwr.client.errors import DaemonUnavailable, HwrError
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+
+
+def human_bytes(n: int | float) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def printable(text: str) -> str:
+    """``text`` safe for a terminal: every control or format character other than a newline
+    (escape sequences, carriage returns, bidirectional overrides) written as its Python escape
+    (``\\x1b``), so that client-supplied strings (client and model names) cannot move the cursor,
+    recolour or hide output. ``--json`` output is JSON-escaped instead."""
+    if all(c == "\n" or c.isprintable() for c in text):
+        return text
+    return "".join(c if c == "\n" or c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain aligned text table (numbers right-aligned; cells through ``printable``)."""
+    cells = [[printable(str(c)) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    numeric = [bool(cells) and all(_is_num(r[i]) for r in cells) for i in range(len(headers))]
+
+    def fmt(row: Sequence[str]) -> str:
+        return "  ".join(c.rjust(w) if num else c.ljust(w)
+                         for c, w, num in zip(row, widths, numeric, strict=True)).rstrip()
+
+    return "\n".join([fmt(list(headers)), *(fmt(r) for r in cells)])
+
+
+def _is_num(text: str) -> bool:
+    return text.replace(".", "", 1).replace(" ", "").rstrip("KMGTiB").isdigit()
+
+
+def _ago(ts: float) -> str:
+    delta = max(0.0, time.time() - ts)
+    for unit, seconds in (("d", 86400), ("h", 3600), ("m", 60)):
+        if delta >= seconds:
+            return f"{delta / seconds:.0f}{unit} ago"
+    return f"{delta:.0f}s ago"
+
+
+# subcommands ------------------------------------------------------------------------------------
+def cmd_status(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
+    s = client.status()
+    text = "\n".join([
+        f"hwrd {s['version']} (pid {s['pid']}, up {s['uptime_s']:.0f}s)",
+        f"root:         {s['root']}",
+        f"socket:       {s['socket']}",
+        f"artifacts:    {s['artifacts']} ({human_bytes(s['store_bytes'])})",
+        f"leases:       {s['leases']}",
+        f"sessions:     {s['sessions']}",
+        f"publications: {s['publications']}",
+        *_remote_lines(s.get("remote")),
+    ])
+    return s, text
+
+
+def _remote_lines(remote: dict[str, Any] | None) -> list[str]:
+    if not remote:
+        return []
+    state = "reachable" if remote["reachable"] else f"UNREACHABLE ({remote['error']})"
+    return [f"remote:       {remote['url']} {state}, push {'on' if remote['push'] else 'off'}, "
+            f"{remote['pending_pushes']} pending pushes, {human_bytes(remote['bytes_pulled'])} pulled, "
+            f"{human_bytes(remote['bytes_pushed'])} pushed"]
+
+
+def cmd_ls(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
+    items = sorted(client.list_artifacts(include_denied=True), key=lambda a: a["created_at"])
+    rows = [[a["key"][:16], human_bytes(a["size_bytes"]), a["state"], a["leases"], a["tensors"],
+             a["model_id"], a["dtype"], _ago(a["created_at"]) if a["created_at"] else "-"] for a in items]
+    text = table(["KEY", "SIZE", "STATE", "LEASES", "TENSORS", "MODEL", "DTYPE", "CREATED"], rows)
+    return items, text if items else text + "\n(no artifacts)"
+
+
+def cmd_show(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
+    info = client.inspect(args.key)
+    ident = info.get("identity") or {}
+    lines = [
+        f"key:        {info['key']}",
+        f"state:      {info['state']}" + (f" ({info['deny_reason']})" if info.get("deny_reason") else ""),
+        f"size:       {human_bytes(info['size_bytes'])} ({info['size_bytes']} bytes)",
+        f"leases:     {info['leases']}",
+        f"model:      {info['model_id']} ({ident.get('source', {}).get('revision', '?')})",
+        f"component:  {info['component']}",
+        f"dtype:      {info['dtype']}",
+        f"layout:     {json.dumps(ident.get('layout', {}), sort_keys=True)}",
+        f"producer:   {json.dumps(ident.get('producer', {}), sort_keys=True)}",
+        f"content:    {info['content_sha256']}",
+        f"created:    {_ago(info['created_at'])}",
+        "files:",
+        *(f"  {f['file_name']}  {human_bytes(f['size'])}  sha256 {f['sha256'][:16]}…" for f in info["files"]),
+        f"tensors:    {len(info['tensors'])}",
+        *([f"remote:     {info['remote_state']}"] if info.get("remote_state") else []),
+    ]
+    return info, "\n".join(lines)
+
+
+def cmd_leases(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
+    items = client.leases()
+    rows = [[x["lease_id"], x["key"][:16], x["pid"], x["uid"], x["client_name"], _ago(x["acquired_at"])]
+            for x in items]
+    text = table(["LEASE", "KEY", "PID", "UID", "CLIENT", "ACQUIRED"], rows)
+    return items, text if items else text + "\n(no leases)"
+
+
+COMMANDS: dict[str, tuple[Callable[[Client, argparse.Namespace], tuple[Any, str]], str]] = {
+    "status": (cmd_status, "daemon version, store root and counters"),
+    "ls": (cmd_ls, "list artifacts"),
+    "show": (cmd_show, "describe one artifact (KEY: 64-hex key or unique prefix)"),
+    "leases": (cmd_leases, "list live leases"),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # usage errors exit 2 with one line
+        self.print_usage(sys.stderr)
+        print(f"hwrctl: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def register(name: str, help_text: str, arguments: Callable[[argparse.ArgumentParser], None] | None = None):
+    """Decorator for subcommands defined in other modules (``hwr.daemon.ctl_*``).
+
+    A handler takes ``(client, args)`` and returns ``(json_document, human_text)``.
+    """
+
+    def wrap(fn: Callable[[Client, argparse.Namespace], tuple[Any, str]]):
+        COMMANDS[name] = (fn, help_text)
+        if arguments is not None:
+            ARGUMENTS[name] = arguments
+        return fn
+
+    return wrap
+
+
+ARGUMENTS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
+    "show": lambda p: p.add_argument("key"),
+}
+LOCAL_COMMANDS: set[str] = {"completion"}  # subcommands whose handler gets ``client=None``
+
+
+@register("completion", "print a bash or zsh completion script",
+          lambda p: p.add_argument("shell", choices=("bash", "zsh")))
+def cmd_completion(client: Client | None, args: argparse.Namespace) -> tuple[Any, str]:
+    from hwr.daemon.ctl.completion import completion_script
+
+    script = completion_script(args.shell, build_parser())
+    return {"shell": args.shell, "script": script}, script.rstrip("\n")
+
+
+# modules that register more subcommands, imported by main()
+EXTENSIONS: tuple[str, ...] = ("hwr.daemon.ctl.checkpoints", "hwr.daemon.ctl.store_admin", "hwr.daemon.ctl.remote")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="hwrctl", description="Inspect and manage hwrd, the Host Weight Runtime daemon.",
+                     epilog="exit status: 0 ok, 1 the operation failed, 2 usage error, 3 hwrd unreachable")
+    parser.add_argument("--socket", help="hwrd socket (default: $HWR_SOCKET, then the system default)")
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds per call (default 30)")
+    parser.add_argument("--version", action="version", version=f"hwrctl {__version__}")
+    json_parent = argparse.ArgumentParser(add_help=False)
+    json_parent.add_argument("--json", action="store_true", help="machine-readable output")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, (_fn, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, parents=[json_parent])
+        if name in ARGUMENTS:
+            ARGUMENTS[name](p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    import importlib
+
+    for module in EXTENSIONS:
+        importlib.import_module(module)
+    args = build_parser().parse_args(argv)
+    handler = COMMANDS[args.command][0]
+    if args.command in LOCAL_COMMANDS:  # answered without a daemon
+        document, text = handler(None, args)  # type: ignore[arg-type]
+        print(json.dumps(document, indent=2, sort_keys=True) if args.json else text)
+        return EXIT_OK
+    try:
+        with connect(args.socket, timeout=args.timeout, client_name="hwrctl") as client:
+            document, text = handler(client, args)
+    except DaemonUnavailable as exc:
+        print(f"hwrctl: {exc.code}: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except HwrError as exc:
+        print(f"hwrctl: {exc.code}: {printable(str(exc))}", file=sys.stderr)
+        return EXIT_FAILURE
+    print(json.dumps(document, indent=2, sort_keys=True) if args.json else printable(text))
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    # Run the canonical module's main: extension modules register into ``hwr.daemon.ctl.cli``,
+    # not into this ``__main__`` copy.
+    from hwr.daemon.ctl.cli import main as _main
+
+    sys.exit(_main())

@@ -1,0 +1,51 @@
+"""hwrctl subcommands of the fleet tier: ``remote ls``, ``pull KEY``, ``push KEY``.
+
+``pull`` fetches an artifact from the remote into this node's store (verified like every pull)
+with a progress bar on stderr (when stderr is a terminal, or always with ``--progress``): run it
+before starting vLLM-Omni in ``required`` mode on a new node. ``push`` uploads one local
+artifact now (publications are uploaded in the background anyway while ``remote_push`` is on).
+Both need a remote configured in hwrd (exit 1, ``UNSUPPORTED``, otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from hwr.client.client import Client
+from hwr.daemon.ctl.cli import human_bytes, register, table
+from hwr.daemon.ctl.store_admin import ProgressBar
+
+__all__: list[str] = []
+
+
+@register("remote", "the remote tier: 'remote ls' lists its artifacts",
+          lambda p: p.add_argument("action", choices=("ls",)))
+def cmd_remote(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
+    items = client.remote_list()
+    url = items[0]["remote"] if items else (client.status().get("remote") or {}).get("url", "")
+    rows = [[a["key"][:16], human_bytes(a["size_bytes"]), a["state"], "yes" if a["local"] else "no"] for a in items]
+    text = f"remote: {url}\n" + table(["KEY", "SIZE", "STATE", "LOCAL"], rows)
+    return items, text if items else text + "\n(no artifacts)"
+
+
+def _pull_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("key", help="64-hex key or unique prefix among the remote's artifacts")
+    p.add_argument("--progress", action="store_true", help="draw the progress bar even when not a terminal")
+
+
+@register("pull", "pull an artifact from the remote into this node's store (verified)", _pull_args)
+def cmd_pull(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
+    bar = ProgressBar(args.key[:16], args.progress or sys.stderr.isatty())
+    try:
+        result = client.pull(args.key, progress=bar)
+    finally:
+        bar.end()
+    return result, f"{result['outcome']}: {result['key']} ({human_bytes(result['size_bytes'])})"
+
+
+@register("push", "upload one local artifact to the remote now", lambda p: p.add_argument("key"))
+def cmd_push(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
+    result = client.push(args.key)
+    return result, f"{result['outcome']}: {result['key']} ({human_bytes(result['size_bytes'])})"

@@ -1,0 +1,276 @@
+"""Pull on miss: fetch a key from the remote into staging, verify it, commit it like a publication.
+
+Order for one key (one fetch at a time per key; every concurrent caller awaits the same task)::
+
+    1. refuse a locally denied key (deny markers never leave or enter through the remote)
+    2. GET READY.json (absent: a plain miss) and parse it strictly
+    3. GET manifest.json; its SHA-256 must be the one READY.json names (a swapped manifest is
+       refused), it must parse strictly and its identity must hash to the key asked for
+    4. re-plan the payload layout from the manifest's tensors: it must give exactly the files
+       (names, sizes) the manifest lists, i.e. the layout this daemon itself writes
+    5. ``Publications.begin`` (one publisher per identity, admission, capacity reservation and
+       LRU eviction exactly as for a client publication; a local publisher of the same key is
+       joined instead), then each payload is written into its staging file by the backend
+       (sizes checked before and during the transfer)
+    6. ``Publications.commit_publication`` with the manifest's tensor digests as the expected
+       ones: the store re-reads the headers (they must be the planned ones) and re-hashes every
+       byte; any difference fails the commit and removes the staging
+
+A daemon killed at any step leaves only ``tmp/`` staging, which the next start wipes: nothing is
+committed that was not verified. The remote is never trusted: every refusal is a typed error
+(``RemoteObjectInvalid``, a ``ManifestCorrupt``; ``ChecksumMismatch``) carrying
+``details["remote"]``, and is remembered for ``INVALID_TTL_S`` so a storm of acquires does not
+re-download a bad artifact. An unreachable remote is ``RemoteUnavailable`` (a miss that names the
+remote), remembered for ``DOWN_TTL_S``.
+
+Limits: a caller's own deadline (the client's acquire timeout) may pass while a large pull runs;
+the pull goes on and the next acquire finds the artifact (``hwrctl pull`` prewarms a node ahead).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hwr.client.errors import (
+    ArtifactDenied,
+    ArtifactNotFound,
+    ChecksumMismatch,
+    HwrError,
+    ManifestCorrupt,
+    RemoteUnavailable,
+)
+from hwr.client.manifest import MANIFEST_FILE, READY_FILE, Manifest, ReadyMarker
+from hwr.daemon.fleet.remote import RemoteObjectInvalid, RemoteStore
+from hwr.daemon.store.staging import TensorSpec, plan_payloads
+
+__all__ = ["PullProgress", "Puller", "RemotePlan", "plan_from_documents"]
+
+log = logging.getLogger("hwrd.remote")
+
+
+@dataclass(frozen=True)
+class RemotePlan:
+    """What step 4 accepted: the manifest, the specs that re-plan its layout, the files to fetch."""
+
+    manifest: Manifest
+    specs: tuple[TensorSpec, ...]
+    files: tuple[tuple[str, int], ...]  # (name, size) in the manifest's order
+    format_metadata: dict[str, Any]
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(size for _, size in self.files)
+
+
+def plan_from_documents(key: str, ready: bytes, manifest_bytes: bytes | None, remote: str) -> RemotePlan:
+    """Steps 2-4 as a pure function of the two documents; ``RemoteObjectInvalid`` when refused."""
+    details = {"key": key, "remote": remote}
+
+    def refuse(why: str) -> RemoteObjectInvalid:
+        return RemoteObjectInvalid(f"remote {remote}: artifact {key[:16]} refused: {why}", details=details)
+
+    try:
+        marker = ReadyMarker.from_json(ready)
+    except ManifestCorrupt as exc:
+        raise refuse(f"READY.json is invalid ({exc.message})") from None
+    if manifest_bytes is None:
+        raise refuse("manifest.json is missing")
+    if hashlib.sha256(manifest_bytes).hexdigest() != marker.manifest_sha256:
+        raise refuse("manifest.json is not the one READY.json names")
+    try:
+        manifest = Manifest.from_json(manifest_bytes)
+    except ManifestCorrupt as exc:
+        raise refuse(f"manifest.json is invalid ({exc.message})") from None
+    if manifest.key != key:
+        raise refuse(f"its manifest names another identity ({manifest.key[:16]})")
+    if manifest.artifact_content_sha256 != marker.artifact_content_sha256:
+        raise refuse("READY.json and manifest.json disagree on the content digest")
+    specs = tuple(TensorSpec(t.name, t.dtype, tuple(t.shape), kind=t.kind, role=t.role)  # type: ignore[arg-type]
+                  for t in manifest.tensors)
+    try:
+        plans = plan_payloads(list(specs))
+    except HwrError as exc:
+        raise refuse(f"its tensors cannot be laid out ({exc.message})") from None
+    where = {e.name: p.name for p in plans for e in p.entries}
+    if [(p.name, p.size) for p in plans] != [(f.name, f.size) for f in manifest.files] or any(
+            where.get(t.name) != t.file or t.storage_key != t.name for t in manifest.tensors):
+        raise refuse("its file layout is not the one hwrd writes")
+    metadata = json.loads(manifest.format_metadata)
+    return RemotePlan(manifest, specs, tuple((f.name, f.size) for f in manifest.files), metadata)
+
+
+@dataclass
+class PullProgress:
+    """One pull in flight, shared by everyone waiting for it (``hwrctl pull`` reads it)."""
+
+    key: str
+    total_bytes: int = 0
+    done_bytes: int = 0
+    task: asyncio.Task[Any] | None = field(default=None, repr=False)
+
+    def add(self, n: int) -> None:  # from the transfer threads: an int add is atomic enough here
+        self.done_bytes += n
+
+
+class Puller:
+    """Pull on miss for one daemon. ``pull`` is called on the event loop."""
+
+    INVALID_TTL_S = 30.0
+    DOWN_TTL_S = 2.0
+
+    def __init__(self, remote: RemoteStore, store: Any, publications: Any, *, wait_timeout: float,
+                 on_outcome: Callable[[str, int], None] | None = None) -> None:
+        self.remote = remote
+        self.store = store
+        self.publications = publications
+        self.wait_timeout = wait_timeout
+        self.on_outcome = on_outcome  # (outcome word, bytes pulled) for the metrics
+        self.in_flight: dict[str, PullProgress] = {}
+        self.committing: set[str] = set()  # keys a pull commits now (the pusher skips them)
+        self._refused: dict[str, tuple[float, HwrError]] = {}
+        self._down_until = 0.0
+        self._down_error: HwrError | None = None
+        # Remote I/O off the loop and off its default executor (which acquires' lookups use).
+        self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="hwr-pull")
+
+    def close(self) -> None:
+        for progress in self.in_flight.values():
+            if progress.task is not None:
+                progress.task.cancel()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def pull(self, key: str, *, fresh: bool = False) -> tuple[Any, str]:
+        """The committed record and ``"pulled"`` or ``"already_present"``; a typed error otherwise
+        (``ArtifactNotFound`` when the remote does not have it). ``fresh`` skips the remembered
+        refusals (an operator's ``hwrctl pull`` retries for real)."""
+        progress = await self.start(key, fresh=fresh)
+        assert progress.task is not None
+        # Shielded: an acquirer that gives up (its connection closed) must not cancel the pull
+        # the others wait for.
+        return await asyncio.shield(progress.task)
+
+    async def start(self, key: str, *, fresh: bool = False) -> PullProgress:
+        """The pull of ``key`` in flight, started if none is (for callers that watch progress)."""
+        current = self.in_flight.get(key)
+        if current is not None:
+            return current
+        now = time.monotonic()
+        if not fresh:
+            refused = self._refused.get(key)
+            if refused is not None and now - refused[0] < self.INVALID_TTL_S:
+                raise type(refused[1])(refused[1].message, details=refused[1].details)
+            if self._down_error is not None and now < self._down_until:
+                raise RemoteUnavailable(self._down_error.message, details=self._down_error.details)
+        progress = PullProgress(key)
+        progress.task = asyncio.get_running_loop().create_task(self._run(progress))
+        self.in_flight[key] = progress
+        progress.task.add_done_callback(lambda _t: self._done(key, progress))
+        return progress
+
+    def _done(self, key: str, progress: PullProgress) -> None:
+        if self.in_flight.get(key) is progress:
+            del self.in_flight[key]
+        task = progress.task
+        if task is not None and not task.cancelled():
+            task.exception()  # retrieved: the awaiting callers got it; no "never retrieved" log
+
+    async def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _run(self, progress: PullProgress) -> tuple[Any, str]:
+        key = progress.key
+        try:
+            result = await self._fetch(progress)
+        except RemoteUnavailable as exc:
+            self._down_until, self._down_error = time.monotonic() + self.DOWN_TTL_S, exc
+            self._count("unavailable")
+            log.warning("pull of %s: %s", key[:16], exc.message)
+            raise
+        except (ManifestCorrupt, ChecksumMismatch) as exc:
+            if len(self._refused) > 4096:
+                self._refused.clear()
+            self._refused[key] = (time.monotonic(), exc)
+            self._count("invalid")
+            log.error("pull of %s refused: %s", key[:16], exc.message)
+            raise
+        except ArtifactDenied:
+            self._count("denied")
+            raise
+        except ArtifactNotFound:
+            self._count("miss")
+            raise
+        except HwrError:
+            self._count("failed")
+            raise
+        self._down_error = None
+        self._refused.pop(key, None)
+        self._count(result[1], progress.done_bytes if result[1] == "pulled" else 0)
+        return result
+
+    def _count(self, outcome: str, nbytes: int = 0) -> None:
+        if self.on_outcome is not None:
+            self.on_outcome(outcome, nbytes)
+
+    async def _fetch(self, progress: PullProgress) -> tuple[Any, str]:
+        key = progress.key
+        remote = self.remote.location.display
+        if self.store.is_denied(key):
+            raise ArtifactDenied(f"artifact {key[:16]} is denied on this node; it is not pulled",
+                                 details={"key": key})
+        name = self.remote.location.object_name
+        ready = await self._io(self.remote.get_bytes, name(key, READY_FILE))
+        if ready is None:
+            raise ArtifactNotFound(f"no artifact with that key here or in remote {remote}",
+                                   details={"key": key, "remote": remote})
+        manifest_bytes = await self._io(self.remote.get_bytes, name(key, MANIFEST_FILE))
+        plan = plan_from_documents(key, ready, manifest_bytes, remote)
+        progress.total_bytes = plan.size_bytes
+        begun = await self.publications.begin(None, plan.manifest.identity, list(plan.specs),
+                                              wait_timeout=self.wait_timeout,
+                                              format_metadata=plan.format_metadata or None)
+        if begun.publication is None:  # present already, or a local publisher committed it first
+            return await asyncio.to_thread(self.store.lookup, key), "already_present"
+        pub = begun.publication
+        try:
+            paths = {n: p for n, p, _s in pub.staging.files}
+            for file, size in plan.files:
+                await self._io(self._download, name(key, file), paths[file], size, progress)
+        except BaseException:
+            await self.publications.abort_publication(pub)
+            raise
+        expected = {t.name: t.sha256 for t in plan.manifest.tensors}
+        self.committing.add(key)
+        try:
+            record, _existed = await self.publications.commit_publication(pub, expected)
+        except ChecksumMismatch as exc:
+            raise ChecksumMismatch(f"remote {remote}: artifact {key[:16]} refused: its bytes do not match "
+                                   "its manifest", details={**exc.details, "key": key, "remote": remote}) from None
+        except ManifestCorrupt as exc:
+            raise RemoteObjectInvalid(f"remote {remote}: artifact {key[:16]} refused: {exc.message}",
+                                      details={**exc.details, "key": key, "remote": remote}) from None
+        finally:
+            self.committing.discard(key)
+        # Belt and braces: the headers are the planned ones and every tensor hashed as expected,
+        # so the files (header + contiguous tensors) hash as the remote manifest says.
+        if record.manifest.files != plan.manifest.files:
+            self.store.deny(key, "pulled bytes differ from the remote manifest's file digests")
+            raise ChecksumMismatch(f"remote {remote}: artifact {key[:16]} refused: file digests differ",
+                                   details={"key": key, "remote": remote})
+        log.info("pulled %s (%d bytes) from %s", key[:16], plan.size_bytes, remote)
+        return record, "pulled"
+
+    def _download(self, name: str, path: os.PathLike[str], size: int, progress: PullProgress) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            self.remote.get_into(name, fd, size, progress.add)
+        finally:
+            os.close(fd)

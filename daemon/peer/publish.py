@@ -1,0 +1,154 @@
+"""Publication on the peer channel: ``publish_begin`` / ``publish_commit`` / ``publish_abort``.
+
+The same operations as the ``BeginPublication`` / ``CommitPublication`` / ``AbortPublication``
+RPCs (one domain implementation: ``hwr.daemon.service.publications``; the same request validation:
+``hwr.daemon.rpc.servicer``), without gRPC's per-call cost, and with the staging descriptors in the
+``publish_begin`` reply instead of a second round trip. Requests (JSON frames, see
+``hwr.daemon.peer.channel``)::
+
+    publish_begin   identity         canonical identity JSON (a string)
+                    tensors          [[name, dtype, shape, kind, role], ...]; dtype a safetensors
+                                     code ("F32"), shape a list of ints, kind "parameter"|"buffer"
+                    wait_timeout_ms  int in [0, MAX_WAIT_TIMEOUT_MS] (optional, default 0)
+                    format_metadata  canonical JSON object as a string (optional)
+      -> outcome ("staged" | "joined" | "already_present"), key; when staged also
+         publication_id, publication_token, files [[name, size]], placements
+         [[name, file_index, offset, nbytes]] (sorted by name), count + the staging descriptors
+    publish_commit  publication_id, expected_sha256 {name: 64 hex} (optional)
+      -> key, joined, size_bytes, content_sha256
+    publish_abort   publication_id   -> aborted (bool)
+
+Typed errors are error frames with the code, message and details the RPC would carry.
+
+Limit: the peer channel serves one request per connection at a time, so a request that waits
+(another publisher of the same identity is building; a commit hashing gigabytes) holds up that
+client's other peer operations and is bounded by its socket timeout. The client therefore uses
+these operations only for publications it knows are small and with ``wait_timeout_ms`` 0,
+falling back to the RPCs otherwise (``hwr.client.publisher``); the daemon does not rely on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hwr.client.errors import InvalidRequest
+from hwr.client.wire import MAX_WAIT_TIMEOUT_MS
+from hwr.daemon.service.roles import PUBLISH, Roles
+from hwr.daemon.service.sessions import Session
+from hwr.protos.hwr.v1 import hwr_pb2 as pb
+
+__all__ = ["PeerPublishing"]
+
+_KINDS = {"parameter": pb.TENSOR_KIND_PARAMETER, "buffer": pb.TENSOR_KIND_BUFFER}
+
+
+@dataclass(frozen=True)
+class _Spec:  # the attributes ``servicer._specs`` reads from a pb.TensorSpec
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    kind: int
+    role: str
+
+
+class PeerPublishing:
+    """The three peer publication operations; replies are (reply dict, descriptors)."""
+
+    def __init__(self, publications: Any, open_staging_fds: Callable[[Session, str, str], list[int]],
+                 roles: Callable[[], Roles] | None = None) -> None:
+        self._publications = publications
+        self._open_staging_fds = open_staging_fds
+        self._roles = roles  # None: no role check (tests of the channel alone)
+
+    def _require(self, session: Session, action: str) -> None:
+        """The publish role (``hwr.daemon.service.roles``), checked for every operation, as the RPCs do."""
+        if self._roles is not None:
+            self._roles().require(session.cred, PUBLISH, action)
+
+    async def begin(self, session: Session, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        from hwr.daemon.rpc.servicer import _format_metadata, _specs
+        from hwr.daemon.service.leasing import parse_identity
+
+        self._require(session, "publish_begin")
+        identity_text = req.get("identity")
+        if not isinstance(identity_text, str):
+            raise InvalidRequest("identity must be canonical identity JSON text", details={"field": "identity"})
+        wait_ms = req.get("wait_timeout_ms", 0)
+        if not _is_int(wait_ms) or not 0 <= wait_ms <= MAX_WAIT_TIMEOUT_MS:
+            raise InvalidRequest("wait_timeout_ms is out of range",
+                                 details={"field": "wait_timeout_ms", "limit": MAX_WAIT_TIMEOUT_MS})
+        metadata = req.get("format_metadata", "")
+        if not isinstance(metadata, str):
+            raise InvalidRequest("format_metadata must be JSON text", details={"field": "format_metadata_json"})
+        identity = parse_identity(identity_text.encode())
+        specs = _specs(_parse_tensors(req.get("tensors")))
+        result = await self._publications.begin(
+            session, identity, specs, wait_timeout=wait_ms / 1000.0,
+            format_metadata=_format_metadata(metadata.encode()))
+        pub = result.publication
+        if pub is None:
+            return {"ok": True, "outcome": result.outcome, "key": result.key}, []
+        staging = pub.staging
+        try:
+            fds = self._open_staging_fds(session, pub.publication_id, pub.token)
+        except BaseException:
+            await self._publications.abort(session, pub.publication_id)
+            raise
+        index = {name: i for i, (name, _path, _size) in enumerate(staging.files)}
+        return {"ok": True, "outcome": "staged", "key": result.key, "publication_id": pub.publication_id,
+                "publication_token": pub.token,
+                "files": [[name, size] for name, _path, size in staging.files],
+                "placements": [[name, index[fname], offset, nbytes]
+                               for name, (fname, offset, nbytes) in sorted(staging.placements.items())],
+                "count": len(fds)}, fds
+
+    async def commit(self, session: Session, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        self._require(session, "publish_commit")
+        expected = req.get("expected_sha256") or {}
+        if not isinstance(expected, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in expected.items()):
+            raise InvalidRequest("expected_sha256 must map tensor names to hex digests",
+                                 details={"field": "expected_sha256"})
+        record, joined = await self._publications.commit(session, _id(req), expected)
+        return {"ok": True, "key": record.key, "joined": joined, "size_bytes": record.size_bytes,
+                "content_sha256": record.manifest.artifact_content_sha256}, []
+
+    async def abort(self, session: Session, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        self._require(session, "publish_abort")
+        return {"ok": True, "aborted": await self._publications.abort(session, _id(req))}, []
+
+
+def _id(req: dict[str, Any]) -> str:
+    value = req.get("publication_id")
+    if not isinstance(value, str) or not value or len(value) > 256:
+        raise InvalidRequest("publication_id is required", details={"field": "publication_id"})
+    return value
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parse_tensors(value: object) -> list[_Spec]:
+    """JSON tensor entries -> spec objects for ``servicer._specs`` (which checks the values)."""
+    if not isinstance(value, list):
+        raise InvalidRequest("tensors must be a list of [name, dtype, shape, kind, role]",
+                             details={"field": "tensors"})
+    out = []
+    for entry in value:
+        if not (isinstance(entry, list) and len(entry) == 5):
+            raise InvalidRequest("each tensor is [name, dtype, shape, kind, role]", details={"field": "tensors"})
+        name, dtype, shape, kind, role = entry
+        if not isinstance(name, str):
+            raise InvalidRequest("tensor names must be strings", details={"field": "tensors.name"})
+        if not isinstance(dtype, str) or not isinstance(role, str) or len(role) > 128:
+            raise InvalidRequest("tensor dtype and role must be strings", details={"tensor": name[:200]})
+        if not isinstance(shape, list) or len(shape) > 16 or not all(
+                _is_int(d) and 0 <= d <= (1 << 40) for d in shape):
+            raise InvalidRequest("tensor shape out of range", details={"tensor": name[:200]})
+        if kind not in _KINDS:
+            raise InvalidRequest("unknown tensor kind", details={"tensor": name[:200]})
+        out.append(_Spec(name, dtype, tuple(shape), _KINDS[kind], role))
+    return out

@@ -1,0 +1,270 @@
+"""The persistent lease registry: who held which artifact, surviving a daemon restart.
+
+File ``<root>/leases.journal``, append-only JSON lines (one ``os.write`` of one line each, with
+``O_APPEND``, so a SIGKILL leaves whole lines; a torn or unknown line is ignored)::
+
+    {"op": "acquire", "lease": ID, "key": KEY, "pid": PID, "start": TICKS, "uid": UID}
+    {"op": "release", "lease": ID}
+    {"op": "forget", "key": KEY}            # the artifact is gone: drop its lessee uids
+
+``start`` is the process start time (field 22 of ``/proc/<pid>/stat``, clock ticks since boot):
+with the pid it names one process, so a recycled pid never inherits a hold.
+
+At open the journal is replayed: every acquire without a release whose process is still the same
+live process becomes a *hold* (``recovered``); the file is then rewritten (temp file, rename)
+with just those holds and the lessee uids, and is compacted the same way whenever it grows past
+a bound. The daemon treats a held artifact as in use until the process exits or reattaches
+(acquires the key again from a new session).
+
+No fsync, on purpose: the journal must survive the daemon's death, not the machine's; the page
+cache outlives a killed process, and after a machine crash there is no process left to protect.
+
+Group commit: records are buffered in memory and written with one ``os.write`` per ``flush``.
+The daemon flushes (a) before any payload descriptor leaves it (``hwr.daemon.service.leasing`` calls
+``flush`` right before the peer channel sends descriptors) and (b) once per event-loop tick for
+whatever else was buffered (``schedule`` arms a ``call_soon``). Why that keeps the lease
+guarantee (a restart, clean or SIGKILL, never lets eviction remove an artifact that a live
+process maps): a process can only map an artifact through descriptors, and no descriptor is sent
+before its ``acquire`` record is in the file (a), so after any crash the replay knows every
+process that could map it. A SIGKILL can lose only records buffered since the last flush: an
+``acquire`` whose descriptors were never sent (nobody can map those bytes through it), or a
+``release`` (the restarted daemon then keeps a hold for a process that no longer needs it until
+that process exits or re-acquires: conservative). Besides, eviction scans ``/proc/*/maps`` of every
+process before removing anything (``hwr.daemon.system.mappings``), so even a lost record would not let a
+mapped artifact go.
+Limits: the lessee-uid sets only grow (one entry per uid that ever leased a key) until the key
+is forgotten; a process that exits and whose pid is reused within the same clock tick of start
+time would be mistaken for the original (practically impossible).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from hwr.client.identity import is_key
+
+__all__ = ["Hold", "LeaseJournal", "process_start", "same_process"]
+
+COMPACT_SLACK = 4096
+#: Strings that need no JSON escaping (ids, hex keys, "checkpoint:<id>"): formatted directly.
+_PLAIN = re.compile(r"[A-Za-z0-9:_.-]{1,200}").fullmatch
+log = logging.getLogger("hwrd.journal")
+
+
+def _write_all(fd: int, data: bytes) -> tuple[bytes, OSError | None]:
+    """Write ``data`` to ``fd`` until done or an error: (the bytes not written, the error)."""
+    view, done = memoryview(data), 0
+    try:
+        while done < len(data):
+            done += os.write(fd, view[done:])
+    except OSError as exc:
+        return bytes(view[done:]), exc
+    return b"", None
+
+
+@dataclass(frozen=True)
+class Hold:
+    lease_id: str
+    key: str
+    pid: int
+    start: int
+    uid: int
+
+
+def process_start(pid: int) -> int | None:
+    """The start time of ``pid`` in clock ticks since boot, or None when it does not exist."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
+    fields = data[data.rfind(b")") + 2:].split()
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def same_process(pid: int, start: int) -> bool:
+    return process_start(pid) == start
+
+
+class LeaseJournal:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+        self._live: dict[str, Hold] = {}
+        self._uids: dict[str, set[int]] = {}
+        self._lines = 0
+        self._pending: list[bytes] = []
+        self._scheduled = False
+        self.recovered: list[Hold] = []
+        self.writes = 0  # os.write calls for records (a benchmark/diagnostic counter)
+        self.failures = 0  # failed flushes since the last one that succeeded
+
+    @classmethod
+    def open(cls, path: Path) -> LeaseJournal:
+        journal = cls(path)
+        journal._replay()
+        journal.recovered = [h for h in journal._live.values() if same_process(h.pid, h.start)]
+        journal._live = {h.lease_id: h for h in journal.recovered}
+        journal._compact()
+        return journal
+
+    def _replay(self) -> None:
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return
+        for line in data.splitlines():
+            try:
+                entry = json.loads(line)
+                op = entry["op"]
+                if op == "acquire" and is_key(entry["key"]):
+                    hold = Hold(str(entry["lease"]), entry["key"], int(entry["pid"]), int(entry["start"]),
+                                int(entry["uid"]))
+                    self._live[hold.lease_id] = hold
+                    self._uids.setdefault(hold.key, set()).add(hold.uid)
+                elif op == "release":
+                    self._live.pop(str(entry["lease"]), None)
+                elif op == "forget":
+                    self._uids.pop(entry["key"], None)
+            except (ValueError, KeyError, TypeError):
+                continue  # a torn last line or a foreign one: ignore it
+
+    def _compact(self) -> None:
+        lines = [self._line({"op": "acquire", "lease": h.lease_id, "key": h.key, "pid": h.pid,
+                             "start": h.start, "uid": h.uid}) for h in self._live.values()]
+        # Lessee uids of keys without a live hold travel as acquire+release pairs.
+        for key, uids in self._uids.items():
+            for uid in sorted(uids):
+                marker = f"uid-{uuid.uuid4().hex[:12]}"
+                lines.append(self._line({"op": "acquire", "lease": marker, "key": key, "pid": 0, "start": 0,
+                                         "uid": uid}))
+                lines.append(self._line({"op": "release", "lease": marker}))
+        tmp = self.path.with_name(f".{self.path.name}.{uuid.uuid4().hex}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            try:
+                _rest, error = _write_all(fd, b"".join(lines))
+            finally:
+                os.close(fd)
+            if error is not None:
+                raise error
+            os.rename(tmp, self.path)
+        except BaseException:  # a full disk: the journal stays as it was, nothing half-written replaces it
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        old, self._fd = self._fd, os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW)
+        if old is not None:
+            os.close(old)
+        self._lines = len(lines)
+
+    @staticmethod
+    def _line(entry: dict[str, object]) -> bytes:
+        return json.dumps(entry, separators=(",", ":")).encode() + b"\n"
+
+    def _append(self, entry: dict[str, object]) -> None:
+        self._append_line(self._line(entry))
+
+    def _append_line(self, line: bytes) -> None:
+        if self._fd is None:
+            return
+        self._pending.append(line)
+        self._schedule()
+
+    def _schedule(self) -> None:
+        """Arm one flush at the end of the current event-loop tick (no loop: flush now)."""
+        if self._scheduled:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.flush()
+            return
+        self._scheduled = True
+        loop.call_soon(self._tick_flush)
+
+    def _tick_flush(self) -> None:
+        self._scheduled = False
+        with contextlib.suppress(OSError):  # logged by flush; the records stay buffered
+            self.flush()
+
+    def _failed(self, exc: OSError) -> None:
+        """Log a failed write once per episode (a full disk fails every flush until freed)."""
+        self.failures += 1
+        if self.failures == 1:
+            log.error("lease journal write failed (records kept in memory and retried; acquires "
+                      "are refused meanwhile): %s", exc)
+
+    def flush(self) -> None:
+        """Write every buffered record (``O_APPEND``, normally one ``os.write``: whole lines).
+
+        On a failed write (``OSError``, e.g. ENOSPC) the records not yet written stay buffered,
+        in order, for the next flush, and the error is raised: nothing is dropped, and a write
+        that stopped mid-line is completed by the next one (one writer, ``O_APPEND``). A failed
+        compaction leaves the journal as it was (logged; retried at the next flush)."""
+        if not self._pending or self._fd is None:
+            return
+        data, n = b"".join(self._pending), len(self._pending)
+        self._pending = []
+        rest, error = _write_all(self._fd, data)
+        if error is not None:
+            self._pending = [rest]
+            self._failed(error)
+            raise error
+        if self.failures:
+            log.warning("lease journal writable again after %d failed writes", self.failures)
+            self.failures = 0
+        self.writes += 1
+        self._lines += n
+        if self._lines > 2 * (len(self._live) + len(self._uids)) + COMPACT_SLACK:
+            try:
+                self._compact()
+            except OSError as exc:
+                log.warning("lease journal compaction failed, journal kept as it is: %s", exc)
+
+    # ------------------------------------------------------------------ recording
+    def acquired(self, lease_id: str, key: str, pid: int, start: int, uid: int) -> None:
+        self._live[lease_id] = Hold(lease_id, key, pid, start, uid)
+        self._uids.setdefault(key, set()).add(uid)
+        if _PLAIN(lease_id) and _PLAIN(key):  # the hot path: the same line json.dumps would write
+            self._append_line(f'{{"op":"acquire","lease":"{lease_id}","key":"{key}","pid":{int(pid)},'
+                              f'"start":{int(start)},"uid":{int(uid)}}}\n'.encode())
+        else:
+            self._append({"op": "acquire", "lease": lease_id, "key": key, "pid": pid, "start": start, "uid": uid})
+
+    def released(self, lease_id: str) -> None:
+        if self._live.pop(lease_id, None) is not None:
+            if _PLAIN(lease_id):
+                self._append_line(f'{{"op":"release","lease":"{lease_id}"}}\n'.encode())
+            else:
+                self._append({"op": "release", "lease": lease_id})
+
+    def forget(self, key: str) -> None:
+        if self._uids.pop(key, None) is not None:
+            self._append({"op": "forget", "key": key})
+
+    def lessee_uids(self, key: str) -> set[int]:
+        return set(self._uids.get(key, ()))
+
+    def live(self) -> list[Hold]:
+        return list(self._live.values())
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.flush()
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)

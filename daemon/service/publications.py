@@ -1,0 +1,330 @@
+"""Publications in flight: one publisher per identity, waiters join, dead publishers are reclaimed.
+
+States of one publication (enforced here)::
+
+    STAGED --commit--> COMMITTING --ok--> COMMITTED
+       |                    `--error--> FAILED      (staging removed by the store)
+       `--abort | session end--> ABORTED            (staging removed)
+
+A second ``begin`` for a key that is STAGED/COMMITTING waits (up to its timeout) for the first
+to finish: COMMITTED -> it is answered JOINED; FAILED/ABORTED -> it takes over and stages its
+own; timeout -> ``ActiveBuildTimeout``. Staging descriptors are handed out only while STAGED,
+so once COMMITTING starts nobody can obtain a new writable descriptor.
+
+Contract: called on the daemon's event loop; blocking store work runs in worker threads.
+Limit: one daemon per store root (the store's lock), so "one publisher per identity" is node-wide.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import enum
+import os
+import secrets
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hwr.client.errors import (
+    ActiveBuildTimeout,
+    ArtifactNotFound,
+    InvalidRequest,
+    PermissionDeniedError,
+    PublicationFailed,
+)
+from hwr.client.identity import ArtifactIdentity
+from hwr.daemon.service.sessions import Session
+from hwr.daemon.system.exclusive import open_sole
+
+__all__ = ["DAEMON_OWNER", "BeginResult", "PubState", "Publication", "Publications"]
+
+#: ``session_id`` of publications that daemon-side builds (prewarm producers) own.
+DAEMON_OWNER = "hwrd"
+#: Threads staging and committing at once, when the caller does not say (the daemon passes its
+#: ``commit_threads`` setting): under churn each commit mostly waits to re-take the interpreter
+#: lock after its system calls, and concurrent commits share the ``artifacts/`` directory fsync
+#: (``store_io.GroupSync``), so more threads than cores finish more commits per second.
+COMMIT_THREADS = 8
+
+
+class PubState(enum.Enum):
+    STAGED = "staged"
+    COMMITTING = "committing"
+    COMMITTED = "committed"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+
+@dataclass
+class Publication:
+    publication_id: str
+    token: str
+    key: str
+    session_id: str
+    staging: Any
+    state: PubState = PubState.STAGED
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    started_at: float = 0.0  # loop time when staged (the stalled-publisher deadline counts from it)
+    ticket: Any = None  # the gate's admission + capacity reservation (hwr.daemon.service.store_service)
+
+
+@dataclass(frozen=True)
+class BeginResult:
+    outcome: str  # "staged" | "already_present" | "joined"
+    key: str
+    publication: Publication | None = None
+
+
+class Publications:
+    def __init__(self, store: Any, *, on_commit: Callable[[str], None] | None = None,
+                 gate: Any = None, commit_threads: int = COMMIT_THREADS,
+                 on_phase: Callable[[str, float], None] | None = None) -> None:
+        self._store = store
+        # ``on_phase(phase, seconds)`` after each successful phase of a publication (admission,
+        # staging, writing, commit: ``hwr.daemon.system.metrics.PUBLICATION_PHASES``), on the loop.
+        self._on_phase = on_phase
+        # Optional admission/capacity gate: ``admit(key, specs, wait_timeout)`` -> ticket before
+        # staging, ``allocated(ticket)`` once preallocated, ``finished(ticket, committed)`` at end.
+        self._gate = gate
+        self._cancelled: dict[str, str] = {}
+        self._by_id: dict[str, Publication] = {}
+        self._by_key: dict[str, Publication] = {}
+        self._on_commit = on_commit
+        self._commit_pool = concurrent.futures.ThreadPoolExecutor(commit_threads, thread_name_prefix="hwr-commit")
+        self.committed = 0
+        self.failed = 0
+        # Sealed memfd staging of small client publications (hwr.daemon.system.memfd_staging), set by
+        # the daemon; None: every publication writes its staging files.
+        self.memfd_staging: Any = None
+
+    def active(self) -> list[Publication]:
+        return list(self._by_id.values())
+
+    def building(self, key: str) -> bool:
+        """Whether a publication of ``key`` is in flight (O(1))."""
+        return key in self._by_key
+
+    def _exists(self, key: str) -> bool:
+        try:
+            self._store.lookup(key)
+        except ArtifactNotFound:
+            return False
+        return True
+
+    async def begin(
+        self,
+        session: Session | None,
+        identity: ArtifactIdentity,
+        specs: Sequence[Any],
+        *,
+        wait_timeout: float,
+        format_metadata: dict[str, Any] | None = None,
+    ) -> BeginResult:
+        key = identity.key
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.0, wait_timeout)
+        waited = False
+        while True:
+            # Provably absent (not validated, not denied, no directory): no thread hop.
+            absent = self._store.absent_now(key)
+            if not absent and await asyncio.to_thread(self._exists, key):
+                return BeginResult("joined" if waited else "already_present", key)
+            current = self._by_key.get(key)
+            if current is None:
+                break
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise ActiveBuildTimeout(
+                    "another publisher of this identity is still building", details={"key": key}
+                )
+            waited = True
+            try:
+                await asyncio.wait_for(current.done.wait(), remaining)
+            except TimeoutError:
+                raise ActiveBuildTimeout(
+                    "another publisher of this identity is still building", details={"key": key}
+                ) from None
+        # Reserve the key before the (slow) staging so a concurrent begin waits on us.
+        # session None: a daemon-side build (prewarm); it is owned by its build task, not a session.
+        owner = session.session_id if session is not None else DAEMON_OWNER
+        raw = secrets.token_bytes(32)  # one getrandom for the id and the secret token
+        pub = Publication(raw[:8].hex(), raw[8:].hex(), key, owner, None)
+        self._by_key[key] = pub
+        self._by_id[pub.publication_id] = pub
+        phase = self._on_phase
+        try:
+            if self._gate is not None:
+                began = loop.time()
+                pub.ticket = await self._gate.admit(key, specs, deadline - loop.time())
+                if phase is not None:
+                    phase("admission", loop.time() - began)
+            ticket = pub.ticket
+
+            def stage() -> Any:  # one worker hop: free the evicted bytes, then stage
+                if ticket is not None and not ticket.purge_after_commit:
+                    self._gate.purge_sync(ticket.take_trash())
+                return self._store.begin(identity, specs, format_metadata=format_metadata)
+
+            began = loop.time()
+            pub.staging = await loop.run_in_executor(self._commit_pool, stage)
+            if self._gate is not None:
+                self._gate.allocated(pub.ticket)
+        except BaseException:
+            self._finish(pub, PubState.FAILED)
+            raise
+        pub.started_at = loop.time()
+        if phase is not None:
+            phase("staging", pub.started_at - began)
+        if session is not None:
+            session.publications.add(pub.publication_id)
+        return BeginResult("staged", key, pub)
+
+    def get(self, session: Session, publication_id: str, token: str | None = None) -> Publication:
+        pub = self._by_id.get(publication_id)
+        if pub is None and publication_id in self._cancelled:
+            raise PublicationFailed(f"the publication was cancelled: {self._cancelled[publication_id]}",
+                                    details={"publication_id": publication_id})
+        if pub is None or pub.session_id != session.session_id:
+            raise PermissionDeniedError("no such publication in the caller's session")
+        if token is not None and not secrets.compare_digest(pub.token, token):
+            raise PermissionDeniedError("wrong publication token")
+        return pub
+
+    def staged_publication(self, session: Session, publication_id: str, token: str) -> Publication:
+        """The session's STAGED publication (its token checked): the only state that hands out
+        writable staging descriptors."""
+        pub = self.get(session, publication_id, token)
+        if pub.state is not PubState.STAGED:
+            raise PublicationFailed("the publication is no longer accepting writes")
+        return pub
+
+    def staging_paths(self, session: Session, publication_id: str, token: str) -> list[Path]:
+        pub = self.staged_publication(session, publication_id, token)
+        return [Path(path) for _name, path, _size in pub.staging.files]
+
+    async def commit(
+        self, session: Session, publication_id: str, expected: Mapping[str, str]
+    ) -> tuple[Any, bool]:
+        return await self.commit_publication(self.get(session, publication_id), expected)
+
+    async def commit_publication(self, pub: Publication, expected: Mapping[str, str], *,
+                                 trusted_digests: Any = None) -> tuple[Any, bool]:
+        """Commit ``pub`` (already authorised: its session's, or a daemon-side build's).
+
+        ``trusted_digests`` (``ProducerDigests``) only ever comes from a daemon-owned producer
+        (``hwr.daemon.producers.build``); a client's commit never passes it.
+        """
+        if pub.state is not PubState.STAGED:
+            raise PublicationFailed(f"the publication is {pub.state.value}")
+        for name, digest in expected.items():
+            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+                raise InvalidRequest("expected_sha256 values must be 64 lowercase hex digits",
+                                     details={"tensor": name[:200]})
+        pub.state = PubState.COMMITTING
+        paths = [Path(path) for _n, path, _s in pub.staging.files]
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+
+        def checks_and_commit() -> tuple[bool, Any]:
+            """One worker hop: the quick checks, then the commit. A failed check leaves the
+            publication STAGED (the writer may close its descriptor and retry); a failed commit
+            fails it. Commits (hashing, fsyncs) run on their own threads: in the loop's default
+            executor they would make every quick hop (acquire lookups) queue behind an fsync."""
+            opened: dict[str, int] = {}  # checked descriptors, hashed through by the commit
+            try:
+                if self.memfd_staging is not None:  # memfd staging: copy it into the files first
+                    self.memfd_staging.drain(pub.publication_id, pub.staging)
+                for path in paths:
+                    opened[path.name] = open_sole(path)
+                existed = self._exists(pub.key)
+            except BaseException as exc:
+                for fd in opened.values():
+                    os.close(fd)
+                return False, exc
+            record = self._store.commit(  # closes ``opened``
+                pub.staging, expected_tensor_sha256=dict(expected) or None, trusted_digests=trusted_digests,
+                opened=opened)
+            ticket = pub.ticket
+            if ticket is not None and ticket.purge_after_commit:
+                # The commit's artifacts/ fsync started after these were retired: delete now.
+                self._gate.purge_sync(ticket.take_trash())
+            return True, (existed, record)
+
+        try:
+            checked, outcome = await loop.run_in_executor(self._commit_pool, checks_and_commit)
+        except BaseException:
+            self._finish(pub, PubState.FAILED)
+            raise
+        if not checked:
+            pub.state = PubState.STAGED
+            raise outcome
+        existed, record = outcome
+        if self._on_phase is not None:  # with _finish below in one loop step: scrapes agree
+            self._on_phase("writing", max(0.0, began - pub.started_at))
+            self._on_phase("commit", loop.time() - began)
+        self._finish(pub, PubState.COMMITTED)
+        if self._on_commit is not None:
+            self._on_commit(pub.key)
+        return record, existed
+
+    async def abort(self, session: Session, publication_id: str) -> bool:
+        pub = self.get(session, publication_id)
+        return await self._abort(pub)
+
+    async def abort_publication(self, pub: Publication) -> bool:
+        """Abort ``pub`` (a daemon-side build's); False if it was no longer STAGED."""
+        return await self._abort(pub)
+
+    async def _abort(self, pub: Publication) -> bool:
+        if pub.state is not PubState.STAGED:
+            return False
+        pub.state = PubState.ABORTED
+        try:
+            await asyncio.to_thread(self._store.abort, pub.staging)
+        finally:
+            self._finish(pub, PubState.ABORTED)
+        return True
+
+    def live_count(self, session: Session) -> int:
+        """Publications of ``session`` still in flight; forgets the ids of finished ones."""
+        session.publications.intersection_update(self._by_id)
+        return len(session.publications)
+
+    async def abort_session(self, session: Session) -> int:
+        """Abort every STAGED publication of an ended session (its writer is gone)."""
+        count = 0
+        for pub_id in list(session.publications):
+            pub = self._by_id.get(pub_id)
+            if pub is not None and await self._abort(pub):
+                count += 1
+        session.publications.clear()
+        return count
+
+    async def cancel(self, publication_id: str, reason: str) -> bool:
+        """Cancel a STAGED publication (stalled past its deadline); its writer's commit then fails."""
+        pub = self._by_id.get(publication_id)
+        if pub is None or pub.state is not PubState.STAGED:
+            return False
+        if len(self._cancelled) > 4096:
+            self._cancelled.clear()
+        self._cancelled[publication_id] = reason
+        return await self._abort(pub)
+
+    def _finish(self, pub: Publication, state: PubState) -> None:
+        if pub.done.is_set():
+            return
+        if self.memfd_staging is not None:
+            self.memfd_staging.discard(pub.publication_id)
+        if self._gate is not None and pub.ticket is not None:
+            self._gate.finished(pub.ticket, state is PubState.COMMITTED)
+        pub.state = state
+        if state is PubState.COMMITTED:
+            self.committed += 1
+        elif state is PubState.FAILED:
+            self.failed += 1
+        self._by_id.pop(pub.publication_id, None)
+        if self._by_key.get(pub.key) is pub:
+            del self._by_key[pub.key]
+        pub.done.set()

@@ -1,0 +1,323 @@
+"""hwrd's configuration, parsed once at the edge into a frozen typed struct.
+
+Sources, later wins: built-in defaults < TOML file (``--config``, ``$HWR_CONFIG``, or
+``/etc/hwrd/hwrd.toml`` when present) < environment < flags. Every field of ``DaemonConfig`` is
+settable in all three: the TOML key ``max_leases_per_session``, the variable
+``HWR_MAX_LEASES_PER_SESSION`` and the flag ``--max-leases-per-session`` (lists as
+``1000,1001`` in the environment and flags; ``*_mode`` fields are octal). Flags and variables are
+derived from the struct, so a field added to it gets both without further code.
+
+Errors are ``ConfigError`` and name the key and where its value came from: ``FILE:LINE`` for
+the TOML file (the line of the key's assignment), the variable, or the flag; ``details`` carries
+``key``, ``source`` and, for the file, ``line``. Unknown keys are errors (a typo must not be
+silently ignored). ``hwrd --check-config`` prints ``describe(config, sources)``: the effective
+configuration as TOML with each value's source as a comment. Limits: the file is flat (top-level
+keys only; a ``[table]`` is reported as an unknown key); line numbers come from a scan of the
+file for ``key =`` since ``tomllib`` does not report positions, which is exact for flat files.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from hwr.client.errors import ConfigError
+from hwr.client.paths import default_root, default_socket
+
+__all__ = [
+    "ConfigSources", "DaemonConfig", "describe", "env_name", "flag_name", "load_config", "load_config_with_sources",
+]
+
+SYSTEM_CONFIG = Path("/etc/hwrd/hwrd.toml")
+
+
+class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    root: str
+    socket: str
+    socket_mode: int = 0o660
+    allow_uids: tuple[int, ...] = ()
+    allow_gids: tuple[int, ...] = ()
+    max_leases_per_session: int = 4096
+    # --- peer channel limits against careless or hostile local clients (hwr.daemon.peer.limits) ---
+    # Open sessions (peer connections) per uid; a connection past it gets a typed refusal.
+    max_sessions_per_uid: int = 1024
+    # Descriptors sent to a client that it has not received yet (the kernel refuses every
+    # further descriptor send of the daemon with ETOOMANYREFS once all of them pass its
+    # open-files limit): replies beyond these wait until the client reads.
+    max_inflight_fds_per_connection: int = 1024
+    max_inflight_fds_per_uid: int = 4096
+    # Bytes of partial request frames buffered over all connections (each may hold 64 KiB
+    # beyond it); a connection past it is not read until others drain.
+    peer_buffer_budget_bytes: int = 64 << 20
+    # A request frame that is not complete this long after its first byte ends the session.
+    peer_frame_timeout_s: float = 10.0
+    publication_wait_timeout_s: float = 600.0
+    shutdown_grace_s: float = 10.0
+    log_level: str = "info"
+    # Prewarm producers (hwr.daemon.producers): wall-clock limit per producer process, and a
+    # test-only sleep after each written block so tests can cancel a build in flight.
+    producer_timeout_s: float = 3600.0
+    producer_throttle_s: float = 0.0
+    metrics_listen: str = ""  # "" off, "127.0.0.1:9464" or "unix:/run/hwrd/metrics.sock"
+    # --- store as a node service (hwr.daemon.service.store_service); 0 = unlimited / off ---
+    store_limit_bytes: int = 0
+    artifact_limit_bytes: int = 0
+    min_free_bytes: int = 0
+    mlock_budget_bytes: int = 0
+    publication_deadline_s: float = 3600.0
+    serialized_admission: bool = False
+    scrub_bandwidth_mib_s: float = 0.0
+    scrub_interval_s: float = 86400.0
+    housekeeping_interval_s: float = 2.0
+    # Threads that stage and commit publications (hwr.daemon.service.publications). More finish more
+    # commits per second under churn (each spends most of its time waiting for the interpreter
+    # lock, not the disk); fewer give a shorter tail at low rates. Measured with benchmarks/churn.py
+    # (64 clients x 500 ops, alternated runs on 2 cores): 8 threads 906-984 ops/s, 4 threads 900-932.
+    commit_threads: int = 8
+    adopt: bool = False  # adopt a root written by vLLM-Omni 0.30's in-process store (hwr.daemon.store.adoption)
+    # --- roles (hwr.daemon.service.roles): root and the daemon's own uid hold every role. publish_*
+    # both empty = everyone allowed to connect may publish; operator_* both empty = nobody else
+    # may register checkpoints, prewarm, deny/allow, pin, evict, gc, verify, pull or push. ---
+    publish_uids: tuple[int, ...] = ()
+    publish_gids: tuple[int, ...] = ()
+    operator_uids: tuple[int, ...] = ()
+    operator_gids: tuple[int, ...] = ()
+    # Client publications up to this many payload bytes stage in sealed memfds (they cannot grow
+    # past their size: hwr.daemon.system.memfd_staging); larger ones stage in files. 0: always files.
+    memfd_staging_max_bytes: int = 64 << 20
+    # Fleet tier (hwr.daemon.fleet.remote): "" off, "s3://BUCKET/PREFIX" or "file:///PATH". Credentials
+    # come only from the S3 client's standard chain, never from this file.
+    remote: str = ""
+    remote_endpoint_url: str = ""
+    remote_region: str = ""
+    remote_push: bool = True  # upload local publications to the remote (when one is set)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.socket_mode <= 0o777:
+            raise ConfigError("socket_mode must be an octal mode like 0o660", details={"key": "socket_mode"})
+        if self.max_leases_per_session < 1:
+            raise ConfigError("max_leases_per_session must be positive",
+                              details={"key": "max_leases_per_session"})
+        for name in ("max_sessions_per_uid", "max_inflight_fds_per_connection", "max_inflight_fds_per_uid",
+                     "peer_buffer_budget_bytes", "peer_frame_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive", details={"key": name})
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ConfigError("log_level must be debug, info, warning or error", details={"key": "log_level"})
+        for name in ("store_limit_bytes", "artifact_limit_bytes", "min_free_bytes", "mlock_budget_bytes",
+                     "publication_deadline_s", "scrub_bandwidth_mib_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must not be negative", details={"key": name})
+        for name in ("scrub_interval_s", "housekeeping_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive", details={"key": name})
+        if self.memfd_staging_max_bytes < 0:
+            raise ConfigError("memfd_staging_max_bytes must not be negative",
+                              details={"key": "memfd_staging_max_bytes"})
+        if not 1 <= self.commit_threads <= 64:
+            raise ConfigError("commit_threads must be between 1 and 64", details={"key": "commit_threads"})
+        if self.remote:  # without it the tier is off and the other remote_* keys are unused
+            from hwr.daemon.fleet.remote import parse_location
+
+            parse_location(self.remote, endpoint_url=self.remote_endpoint_url, region=self.remote_region)
+        if self.metrics_listen:
+            from hwr.daemon.system.metrics import parse_listen
+
+            try:
+                parse_listen(self.metrics_listen)
+            except ValueError as exc:
+                raise ConfigError(str(exc), details={"key": "metrics_listen"}) from None
+
+
+@dataclass
+class ConfigSources:
+    """Where each value came from, and what ``load_config`` was given (reload re-reads the same)."""
+
+    file: Path | None = None
+    file_text: str = ""
+    by_key: dict[str, str] = field(default_factory=dict)  # key -> "default" | "FILE:LINE" | "env X" | "flag --x"
+    lines: dict[str, int] = field(default_factory=dict)
+
+
+def env_name(key: str) -> str:
+    return f"HWR_{key.upper()}"
+
+
+def flag_name(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def field_names() -> tuple[str, ...]:
+    return DaemonConfig.__struct_fields__
+
+
+def field_type(key: str) -> Any:
+    return typing.get_type_hints(DaemonConfig)[key]
+
+
+def parse_text(key: str, text: str) -> Any:
+    """Convert a flag's or variable's text to ``key``'s type (the struct still validates it)."""
+    return _parse_as(field_type(key), text.strip(), octal=key.endswith("_mode"))
+
+
+def _parse_as(tp: Any, text: str, *, octal: bool = False) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if text in ("", "none", "None") and type(None) in args:
+            return None
+        tp = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (tuple, list):
+        item = args[0] if args else str
+        return tuple(_parse_as(item, part.strip()) for part in text.split(",") if part.strip())
+    if tp is bool:
+        lowered = text.lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ValueError("expected true or false")
+    if tp is int:
+        if octal:
+            return int(text.removeprefix("0o"), 8)
+        return int(text.replace("_", ""), 0)
+    if tp is float:
+        return float(text)
+    return text
+
+
+def _line_of(text: str, key: str) -> int | None:
+    pattern = re.compile(rf"""^\s*(?:{re.escape(key)}|"{re.escape(key)}"|'{re.escape(key)}')\s*=""")
+    table = re.compile(rf"""^\s*\[\s*{re.escape(key)}\s*\]""")
+    for number, line in enumerate(text.splitlines(), start=1):
+        if pattern.match(line) or table.match(line):
+            return number
+    return None
+
+
+def _error(message: str, key: str | None, sources: ConfigSources) -> ConfigError:
+    if key is None:
+        where = str(sources.file) if sources.file else "configuration"
+        return ConfigError(f"{where}: {message}", details={"source": where})
+    source = sources.by_key.get(key, "default")
+    details: dict[str, Any] = {"key": key, "source": source}
+    if key in sources.lines:
+        details["line"] = sources.lines[key]
+    return ConfigError(f"{source}: key {key!r}: {message}", details=details)
+
+
+_MSGSPEC_KEY = re.compile(r"at `\$\.(\w+)")
+_MSGSPEC_UNKNOWN = re.compile(r"unknown field `(\w+)`")
+
+
+def load_config_with_sources(
+    config_file: Path | None = None, *, overrides: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None, flag_text: Mapping[str, str] | None = None,
+) -> tuple[DaemonConfig, ConfigSources]:
+    """Parse defaults, file, environment and flags into a validated ``DaemonConfig``.
+
+    ``overrides`` are typed values from flags (``None`` means unset); ``flag_text`` are raw flag
+    strings by key (converted like environment variables).
+    """
+    env = dict(os.environ) if env is None else dict(env)
+    sources = ConfigSources()
+    names = field_names()
+    values: dict[str, Any] = {"root": str(default_root(env)), "socket": str(default_socket(env))}
+    path = config_file or (Path(env["HWR_CONFIG"]) if env.get("HWR_CONFIG") else None)
+    if path is None and SYSTEM_CONFIG.exists():
+        path = SYSTEM_CONFIG
+    if path is not None:
+        sources.file = path
+        try:
+            sources.file_text = path.read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {path}: {exc.strerror}", details={"source": str(path)}) from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path}: not UTF-8 text", details={"source": str(path)}) from None
+        try:
+            data = tomllib.loads(sources.file_text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: {exc}", details={"source": str(path)}) from None
+        for key in data:
+            line = _line_of(sources.file_text, key)
+            if line is not None:
+                sources.lines[key] = line
+            sources.by_key[key] = f"{path}:{line}" if line else str(path)
+            if key not in names:
+                raise _error("unknown key (see hwrd --check-config for the valid keys)", key, sources)
+        values.update(data)
+    for key in names:
+        var = env_name(key)
+        if env.get(var):
+            try:
+                values[key] = parse_text(key, env[var])
+            except ValueError as exc:
+                sources.by_key[key] = f"env {var}"
+                raise _error(f"cannot parse {env[var]!r}: {exc}", key, sources) from None
+            sources.by_key[key] = f"env {var}"
+            sources.lines.pop(key, None)
+    for key, text in (flag_text or {}).items():
+        if text is None:
+            continue
+        sources.by_key[key] = f"flag {flag_name(key)}"
+        sources.lines.pop(key, None)
+        try:
+            values[key] = parse_text(key, text)
+        except ValueError as exc:
+            raise _error(f"cannot parse {text!r}: {exc}", key, sources) from None
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            values[key] = value
+            sources.by_key[key] = f"flag {flag_name(key)}"
+            sources.lines.pop(key, None)
+    try:
+        config = msgspec.convert(values, DaemonConfig)
+    except msgspec.ValidationError as exc:
+        cause = exc.__cause__ or exc.__context__
+        if isinstance(cause, ConfigError):
+            raise _error(cause.message, cause.details.get("key"), sources) from None
+        text = str(exc)
+        found = _MSGSPEC_UNKNOWN.search(text) or _MSGSPEC_KEY.search(text)
+        problem = text.split(" - at ")[0]
+        raise _error(problem, found.group(1) if found else None, sources) from None
+    except ConfigError as exc:
+        raise _error(exc.message, exc.details.get("key"), sources) from None
+    return config, sources
+
+
+def load_config(
+    config_file: Path | None = None, *, overrides: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+) -> DaemonConfig:
+    return load_config_with_sources(config_file, overrides=overrides, env=env)[0]
+
+
+def _toml_value(key: str, value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int) and key.endswith("_mode"):
+        return f"0o{value:o}"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, tuple | list):
+        return "[" + ", ".join(_toml_value(key, v) for v in value) + "]"
+    if value is None:
+        return '""'
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def describe(config: DaemonConfig, sources: ConfigSources) -> str:
+    """The effective configuration as TOML, each line commented with its source."""
+    lines = [f"# effective hwrd configuration (file: {sources.file or 'none'})"]
+    for key in field_names():
+        lines.append(f"{key} = {_toml_value(key, getattr(config, key))}  # {sources.by_key.get(key, 'default')}")
+    return "\n".join(lines)
