@@ -10,14 +10,15 @@ From the bottom up:
 
 ``policy``       pure decisions over plain values: admission, capacity, eviction order, LRU, pages
 ``system``       the OS boundary and process plumbing: sockets, peer credentials, socket
-                 activation, sd_notify, filesystem guards, /proc scans, memfd seals, config, logs,
-                 metric instruments
-``store``        the on-disk artifact store of one root: staging, validation, atomic commit,
-                 deny/quarantine, retirement, usage accounting
+                 activation, sd_notify, filesystem guards, /proc scans, config, logs, metric
+                 instruments
+``store``        the on-disk artifact store of one root: staging (files or sealed memfds),
+                 validation, atomic commit, deny/quarantine, retirement, usage accounting
 ``checkpoints``  the registry of canonical checkpoints, opened with the caller's rights
-``producers``    transforms from a checkpoint to final-layout artifacts, in isolated processes
 ``service``      the node service: sessions and leases, acquire/release, publications, the read
                  API in front of the store, capacity, eviction, pins, the lease journal, scrub
+``producers``    transforms from a checkpoint to final-layout artifacts, in isolated processes,
+                 published through the service's publications (prewarm)
 ``fleet``        the remote tier: pull on miss, push after publish
 ``peer`` ``rpc`` the two transports (Unix-socket peer channel with descriptor passing; gRPC),
                  siblings that never import each other
@@ -34,8 +35,8 @@ ROOMS: tuple[tuple[str, ...], ...] = (
     ("system",),
     ("store",),
     ("checkpoints",),
-    ("producers",),
     ("service",),
+    ("producers",),
     ("fleet",),
     ("peer", "rpc"),
     ("app",),

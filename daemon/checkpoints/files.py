@@ -19,8 +19,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from hwr.client.errors import CheckpointNotFound, InvalidRequest, StoreIOError
+from hwr.client.errors import CheckpointNotFound, StoreIOError
 from hwr.client.identity import canonical_json
+from hwr.daemon.policy.key_prefix import unique_prefix
 from hwr.daemon.store import fileio as store_io
 from hwr.daemon.system.peercred import PeerCred
 
@@ -31,7 +32,6 @@ __all__ = [
 
 log = logging.getLogger("hwrd.checkpoints")
 MAX_DEPTH = 3
-_HEX = frozenset("0123456789abcdef")
 _REV = re.compile(r"^[0-9a-f]{40}$")
 _BLOB = re.compile(r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$")
 
@@ -94,15 +94,11 @@ def checkpoint_id_for(sources: Sequence[tuple[str, str]]) -> str:
 
 def resolve_checkpoint_prefix(prefix: str, ids: Sequence[str]) -> str:
     """Pure: the one id starting with ``prefix`` (4 to 64 lowercase hex digits)."""
-    if not 4 <= len(prefix) <= 64 or not set(prefix) <= _HEX:
-        raise InvalidRequest(f"{prefix[:80]!r} is not a checkpoint id or id prefix (4 to 64 lowercase hex "
-                             "digits) nor an absolute registered path", details={"checkpoint": prefix[:80]})
-    matches = [i for i in ids if i.startswith(prefix)]
-    if not matches:
-        raise CheckpointNotFound("no registered checkpoint matches", details={"checkpoint": prefix})
-    if len(matches) > 1:
-        raise InvalidRequest("ambiguous checkpoint id prefix", details={"checkpoint": prefix})
-    return matches[0]
+    return unique_prefix(
+        prefix, ids, field="checkpoint", ambiguous="ambiguous checkpoint id prefix",
+        malformed=f"{prefix[:80]!r} is not a checkpoint id or id prefix (4 to 64 lowercase hex digits) "
+                  "nor an absolute registered path",
+        missing=lambda p: CheckpointNotFound("no registered checkpoint matches", details={"checkpoint": p}))
 
 
 def safetensors_files(root: Path) -> Iterator[str]:

@@ -38,7 +38,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hwr.client.errors import (
     ArtifactDenied,
@@ -51,6 +51,11 @@ from hwr.client.errors import (
 from hwr.client.manifest import MANIFEST_FILE, READY_FILE, Manifest, ReadyMarker
 from hwr.daemon.fleet.remote import RemoteObjectInvalid, RemoteStore
 from hwr.daemon.store.staging import TensorSpec, plan_payloads
+
+if TYPE_CHECKING:
+    from hwr.daemon.service.publications import Publications
+    from hwr.daemon.store.root import Store
+    from hwr.daemon.store.validation import ArtifactRecord
 
 __all__ = ["PullProgress", "Puller", "RemotePlan", "plan_from_documents"]
 
@@ -115,7 +120,7 @@ class PullProgress:
     key: str
     total_bytes: int = 0
     done_bytes: int = 0
-    task: asyncio.Task[Any] | None = field(default=None, repr=False)
+    task: asyncio.Task[tuple[ArtifactRecord, str]] | None = field(default=None, repr=False)
 
     def add(self, n: int) -> None:  # from the transfer threads: an int add is atomic enough here
         self.done_bytes += n
@@ -127,7 +132,7 @@ class Puller:
     INVALID_TTL_S = 30.0
     DOWN_TTL_S = 2.0
 
-    def __init__(self, remote: RemoteStore, store: Any, publications: Any, *, wait_timeout: float,
+    def __init__(self, remote: RemoteStore, store: Store, publications: Publications, *, wait_timeout: float,
                  on_outcome: Callable[[str, int], None] | None = None) -> None:
         self.remote = remote
         self.store = store
@@ -148,7 +153,7 @@ class Puller:
                 progress.task.cancel()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def pull(self, key: str, *, fresh: bool = False) -> tuple[Any, str]:
+    async def pull(self, key: str, *, fresh: bool = False) -> tuple[ArtifactRecord, str]:
         """The committed record and ``"pulled"`` or ``"already_present"``; a typed error otherwise
         (``ArtifactNotFound`` when the remote does not have it). ``fresh`` skips the remembered
         refusals (an operator's ``hwrctl pull`` retries for real)."""
@@ -186,7 +191,7 @@ class Puller:
     async def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def _run(self, progress: PullProgress) -> tuple[Any, str]:
+    async def _run(self, progress: PullProgress) -> tuple[ArtifactRecord, str]:
         key = progress.key
         try:
             result = await self._fetch(progress)
@@ -220,7 +225,7 @@ class Puller:
         if self.on_outcome is not None:
             self.on_outcome(outcome, nbytes)
 
-    async def _fetch(self, progress: PullProgress) -> tuple[Any, str]:
+    async def _fetch(self, progress: PullProgress) -> tuple[ArtifactRecord, str]:
         key = progress.key
         remote = self.remote.location.display
         if self.store.is_denied(key):

@@ -30,13 +30,16 @@ import os
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hwr.client.errors import ArtifactDenied, ArtifactNotFound, HwrError, RemoteUnavailable
 from hwr.client.identity import is_key
 from hwr.client.manifest import MANIFEST_FILE, READY_FILE, ReadyMarker
 from hwr.daemon.fleet.remote import RemoteStore
 from hwr.daemon.store import fileio as store_io
+
+if TYPE_CHECKING:
+    from hwr.daemon.store.root import Store
 
 __all__ = ["Pusher"]
 
@@ -47,7 +50,7 @@ class Pusher:
     RETRY_S = 1.0
     RETRY_MAX_S = 60.0
 
-    def __init__(self, remote: RemoteStore, store: Any, root: Path, *,
+    def __init__(self, remote: RemoteStore, store: Store, root: Path, *,
                  on_outcome: Callable[[str, int], None] | None = None) -> None:
         self.remote = remote
         self.store = store

@@ -27,14 +27,12 @@ object's size is not the one asked for; nothing else escapes.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
-from urllib.parse import urlsplit
 
 from hwr.client.errors import ConfigError, ManifestCorrupt, RemoteUnavailable
-from hwr.client.identity import is_key
+from hwr.daemon.policy.remote_location import RemoteLocation, parse_location
 
 __all__ = [
     "READY_OBJECT",
@@ -50,73 +48,12 @@ __all__ = [
 READY_OBJECT = "READY.json"
 #: The largest manifest.json/READY.json hwrd reads from a remote (a hostile one must not exhaust memory).
 MAX_DOCUMENT_BYTES = 64 << 20
-_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
-_PREFIX_PART = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 Progress = Callable[[int], None]  # called with the bytes moved since the last call
 
 
 class RemoteObjectInvalid(ManifestCorrupt):
     """A remote object is malformed, truncated, of the wrong size or names another identity."""
-
-
-@dataclass(frozen=True)
-class RemoteLocation:
-    """A parsed ``remote`` setting. ``display`` is safe to log (there is never a secret in it:
-    URLs with user info are refused at parse time)."""
-
-    scheme: str  # "s3" | "file"
-    bucket: str  # s3 only
-    prefix: str  # s3: "" or "a/b" (no leading/trailing slash); file: the absolute directory
-    endpoint_url: str = ""
-    region: str = ""
-
-    @property
-    def display(self) -> str:
-        if self.scheme == "s3":
-            return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
-        return f"file://{self.prefix}"
-
-    def object_name(self, key: str, file: str) -> str:
-        """``PREFIX/artifacts/<key>/<file>`` (``file`` is a manifest-validated basename)."""
-        if not is_key(key) or "/" in file or file in ("", ".", ".."):
-            raise ValueError("invalid remote object name")
-        head = f"{self.prefix}/" if self.prefix and self.scheme == "s3" else ""
-        return f"{head}artifacts/{key}/{file}"
-
-
-def parse_location(url: str, *, endpoint_url: str = "", region: str = "") -> RemoteLocation:
-    """``remote``'s value -> a location; ``ConfigError`` naming the key otherwise."""
-    def bad(message: str, key: str = "remote") -> ConfigError:
-        return ConfigError(message, details={"key": key})
-
-    parts = urlsplit(url)
-    if parts.username or parts.password or "@" in parts.netloc:
-        raise bad("remote must not carry credentials; hwrd takes them from the S3 client's standard chain")
-    if parts.query or parts.fragment:
-        raise bad("remote takes no query or fragment")
-    if endpoint_url:
-        ep = urlsplit(endpoint_url)
-        if ep.scheme not in ("http", "https") or not ep.hostname or ep.username or ep.password:
-            raise bad("remote_endpoint_url must be http(s)://HOST[:PORT] without credentials", "remote_endpoint_url")
-    if parts.scheme == "s3":
-        bucket = parts.netloc
-        if not _BUCKET.match(bucket):
-            raise bad(f"remote: {bucket!r} is not a valid bucket name")
-        prefix = parts.path.strip("/")
-        if prefix and not all(_PREFIX_PART.match(p) and p not in (".", "..") for p in prefix.split("/")):
-            raise bad("remote: the prefix may use letters, digits and _ . - between slashes")
-        return RemoteLocation("s3", bucket, prefix, endpoint_url, region)
-    if parts.scheme == "file":
-        if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
-            raise bad("remote: a file remote is file:///ABSOLUTE/PATH")
-        path = "/" + parts.path.strip("/")
-        if any(p in (".", "..") for p in path.split("/")):
-            raise bad("remote: the path must not contain . or ..")
-        if endpoint_url or region:
-            raise bad("remote_endpoint_url and remote_region apply to s3:// remotes only", "remote_endpoint_url")
-        return RemoteLocation("file", "", path)
-    raise bad("remote must be s3://BUCKET/PREFIX or file:///PATH (or empty: off)")
 
 
 @dataclass(frozen=True)

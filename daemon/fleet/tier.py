@@ -1,11 +1,12 @@
 """The fleet tier as the daemon sees it: one remote, its puller and pusher, and their counters.
 
-``Daemon`` owns at most one ``Fleet`` (only when ``remote`` is configured) and calls it from
-three places: ``Daemon.lookup`` after a local miss (``pull_on_miss``; both transports' acquires
-and so the vLLM-Omni plugin's lookups pass there), ``Publications``' commit hook (``committed``;
-pulls excluded) and the remote RPCs (``hwr.daemon.rpc.remote``).
+The wiring (``hwr.daemon.app.server``) builds at most one ``Fleet`` (only when ``remote`` is
+configured), and it is called from three places: the read API's ``Catalog.lookup`` after a local
+miss (``pull_on_miss``, the catalog's ``MissFetcher``; both transports' acquires and so the
+vLLM-Omni plugin's lookups pass there), ``Publications``' commit hook (``committed``; pulls
+excluded) and the remote RPCs (``hwr.daemon.rpc.remote``).
 
-Counters (``hwr.daemon.system.metrics`` exposes them): pull and push outcomes by fixed words, and the
+Counters (``hwr.daemon.app.exposition`` exposes them): pull and push outcomes by fixed words, and the
 bytes each direction moved.
 """
 
@@ -15,12 +16,18 @@ import asyncio
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hwr.client.errors import HwrError
 from hwr.daemon.fleet.pull import Puller
 from hwr.daemon.fleet.push import Pusher
 from hwr.daemon.fleet.remote import RemoteEntry, RemoteLocation, RemoteStore, open_remote, parse_location
+
+if TYPE_CHECKING:
+    from hwr.daemon.service.publications import Publications
+    from hwr.daemon.store.root import Store
+    from hwr.daemon.store.validation import ArtifactRecord
+    from hwr.daemon.system.config import DaemonConfig
 
 __all__ = ["PULL_OUTCOMES", "PUSH_OUTCOMES", "Fleet", "location_of"]
 
@@ -29,15 +36,15 @@ PULL_OUTCOMES = ("pulled", "already_present", "miss", "invalid", "unavailable", 
 PUSH_OUTCOMES = ("pushed", "already_present", "skipped", "unavailable", "failed")
 
 
-def location_of(config: Any) -> RemoteLocation | None:
+def location_of(config: DaemonConfig) -> RemoteLocation | None:
     """The configured remote, or None when the tier is off."""
-    if not getattr(config, "remote", ""):
+    if not config.remote:
         return None
     return parse_location(config.remote, endpoint_url=config.remote_endpoint_url, region=config.remote_region)
 
 
 class Fleet:
-    def __init__(self, location: RemoteLocation, remote: RemoteStore, store: Any, publications: Any, *,
+    def __init__(self, location: RemoteLocation, remote: RemoteStore, store: Store, publications: Publications, *,
                  root: Path, push: bool, wait_timeout: float) -> None:
         self.location = location
         self.remote = remote
@@ -53,7 +60,7 @@ class Fleet:
         self._probe: tuple[float, str] | None = None  # (monotonic time, "" or the error) of the last probe
 
     @classmethod
-    def open(cls, config: Any, store: Any, publications: Any) -> Fleet | None:
+    def open(cls, config: DaemonConfig, store: Store, publications: Publications) -> Fleet | None:
         location = location_of(config)
         if location is None:
             return None
@@ -71,7 +78,7 @@ class Fleet:
         await asyncio.to_thread(self.remote.close)
 
     # ------------------------------------------------------------------ hooks
-    async def pull_on_miss(self, key: str) -> Any:
+    async def pull_on_miss(self, key: str) -> ArtifactRecord:
         record, _outcome = await self.puller.pull(key)
         return record
 
@@ -124,7 +131,7 @@ class Fleet:
 
 
 def metric_blocks(fleet: Fleet | None) -> list[list[str]]:
-    """The fleet tier's series for ``hwr.daemon.system.metrics.exposition`` (none when it is off)."""
+    """The fleet tier's series for ``hwr.daemon.app.exposition`` (none when it is off)."""
     if fleet is None:
         return []
     from hwr.daemon.system.metrics import Counter, counter_lines

@@ -54,7 +54,7 @@ import os
 import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hwr import __version__
 from hwr.client.errors import DaemonUnavailable, HwrError, InvalidRequest, PermissionDeniedError
@@ -63,6 +63,12 @@ from hwr.daemon.peer.limits import READ_SIZE, FrameWatch, InflightFds, Ledger, P
 from hwr.daemon.service.sessions import Registry, Session
 from hwr.daemon.system.accepting import Acceptor, cancel_and_wait
 from hwr.daemon.system.peercred import AllowList, peer_allowed, read_peercred
+
+if TYPE_CHECKING:
+    from hwr.daemon.peer.publish import PeerPublishing
+    from hwr.daemon.service.leasing import Leasing
+    from hwr.daemon.service.sessions import LeaseRecord
+    from hwr.daemon.store.validation import ArtifactRecord
 
 __all__ = ["PeerServer"]
 
@@ -89,23 +95,19 @@ class PeerServer:
         *,
         registry: Registry,
         allow: Callable[[], AllowList],
-        open_lease_fds: Callable[[Session, str, str], list[int]],
-        open_staging_fds: Callable[[Session, str, str], list[int]],
         on_session_end: Callable[[Session], Awaitable[None]],
         mode: int = 0o660,
         listen_sock: socket.socket | None = None,
-        leasing: Any = None,
-        publishing: Any = None,
+        leasing: Leasing | None = None,
+        publishing: PeerPublishing | None = None,
         limits: PeerLimits | None = None,
     ) -> None:
         self.path = path
         self._registry = registry
         self._allow = allow
-        self._open_lease_fds = open_lease_fds
-        self._open_staging_fds = open_staging_fds
         self._on_session_end = on_session_end
-        self._leasing = leasing  # hwr.daemon.service.leasing.Leasing (acquire/release); None: refused
-        self._publishing = publishing  # hwr.daemon.peer.publish.PeerPublishing; None: refused
+        self._leasing = leasing  # acquire/release/lease descriptors; None: refused
+        self._publishing = publishing  # publish_* and staging descriptors; None: refused
         self._mode = mode
         self._sock = listen_sock
         self._task: asyncio.Task[None] | None = None
@@ -213,8 +215,8 @@ class PeerServer:
         except Exception as exc:
             return _failure_frame(op, exc), [], b""
 
-    def _acquired(self, session: Session, req: dict[str, Any], key: str, record: Any,
-                  lease: Any) -> tuple[dict[str, Any], list[int], bytes]:
+    def _acquired(self, session: Session, req: dict[str, Any], key: str, record: ArtifactRecord,
+                  lease: LeaseRecord) -> tuple[dict[str, Any], list[int], bytes]:
         leasing = self._leasing
         try:
             data, digest = leasing.manifest(record)
@@ -239,18 +241,20 @@ class PeerServer:
             session.client_name, session.client_version = name, version
             return {"ok": True, "session_id": session.session_id, "pid": session.cred.pid,
                     "uid": session.cred.uid, "daemon_version": __version__}, []
-        if op == "release":
+        if op in ("release", "fds"):
             if self._leasing is None:
                 raise PermissionDeniedError(f"peer operation {op!r} is not served here")
+            if op == "fds":
+                fds = self._leasing.lease_fds(session, _str(req, "lease_id"), _str(req, "lease_token"))
+                return {"ok": True, "count": len(fds)}, fds
             lease_id = req.get("lease_id")
             if not isinstance(lease_id, str):
                 raise InvalidRequest("lease_id is required")
             return {"ok": True, "released": self._leasing.release(session, lease_id)}, []
-        if op == "fds":
-            fds = self._open_lease_fds(session, _str(req, "lease_id"), _str(req, "lease_token"))
-            return {"ok": True, "count": len(fds)}, fds
         if op == "staging_fds":
-            fds = self._open_staging_fds(session, _str(req, "publication_id"), _str(req, "publication_token"))
+            if self._publishing is None:
+                raise PermissionDeniedError(f"peer operation {op!r} is not served here")
+            fds = self._publishing.staging_fds(session, _str(req, "publication_id"), _str(req, "publication_token"))
             return {"ok": True, "count": len(fds)}, fds
         raise PermissionDeniedError(f"unknown peer operation {str(op)[:40]!r}")
 

@@ -2,7 +2,7 @@
 
 The same operations as the ``BeginPublication`` / ``CommitPublication`` / ``AbortPublication``
 RPCs (one domain implementation: ``hwr.daemon.service.publications``; the same request validation:
-``hwr.daemon.rpc.servicer``), without gRPC's per-call cost, and with the staging descriptors in the
+``hwr.daemon.service.publication_request``), without gRPC's per-call cost, and with the staging descriptors in the
 ``publish_begin`` reply instead of a second round trip. Requests (JSON frames, see
 ``hwr.daemon.peer.channel``)::
 
@@ -20,6 +20,11 @@ RPCs (one domain implementation: ``hwr.daemon.service.publications``; the same r
 
 Typed errors are error frames with the code, message and details the RPC would carry.
 
+Staging descriptors (in the ``publish_begin`` reply, and for the channel's ``open_staging``
+request): a sealed memfd per file for a publication small enough
+(``hwr.daemon.store.memfd_staging``: it cannot grow by one byte), else the staging files opened
+``O_RDWR|O_NOFOLLOW``. Each needs the publish role, checked on every operation as the RPCs do.
+
 Limit: the peer channel serves one request per connection at a time, so a request that waits
 (another publisher of the same identity is building; a commit hashing gigabytes) holds up that
 client's other peer operations and is bounded by its socket timeout. The client therefore uses
@@ -29,48 +34,54 @@ falling back to the RPCs otherwise (``hwr.client.publisher``); the daemon does n
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+import os
+from typing import TYPE_CHECKING, Any
 
 from hwr.client.errors import InvalidRequest
 from hwr.client.wire import MAX_WAIT_TIMEOUT_MS
-from hwr.daemon.service.roles import PUBLISH, Roles
+from hwr.daemon.service.leasing import parse_identity
+from hwr.daemon.service.publication_request import KINDS, TensorEntry, format_metadata, tensor_specs
+from hwr.daemon.service.roles import PUBLISH
 from hwr.daemon.service.sessions import Session
-from hwr.protos.hwr.v1 import hwr_pb2 as pb
+
+if TYPE_CHECKING:
+    from hwr.daemon.service.publications import Publications
+    from hwr.daemon.service.settings import Settings
 
 __all__ = ["PeerPublishing"]
-
-_KINDS = {"parameter": pb.TENSOR_KIND_PARAMETER, "buffer": pb.TENSOR_KIND_BUFFER}
-
-
-@dataclass(frozen=True)
-class _Spec:  # the attributes ``servicer._specs`` reads from a pb.TensorSpec
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    kind: int
-    role: str
 
 
 class PeerPublishing:
     """The three peer publication operations; replies are (reply dict, descriptors)."""
 
-    def __init__(self, publications: Any, open_staging_fds: Callable[[Session, str, str], list[int]],
-                 roles: Callable[[], Roles] | None = None) -> None:
+    def __init__(self, publications: Publications, settings: Settings | None = None) -> None:
         self._publications = publications
-        self._open_staging_fds = open_staging_fds
-        self._roles = roles  # None: no role check (tests of the channel alone)
+        self._settings = settings  # its roles decide who publishes; None: no role check
 
     def _require(self, session: Session, action: str) -> None:
         """The publish role (``hwr.daemon.service.roles``), checked for every operation, as the RPCs do."""
-        if self._roles is not None:
-            self._roles().require(session.cred, PUBLISH, action)
+        if self._settings is not None:
+            self._settings.roles.require(session.cred, PUBLISH, action)
+
+    def staging_fds(self, session: Session, publication_id: str, token: str) -> list[int]:
+        """The staging descriptors of a publication ``session`` staged (its token checked)."""
+        self._require(session, "open staging descriptors")
+        publications = self._publications
+        pub = publications.staged_publication(session, publication_id, token)
+        memfds = publications.memfd_staging
+        if memfds is not None and memfds.eligible(pub.staging):  # sealed: cannot grow at all
+            return memfds.descriptors(pub.publication_id, pub.staging)
+        fds: list[int] = []
+        try:
+            for path in publications.staging_paths(session, publication_id, token):
+                fds.append(os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC))
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return fds
 
     async def begin(self, session: Session, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        from hwr.daemon.rpc.servicer import _format_metadata, _specs
-        from hwr.daemon.service.leasing import parse_identity
-
         self._require(session, "publish_begin")
         identity_text = req.get("identity")
         if not isinstance(identity_text, str):
@@ -83,16 +94,16 @@ class PeerPublishing:
         if not isinstance(metadata, str):
             raise InvalidRequest("format_metadata must be JSON text", details={"field": "format_metadata_json"})
         identity = parse_identity(identity_text.encode())
-        specs = _specs(_parse_tensors(req.get("tensors")))
+        specs = tensor_specs(_parse_tensors(req.get("tensors")))
         result = await self._publications.begin(
             session, identity, specs, wait_timeout=wait_ms / 1000.0,
-            format_metadata=_format_metadata(metadata.encode()))
+            format_metadata=format_metadata(metadata.encode()))
         pub = result.publication
         if pub is None:
             return {"ok": True, "outcome": result.outcome, "key": result.key}, []
         staging = pub.staging
         try:
-            fds = self._open_staging_fds(session, pub.publication_id, pub.token)
+            fds = self.staging_fds(session, pub.publication_id, pub.token)
         except BaseException:
             await self._publications.abort(session, pub.publication_id)
             raise
@@ -131,8 +142,8 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _parse_tensors(value: object) -> list[_Spec]:
-    """JSON tensor entries -> spec objects for ``servicer._specs`` (which checks the values)."""
+def _parse_tensors(value: object) -> list[TensorEntry]:
+    """JSON tensor entries -> ``TensorEntry`` values for ``tensor_specs`` (which checks them)."""
     if not isinstance(value, list):
         raise InvalidRequest("tensors must be a list of [name, dtype, shape, kind, role]",
                              details={"field": "tensors"})
@@ -148,7 +159,6 @@ def _parse_tensors(value: object) -> list[_Spec]:
         if not isinstance(shape, list) or len(shape) > 16 or not all(
                 _is_int(d) and 0 <= d <= (1 << 40) for d in shape):
             raise InvalidRequest("tensor shape out of range", details={"tensor": name[:200]})
-        if kind not in _KINDS:
-            raise InvalidRequest("unknown tensor kind", details={"tensor": name[:200]})
-        out.append(_Spec(name, dtype, tuple(shape), _KINDS[kind], role))
+        known = kind if isinstance(kind, str) and kind in KINDS else None
+        out.append(TensorEntry(name, dtype, tuple(shape), known, role))
     return out

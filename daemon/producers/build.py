@@ -26,14 +26,18 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hwr.client.identity import ArtifactIdentity, SourceIdentity
 from hwr.client.wire import close_fds
 from hwr.daemon.checkpoints.registry import Checkpoint, Checkpoints
 from hwr.daemon.producers import Producer, SourceTensor
 from hwr.daemon.producers.runner import run_job
-from hwr.daemon.store.staging import ProducerDigests, TensorSpec
+from hwr.daemon.store.staging import ProducerDigests, Staging, TensorSpec
+
+if TYPE_CHECKING:
+    from hwr.daemon.service.publications import Publications
+    from hwr.daemon.store.root import Store
 
 __all__ = ["BuiltArtifact", "build_rank", "checkpoint_identity", "source_identity"]
 
@@ -65,8 +69,8 @@ def source_tensors(ckpt: Checkpoint) -> list[SourceTensor]:
 async def build_rank(
     *,
     checkpoints: Checkpoints,
-    publications: Any,
-    store: Any,
+    publications: Publications,
+    store: Store,
     ckpt: Checkpoint,
     producer: Producer,
     rank: int,
@@ -110,7 +114,7 @@ async def build_rank(
                          int(done.get("peak_rss_bytes", 0)), time.monotonic() - started)
 
 
-def _job(checkpoints: Checkpoints, ckpt: Checkpoint, producer: Producer, rank: int, staging: Any,
+def _job(checkpoints: Checkpoints, ckpt: Checkpoint, producer: Producer, rank: int, staging: Staging,
          throttle_s: float) -> tuple[dict[str, Any], list[int]]:
     fds: list[int] = []
     try:

@@ -16,35 +16,35 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from hwr.client.errors import HwrError, InvalidRequest
-from hwr.daemon.rpc.support import abort_with, rpc, session_of
-from hwr.daemon.service.roles import OPERATOR, authorize
+from hwr.daemon.rpc.collaborators import Ctx, Handlers
+from hwr.daemon.rpc.support import abort_with, rpc
+from hwr.daemon.service.leasing import CHECKPOINT_LEASE_PREFIX as LEASE_PREFIX
+from hwr.daemon.service.roles import OPERATOR
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
 
 if TYPE_CHECKING:
-    from hwr.daemon.app.server import Daemon
+    from hwr.daemon.checkpoints.registry import Checkpoint, Checkpoints
+    from hwr.daemon.producers import Producer
+    from hwr.daemon.producers.build import BuiltArtifact
 
 __all__ = ["CheckpointsMixin"]
-
-LEASE_PREFIX = "checkpoint:"
 _OUTCOMES = {"built": pb.PREWARM_OUTCOME_BUILT, "already_present": pb.PREWARM_OUTCOME_ALREADY_PRESENT,
              "joined": pb.PREWARM_OUTCOME_JOINED}
 
 
-class CheckpointsMixin:
-    d: Daemon
-
-    def _checkpoint_info(self, ckpt: Any) -> pb.CheckpointInfo:
+class CheckpointsMixin(Handlers):
+    def _checkpoint_info(self, ckpt: Checkpoint) -> pb.CheckpointInfo:
         return pb.CheckpointInfo(
             checkpoint_id=ckpt.checkpoint_id, path=str(ckpt.path), model_id=ckpt.model_id,
             revision=ckpt.revision, file_count=len(ckpt.files), tensor_count=len(ckpt.tensors),
             size_bytes=ckpt.size_bytes, source_kind=ckpt.source_kind,
             state="modified" if ckpt.modified else "ready",
-            leases=self.d.registry.lease_count(LEASE_PREFIX + ckpt.checkpoint_id),
+            leases=self.c.registry.lease_count(LEASE_PREFIX + ckpt.checkpoint_id),
             registered_at=ckpt.registered_at)
 
     @rpc
-    async def AddCheckpoint(self, request: pb.AddCheckpointRequest, context: Any) -> pb.AddCheckpointResponse:
-        session = authorize(self.d, context, OPERATOR, "checkpoints add")
+    async def AddCheckpoint(self, request: pb.AddCheckpointRequest, context: Ctx) -> pb.AddCheckpointResponse:
+        session = self._authorize(context, OPERATOR, "checkpoints add")
         if not request.path.startswith("/") or len(request.path) > 4096 or "\0" in request.path:
             raise InvalidRequest("path must be an absolute path on the daemon's host", details={"field": "path"})
         from pathlib import Path
@@ -53,13 +53,13 @@ class CheckpointsMixin:
 
         ensure_spare()  # a registration announces prewarms: their producer process starts now
         # With the caller's rights (hwr.daemon.checkpoints.caller_access), never the daemon's own.
-        ckpt, added = await asyncio.to_thread(self.d.checkpoints.add, Path(request.path), cred=session.cred)
+        ckpt, added = await asyncio.to_thread(self.c.checkpoints.add, Path(request.path), cred=session.cred)
         return pb.AddCheckpointResponse(checkpoint=self._checkpoint_info(ckpt), added=added)
 
     @rpc
-    async def ListCheckpoints(self, request: pb.ListCheckpointsRequest, context: Any) -> pb.ListCheckpointsResponse:
-        session_of(self.d, context)
-        checkpoints = self.d.checkpoints
+    async def ListCheckpoints(self, request: pb.ListCheckpointsRequest, context: Ctx) -> pb.ListCheckpointsResponse:
+        self._session(context)
+        checkpoints = self.c.checkpoints
         listed = checkpoints.list()
 
         def check_all() -> None:  # refreshes each "modified" state; one thread hop for the lot
@@ -70,22 +70,22 @@ class CheckpointsMixin:
         await asyncio.to_thread(check_all)
         return pb.ListCheckpointsResponse(checkpoints=[self._checkpoint_info(ckpt) for ckpt in listed])
 
-    async def acquire_checkpoint(self, request: pb.AcquireRequest, context: Any) -> pb.AcquireResponse:
+    async def acquire_checkpoint(self, request: pb.AcquireRequest, context: Ctx) -> pb.AcquireResponse:
         """``Acquire`` of a ``CheckpointRef`` (called by ``Servicer.Acquire``, whose ``@rpc`` maps errors)."""
-        session = session_of(self.d, context)
-        ckpt = self.d.checkpoints.get(request.artifact.checkpoint.checkpoint_id)
-        await asyncio.to_thread(self.d.checkpoints.check, ckpt)
-        lease = self.d.registry.add_lease(session, LEASE_PREFIX + ckpt.checkpoint_id)
+        session = self._session(context)
+        ckpt = self.c.checkpoints.get(request.artifact.checkpoint.checkpoint_id)
+        await asyncio.to_thread(self.c.checkpoints.check, ckpt)
+        lease = self.c.registry.add_lease(session, LEASE_PREFIX + ckpt.checkpoint_id)
         return pb.AcquireResponse(
             lease_id=lease.lease_id, lease_token=lease.token, key=ckpt.checkpoint_id, manifest_json=b"",
             files=[pb.PayloadFile(name=f.name, size=f.fingerprint.size) for f in ckpt.files])
 
-    async def Prewarm(self, request: pb.PrewarmRequest, context: Any) -> AsyncIterator[pb.PrewarmResponse]:
+    async def Prewarm(self, request: pb.PrewarmRequest, context: Ctx) -> AsyncIterator[pb.PrewarmResponse]:
         queue: asyncio.Queue[pb.PrewarmResponse] = asyncio.Queue()
-        task: asyncio.Task[list[Any]] | None = None
+        task: asyncio.Task[list[BuiltArtifact]] | None = None
         try:
-            authorize(self.d, context, OPERATOR, "prewarm")
-            ckpt, producer, ranks = _prewarm_args(self.d, request)
+            self._authorize(context, OPERATOR, "prewarm")
+            ckpt, producer, ranks = _prewarm_args(self.c.checkpoints, request)
             task = asyncio.get_running_loop().create_task(self._prewarm(request, ckpt, producer, ranks, queue))
             while True:
                 getter = asyncio.ensure_future(queue.get())
@@ -111,11 +111,11 @@ class CheckpointsMixin:
                 with contextlib.suppress(BaseException):
                     await task
 
-    async def _prewarm(self, request: pb.PrewarmRequest, ckpt: Any, producer: Any, ranks: list[int],
-                       queue: asyncio.Queue[pb.PrewarmResponse]) -> list[Any]:
+    async def _prewarm(self, request: pb.PrewarmRequest, ckpt: Checkpoint, producer: Producer, ranks: list[int],
+                       queue: asyncio.Queue[pb.PrewarmResponse]) -> list[BuiltArtifact]:
         from hwr.daemon.producers.build import build_rank
 
-        config = self.d.config
+        config = self.c.settings.config
         timeout = request.timeout_ms / 1000.0 if request.timeout_ms else config.producer_timeout_s
         wait = request.wait_timeout_ms / 1000.0 if request.wait_timeout_ms else config.publication_wait_timeout_s
         results = []
@@ -126,19 +126,20 @@ class CheckpointsMixin:
                     tensor=str(event.get("tensor", ""))[:1024])))
 
             built = await build_rank(
-                checkpoints=self.d.checkpoints, publications=self.d.publications, store=self.d.store,
+                checkpoints=self.c.checkpoints, publications=self.c.publications, store=self.c.store,
                 ckpt=ckpt, producer=producer, rank=rank, timeout=max(0.001, timeout), wait_timeout=wait,
                 throttle_s=config.producer_throttle_s, on_progress=progress, prepare_next=rank != ranks[-1])
             results.append(built)
         return results
 
 
-def _prewarm_args(daemon: Daemon, request: pb.PrewarmRequest) -> tuple[Any, Any, list[int]]:
+def _prewarm_args(checkpoints: Checkpoints,
+                  request: pb.PrewarmRequest) -> tuple[Checkpoint, Producer, list[int]]:
     from hwr.daemon.producers import make_producer
 
     if not request.checkpoint or len(request.checkpoint) > 4096:
         raise InvalidRequest("checkpoint is required", details={"field": "checkpoint"})
-    ckpt = daemon.checkpoints.get(request.checkpoint)
+    ckpt = checkpoints.get(request.checkpoint)
     options: dict[str, Any] = {"dtype": request.dtype or None, "keep_fp32": list(request.keep_fp32)}
     if request.producer == "tp-slice":
         options = {"tp_size": request.tp_size, "plan": bytes(request.tp_plan), "dtype": request.dtype or None}

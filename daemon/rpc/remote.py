@@ -9,29 +9,32 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING
 
-from hwr.client.errors import ArtifactNotFound, HwrError, InvalidRequest, Unsupported
+from hwr.client.errors import ArtifactNotFound, HwrError, Unsupported
 from hwr.client.identity import is_key
-from hwr.daemon.rpc.support import abort_with, rpc, session_of
-from hwr.daemon.service.roles import OPERATOR, authorize
+from hwr.daemon.policy.key_prefix import is_prefix, unique_prefix
+from hwr.daemon.rpc.collaborators import Ctx, Handlers
+from hwr.daemon.rpc.support import abort_with, rpc
+from hwr.daemon.service.roles import OPERATOR
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
+
+if TYPE_CHECKING:
+    from hwr.daemon.fleet.tier import Fleet
 
 __all__ = ["RemoteRpc", "remote_status"]
 
 PROGRESS_INTERVAL_S = 0.2
-_HEX = frozenset("0123456789abcdef")
 
 
-def _fleet(daemon: Any) -> Any:
-    if daemon.fleet is None:
+def _fleet(fleet: Fleet | None) -> Fleet:
+    if fleet is None:
         raise Unsupported("hwrd has no remote tier configured (config key remote)")
-    return daemon.fleet
+    return fleet
 
 
-async def remote_status(daemon: Any) -> pb.RemoteStatus | None:
+async def remote_status(fleet: Fleet | None) -> pb.RemoteStatus | None:
     """The ``remote`` field of GetStatus (None when the tier is off)."""
-    fleet = daemon.fleet
     if fleet is None:
         return None
     reachable, error = await fleet.reachable()
@@ -40,40 +43,33 @@ async def remote_status(daemon: Any) -> pb.RemoteStatus | None:
                            bytes_pulled=fleet.bytes_pulled, bytes_pushed=fleet.bytes_pushed)
 
 
-async def _remote_key(fleet: Any, text: str) -> str:
+async def _remote_key(fleet: Fleet, text: str) -> str:
     """A full key, or a unique prefix among the remote's complete artifacts."""
     if is_key(text):
         return text
-    if not 4 <= len(text) <= 64 or not set(text) <= _HEX:
-        raise InvalidRequest("a key prefix needs 4 to 64 lowercase hex digits", details={"key": text[:80]})
-    matches = [e.key for e in await fleet.entries() if e.ready and e.key.startswith(text)]
-    if not matches:
-        raise ArtifactNotFound(f"no artifact in remote {fleet.location.display} matches that key",
-                               details={"key": text, "remote": fleet.location.display})
-    if len(matches) > 1:
-        raise InvalidRequest("ambiguous key prefix", details={"key": text, "matches": len(matches)})
-    return str(matches[0])
+    where = fleet.location.display
+    ready = [e.key for e in await fleet.entries() if e.ready] if is_prefix(text) else []
+    return unique_prefix(text, ready, missing=lambda p: ArtifactNotFound(
+        f"no artifact in remote {where} matches that key", details={"key": p, "remote": where}))
 
 
-class RemoteRpc:
-    d: Any
-
+class RemoteRpc(Handlers):
     @rpc
-    async def ListRemote(self, request: pb.ListRemoteRequest, context: Any) -> pb.ListRemoteResponse:
-        session_of(self.d, context)
-        fleet = _fleet(self.d)
+    async def ListRemote(self, request: pb.ListRemoteRequest, context: Ctx) -> pb.ListRemoteResponse:
+        self._session(context)
+        fleet = _fleet(self.c.fleet)
         entries = await fleet.entries()
-        local = await asyncio.to_thread(self.d.store.known_keys)
+        local = await self.c.catalog.known_keys()
         return pb.ListRemoteResponse(url=fleet.location.display, artifacts=[
             pb.RemoteArtifact(key=e.key, size_bytes=e.size_bytes, complete=e.ready, local=e.key in local)
             for e in entries])
 
-    async def PullArtifact(self, request: pb.PullArtifactRequest, context: Any) -> AsyncIterator[
+    async def PullArtifact(self, request: pb.PullArtifactRequest, context: Ctx) -> AsyncIterator[
             pb.PullArtifactResponse]:
         # Streaming: errors are mapped here, as in VerifyArtifact.
         try:
-            authorize(self.d, context, OPERATOR, "pull")
-            fleet = _fleet(self.d)
+            self._authorize(context, OPERATOR, "pull")
+            fleet = _fleet(self.c.fleet)
             key = await _remote_key(fleet, request.key)
             progress = await fleet.puller.start(key, fresh=True)
             task = progress.task
@@ -84,7 +80,7 @@ class RemoteRpc:
                     yield pb.PullArtifactResponse(done_bytes=progress.done_bytes, total_bytes=progress.total_bytes)
             record, outcome = task.result()
             # The eviction gate, as an acquire does after a pull (the record stays valid).
-            record = await self.d.store_service.lookup(key)
+            record = await self.c.catalog.lookup(key, pull=False)
         except HwrError as exc:
             await abort_with(context, exc)
             return
@@ -92,10 +88,10 @@ class RemoteRpc:
                                       done_bytes=progress.done_bytes, total_bytes=progress.total_bytes)
 
     @rpc
-    async def PushArtifact(self, request: pb.PushArtifactRequest, context: Any) -> pb.PushArtifactResponse:
-        authorize(self.d, context, OPERATOR, "push")
-        fleet = _fleet(self.d)
-        key = await self.d.store_service.resolve(request.key)
-        record = await self.d.store_service.lookup(key)  # ArtifactNotFound / ArtifactDenied first
+    async def PushArtifact(self, request: pb.PushArtifactRequest, context: Ctx) -> pb.PushArtifactResponse:
+        self._authorize(context, OPERATOR, "push")
+        fleet = _fleet(self.c.fleet)
+        key = await self.c.catalog.resolve(request.key)
+        record = await self.c.catalog.lookup(key, pull=False)  # ArtifactNotFound / ArtifactDenied first
         outcome = await fleet.pusher.push(key)
         return pb.PushArtifactResponse(key=key, outcome=outcome, size_bytes=record.size_bytes)

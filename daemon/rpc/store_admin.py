@@ -1,6 +1,7 @@
 """gRPC handlers of store administration: verify, deny/allow, pin/unpin, evict, gc, usage.
 
-A thin adapter over ``hwr.daemon.service.store_service.StoreService`` (``self.d.store_service``); the
+A thin adapter over ``hwr.daemon.service.store_service.StoreService`` (``self.c.store_service``),
+with keys resolved by the read API (``Catalog.resolve``: one namespace for every command); the
 status codes of each RPC are documented in ``hwr.proto``. Verification streams progress at most
 every 100 ms and then one verdict; a checksum mismatch is a verdict (ok=false), not a failure.
 """
@@ -11,36 +12,35 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hwr.client.errors import HwrError, InvalidRequest
-from hwr.daemon.rpc.support import rpc, session_of
-from hwr.daemon.service.roles import OPERATOR, authorize
+from hwr.daemon.rpc.collaborators import Ctx, Handlers
+from hwr.daemon.rpc.messages import lease_infos
+from hwr.daemon.rpc.support import abort_with, rpc
+from hwr.daemon.service.roles import OPERATOR
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
+
+if TYPE_CHECKING:
+    from hwr.daemon.service.sessions import Registry
 
 __all__ = ["StoreAdminRpc"]
 
 PROGRESS_INTERVAL_S = 0.1
 
 
-def _lease_infos(daemon: Any, key: str) -> list[pb.LeaseInfo]:
-    return [pb.LeaseInfo(lease_id=x.lease_id, key=x.key, session_id=x.session_id, pid=x.pid, uid=x.uid,
-                         client_name=x.client_name, acquired_at=x.acquired_at)
-            for x in daemon.registry.leases() if x.key == key]
+def _lease_infos(registry: Registry, key: str) -> list[pb.LeaseInfo]:
+    return lease_infos(x for x in registry.leases() if x.key == key)
 
 
-class StoreAdminRpc:
-    d: Any
-
-    async def VerifyArtifact(self, request: pb.VerifyArtifactRequest, context: Any) -> AsyncIterator[
+class StoreAdminRpc(Handlers):
+    async def VerifyArtifact(self, request: pb.VerifyArtifactRequest, context: Ctx) -> AsyncIterator[
             pb.VerifyArtifactResponse]:
         # A streaming handler cannot use @rpc (it wraps coroutines): errors before the first
         # message are mapped here the same way.
-        from hwr.daemon.rpc.support import abort_with
-
         try:
-            authorize(self.d, context, OPERATOR, "verify")
-            key = await self.d.store_service.resolve(request.key)
+            self._authorize(context, OPERATOR, "verify")
+            key = await self.c.catalog.resolve(request.key)
         except HwrError as exc:
             await abort_with(context, exc)
             return
@@ -54,7 +54,7 @@ class StoreAdminRpc:
                 last[0] = now
                 loop.call_soon_threadsafe(queue.put_nowait, (done, total))
 
-        job = asyncio.ensure_future(asyncio.to_thread(self.d.store.verify, key, progress))
+        job = asyncio.ensure_future(asyncio.to_thread(self.c.store.verify, key, progress))
         while not job.done():
             getter = asyncio.ensure_future(queue.get())
             await asyncio.wait({job, getter}, return_when=asyncio.FIRST_COMPLETED)
@@ -66,71 +66,71 @@ class StoreAdminRpc:
         try:
             record = job.result()
         except HwrError as exc:
-            self.d.metrics.count_verification_failure(exc.code)
+            self.c.metrics.count_verification_failure(exc.code)
             quarantined = exc.code == "CHECKSUM_MISMATCH"
             yield pb.VerifyArtifactResponse(
                 key=key, finished=True, ok=False, error_code=exc.code, message=exc.message,
-                quarantined=quarantined, affected_leases=_lease_infos(self.d, key))
+                quarantined=quarantined, affected_leases=_lease_infos(self.c.registry, key))
             return
         total = record.size_bytes
         yield pb.VerifyArtifactResponse(key=key, finished=True, ok=True, done_bytes=total, total_bytes=total)
 
     @rpc
-    async def DenyArtifact(self, request: pb.DenyArtifactRequest, context: Any) -> pb.DenyArtifactResponse:
-        authorize(self.d, context, OPERATOR, "deny")
+    async def DenyArtifact(self, request: pb.DenyArtifactRequest, context: Ctx) -> pb.DenyArtifactResponse:
+        self._authorize(context, OPERATOR, "deny")
         if not request.reason or len(request.reason) > 1000:
             raise InvalidRequest("a deny needs a reason of at most 1000 characters", details={"field": "reason"})
-        key = await self.d.store_service.resolve(request.key)
-        await asyncio.to_thread(self.d.store.deny, key, request.reason)
-        return pb.DenyArtifactResponse(key=key, affected_leases=_lease_infos(self.d, key))
+        key = await self.c.catalog.resolve(request.key)
+        await asyncio.to_thread(self.c.store.deny, key, request.reason)
+        return pb.DenyArtifactResponse(key=key, affected_leases=_lease_infos(self.c.registry, key))
 
     @rpc
-    async def AllowArtifact(self, request: pb.AllowArtifactRequest, context: Any) -> pb.AllowArtifactResponse:
-        authorize(self.d, context, OPERATOR, "allow")
-        key = await self.d.store_service.resolve(request.key)
-        was = self.d.store.deny_reason(key) is not None
-        await asyncio.to_thread(self.d.store.allow, key)
+    async def AllowArtifact(self, request: pb.AllowArtifactRequest, context: Ctx) -> pb.AllowArtifactResponse:
+        self._authorize(context, OPERATOR, "allow")
+        key = await self.c.catalog.resolve(request.key)
+        was = self.c.store.deny_reason(key) is not None
+        await asyncio.to_thread(self.c.store.allow, key)
         # Re-validate now, so that ls and status list it again before anyone acquires it (one
         # that fails validation is denied again, for that reason).
         with contextlib.suppress(HwrError):
-            await asyncio.to_thread(self.d.store.lookup, key)
+            await asyncio.to_thread(self.c.store.lookup, key)
         return pb.AllowArtifactResponse(key=key, was_denied=was)
 
     @rpc
-    async def PinArtifact(self, request: pb.PinArtifactRequest, context: Any) -> pb.PinArtifactResponse:
-        authorize(self.d, context, OPERATOR, "pin")
-        key = await self.d.store_service.resolve(request.key)
-        already, size, locked, residency = await self.d.store_service.pin(key)
+    async def PinArtifact(self, request: pb.PinArtifactRequest, context: Ctx) -> pb.PinArtifactResponse:
+        self._authorize(context, OPERATOR, "pin")
+        key = await self.c.catalog.resolve(request.key)
+        already, size, locked, residency = await self.c.store_service.pin(key)
         return pb.PinArtifactResponse(key=key, already_pinned=already, size_bytes=size, locked_bytes=locked,
                                       residency=residency)
 
     @rpc
-    async def UnpinArtifact(self, request: pb.UnpinArtifactRequest, context: Any) -> pb.UnpinArtifactResponse:
-        authorize(self.d, context, OPERATOR, "unpin")
-        key = await self.d.store_service.resolve(request.key)
-        return pb.UnpinArtifactResponse(key=key, was_pinned=await self.d.store_service.unpin(key))
+    async def UnpinArtifact(self, request: pb.UnpinArtifactRequest, context: Ctx) -> pb.UnpinArtifactResponse:
+        self._authorize(context, OPERATOR, "unpin")
+        key = await self.c.catalog.resolve(request.key)
+        return pb.UnpinArtifactResponse(key=key, was_pinned=await self.c.store_service.unpin(key))
 
     @rpc
-    async def EvictArtifact(self, request: pb.EvictArtifactRequest, context: Any) -> pb.EvictArtifactResponse:
-        authorize(self.d, context, OPERATOR, "evict")
-        key = await self.d.store_service.resolve(request.key)
-        return pb.EvictArtifactResponse(key=key, freed_bytes=await self.d.store_service.evict(key))
+    async def EvictArtifact(self, request: pb.EvictArtifactRequest, context: Ctx) -> pb.EvictArtifactResponse:
+        self._authorize(context, OPERATOR, "evict")
+        key = await self.c.catalog.resolve(request.key)
+        return pb.EvictArtifactResponse(key=key, freed_bytes=await self.c.store_service.evict(key))
 
     @rpc
-    async def CollectGarbage(self, request: pb.CollectGarbageRequest, context: Any) -> pb.CollectGarbageResponse:
-        authorize(self.d, context, OPERATOR, "gc")
+    async def CollectGarbage(self, request: pb.CollectGarbageRequest, context: Ctx) -> pb.CollectGarbageResponse:
+        self._authorize(context, OPERATOR, "gc")
         target = request.target_bytes if request.HasField("target_bytes") else None
-        report, store_bytes, target_bytes, staging = await self.d.store_service.collect_garbage(target)
+        report, store_bytes, target_bytes, staging = await self.c.store_service.collect_garbage(target)
         return pb.CollectGarbageResponse(
             evicted=report.evicted, freed_bytes=report.freed_bytes, store_bytes=store_bytes,
             target_bytes=target_bytes, staging_reclaimed=staging,
             skipped=[pb.SkippedArtifact(key=k, reason=r) for k, r in report.skipped])
 
     @rpc
-    async def GetStoreUsage(self, request: pb.GetStoreUsageRequest, context: Any) -> pb.GetStoreUsageResponse:
-        session_of(self.d, context)
-        svc = self.d.store_service
-        sizes = await asyncio.to_thread(self.d.store.rescan_usage)  # the disk's truth for an operator
+    async def GetStoreUsage(self, request: pb.GetStoreUsageRequest, context: Ctx) -> pb.GetStoreUsageResponse:
+        self._session(context)
+        svc = self.c.store_service
+        sizes = await asyncio.to_thread(self.c.store.rescan_usage)  # the disk's truth for an operator
         usage = await svc.usage()
         pinned = svc.pins.keys()
         return pb.GetStoreUsageResponse(
@@ -140,5 +140,5 @@ class StoreAdminRpc:
             pinned_bytes=sum(sizes.get(k, 0) for k in pinned), locked_bytes=svc.residency.locked_bytes,
             evictions=svc.evictions,
             artifacts=[pb.ArtifactUsage(key=k, size_bytes=n, last_access=svc.access.get(k, 0.0), pinned=k in pinned,
-                                        leases=self.d.registry.lease_count(k), held_by_pids=svc.held_pids(k))
+                                        leases=self.c.registry.lease_count(k), held_by_pids=svc.held_pids(k))
                        for k, n in sorted(sizes.items())])

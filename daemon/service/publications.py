@@ -25,7 +25,7 @@ import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hwr.client.errors import (
     ActiveBuildTimeout,
@@ -38,7 +38,13 @@ from hwr.client.identity import ArtifactIdentity
 from hwr.daemon.service.sessions import Session
 from hwr.daemon.system.exclusive import open_sole
 
-__all__ = ["DAEMON_OWNER", "BeginResult", "PubState", "Publication", "Publications"]
+if TYPE_CHECKING:
+    from hwr.daemon.store.memfd_staging import MemfdStagings
+    from hwr.daemon.store.root import Store
+    from hwr.daemon.store.staging import ProducerDigests, Staging, TensorSpec
+    from hwr.daemon.store.validation import ArtifactRecord
+
+__all__ = ["DAEMON_OWNER", "BeginResult", "Gate", "PubState", "Publication", "Publications", "Ticket"]
 
 #: ``session_id`` of publications that daemon-side builds (prewarm producers) own.
 DAEMON_OWNER = "hwrd"
@@ -47,6 +53,26 @@ DAEMON_OWNER = "hwrd"
 #: lock after its system calls, and concurrent commits share the ``artifacts/`` directory fsync
 #: (``store_io.GroupSync``), so more threads than cores finish more commits per second.
 COMMIT_THREADS = 8
+
+
+class Ticket(Protocol):
+    """A gate's admission + capacity reservation for one publication."""
+
+    def take_trash(self) -> list[Path]: ...
+
+
+class Gate(Protocol):
+    """The admission and capacity gate a publication passes (``StoreService``): ``admit`` before
+    staging, ``allocated`` once preallocated, ``finished`` at the end; ``purge_sync`` frees the
+    bytes that eviction retired to make room (in the worker thread that stages or commits)."""
+
+    async def admit(self, key: str, specs: Sequence[TensorSpec], wait_timeout: float) -> Ticket: ...
+
+    def allocated(self, ticket: Ticket) -> None: ...
+
+    def finished(self, ticket: Ticket, committed: bool) -> None: ...
+
+    def purge_sync(self, trash: list[Path]) -> None: ...
 
 
 class PubState(enum.Enum):
@@ -63,11 +89,11 @@ class Publication:
     token: str
     key: str
     session_id: str
-    staging: Any
+    staging: Staging
     state: PubState = PubState.STAGED
     done: asyncio.Event = field(default_factory=asyncio.Event)
     started_at: float = 0.0  # loop time when staged (the stalled-publisher deadline counts from it)
-    ticket: Any = None  # the gate's admission + capacity reservation (hwr.daemon.service.store_service)
+    ticket: Ticket | None = None  # the gate's admission + capacity reservation
 
 
 @dataclass(frozen=True)
@@ -78,8 +104,8 @@ class BeginResult:
 
 
 class Publications:
-    def __init__(self, store: Any, *, on_commit: Callable[[str], None] | None = None,
-                 gate: Any = None, commit_threads: int = COMMIT_THREADS,
+    def __init__(self, store: Store, *, on_commit: Callable[[str], None] | None = None,
+                 gate: Gate | None = None, commit_threads: int = COMMIT_THREADS,
                  on_phase: Callable[[str, float], None] | None = None) -> None:
         self._store = store
         # ``on_phase(phase, seconds)`` after each successful phase of a publication (admission,
@@ -95,9 +121,9 @@ class Publications:
         self._commit_pool = concurrent.futures.ThreadPoolExecutor(commit_threads, thread_name_prefix="hwr-commit")
         self.committed = 0
         self.failed = 0
-        # Sealed memfd staging of small client publications (hwr.daemon.system.memfd_staging), set by
+        # Sealed memfd staging of small client publications (hwr.daemon.store.memfd_staging), set by
         # the daemon; None: every publication writes its staging files.
-        self.memfd_staging: Any = None
+        self.memfd_staging: MemfdStagings | None = None
 
     def active(self) -> list[Publication]:
         return list(self._by_id.values())
@@ -117,7 +143,7 @@ class Publications:
         self,
         session: Session | None,
         identity: ArtifactIdentity,
-        specs: Sequence[Any],
+        specs: Sequence[TensorSpec],
         *,
         wait_timeout: float,
         format_metadata: dict[str, Any] | None = None,
@@ -162,7 +188,7 @@ class Publications:
                     phase("admission", loop.time() - began)
             ticket = pub.ticket
 
-            def stage() -> Any:  # one worker hop: free the evicted bytes, then stage
+            def stage() -> Staging:  # one worker hop: free the evicted bytes, then stage
                 if ticket is not None and not ticket.purge_after_commit:
                     self._gate.purge_sync(ticket.take_trash())
                 return self._store.begin(identity, specs, format_metadata=format_metadata)
@@ -206,11 +232,11 @@ class Publications:
 
     async def commit(
         self, session: Session, publication_id: str, expected: Mapping[str, str]
-    ) -> tuple[Any, bool]:
+    ) -> tuple[ArtifactRecord, bool]:
         return await self.commit_publication(self.get(session, publication_id), expected)
 
     async def commit_publication(self, pub: Publication, expected: Mapping[str, str], *,
-                                 trusted_digests: Any = None) -> tuple[Any, bool]:
+                                 trusted_digests: ProducerDigests | None = None) -> tuple[ArtifactRecord, bool]:
         """Commit ``pub`` (already authorised: its session's, or a daemon-side build's).
 
         ``trusted_digests`` (``ProducerDigests``) only ever comes from a daemon-owned producer

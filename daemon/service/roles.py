@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from hwr.client.errors import PermissionDeniedError
 from hwr.daemon.system.peercred import PeerCred
 
 if TYPE_CHECKING:
-    from hwr.daemon.service.sessions import Session
+    from hwr.daemon.system.config import DaemonConfig
 
-__all__ = ["OPERATOR", "PUBLISH", "Role", "Roles", "authorize", "roles_from"]
+__all__ = ["OPERATOR", "PUBLISH", "Role", "Roles", "roles_from"]
 
 Role = Literal["publish", "operator"]
 PUBLISH: Role = "publish"
@@ -66,16 +66,7 @@ class Roles:
             )
 
 
-def roles_from(config: Any) -> Roles:
+def roles_from(config: DaemonConfig) -> Roles:
     """The roles of a ``DaemonConfig`` for a daemon running as this process's effective uid."""
     return Roles(os.geteuid(), frozenset(config.publish_uids), frozenset(config.publish_gids),
                  frozenset(config.operator_uids), frozenset(config.operator_gids))
-
-
-def authorize(daemon: Any, context: Any, role: Role, action: str) -> Session:
-    """The caller's session (``hwr-session`` metadata), after checking it holds ``role``."""
-    from hwr.daemon.rpc.support import session_of
-
-    session = session_of(daemon, context)
-    daemon.roles.require(session.cred, role, action)
-    return session

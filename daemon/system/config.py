@@ -92,7 +92,7 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     operator_uids: tuple[int, ...] = ()
     operator_gids: tuple[int, ...] = ()
     # Client publications up to this many payload bytes stage in sealed memfds (they cannot grow
-    # past their size: hwr.daemon.system.memfd_staging); larger ones stage in files. 0: always files.
+    # past their size: hwr.daemon.store.memfd_staging); larger ones stage in files. 0: always files.
     memfd_staging_max_bytes: int = 64 << 20
     # Fleet tier (hwr.daemon.fleet.remote): "" off, "s3://BUCKET/PREFIX" or "file:///PATH". Credentials
     # come only from the S3 client's standard chain, never from this file.
@@ -126,7 +126,7 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         if not 1 <= self.commit_threads <= 64:
             raise ConfigError("commit_threads must be between 1 and 64", details={"key": "commit_threads"})
         if self.remote:  # without it the tier is off and the other remote_* keys are unused
-            from hwr.daemon.fleet.remote import parse_location
+            from hwr.daemon.policy.remote_location import parse_location
 
             parse_location(self.remote, endpoint_url=self.remote_endpoint_url, region=self.remote_region)
         if self.metrics_listen:

@@ -1,5 +1,7 @@
 """Prometheus metrics: the instruments, the text exposition (format 0.0.4) and a tiny local server.
 
+The series of one scrape are gathered by ``hwr.daemon.app.exposition`` (it sees every collaborator).
+
 Why not ``prometheus_client``: hwrd needs a dozen instruments, one label set without user data,
 and an asyncio listener that may be a Unix socket; the exposition format is a few lines of text,
 so writing it keeps a dependency (and its global registry and threads) out of the daemon.
@@ -49,12 +51,8 @@ import os
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from hwr.daemon.app.server import Daemon
-
-__all__ = ["Counter", "Histogram", "Instruments", "MetricsServer", "exposition", "parse_listen", "render"]
+__all__ = ["Counter", "Histogram", "Instruments", "MetricsServer", "parse_listen", "render"]
 
 log = logging.getLogger("hwrd.metrics")
 _LABEL_VALUE = re.compile(r"^[A-Za-z0-9_]{1,64}$")
@@ -276,24 +274,3 @@ class Instruments:
 
     def count_verification_failure(self, code: str) -> None:
         self.verification_failures.inc(code)
-
-
-def exposition(daemon: Daemon) -> bytes:
-    """One consistent snapshot of ``daemon`` (call on the event loop thread)."""
-    registry, publications, inst = daemon.registry, daemon.publications, daemon.metrics
-    from hwr.daemon.fleet.tier import metric_blocks as fleet_blocks
-    records = daemon.store.artifacts()
-    pubs = Counter("hwr_publications_total", "Publications finished, by outcome.", "outcome")
-    pubs.inc("committed", publications.committed)
-    pubs.inc("failed", publications.failed)
-    return render([
-        gauge_lines("hwr_artifacts", "Ready artifacts in the store.", len(records)),
-        gauge_lines("hwr_store_bytes", "Bytes of the ready artifacts.", sum(r.size_bytes for r in records)),
-        gauge_lines("hwr_leases", "Leases held now.", registry.lease_count()),
-        gauge_lines("hwr_sessions", "Sessions open now.", len(registry.sessions())),
-        gauge_lines("hwr_publications_active", "Publications in progress.", len(publications.active())),
-        counter_lines("hwr_leases_granted_total", "Leases granted since start.", registry.leases_granted),
-        counter_lines("hwr_leases_released_total", "Leases released since start.", registry.leases_released),
-        pubs.lines(), inst.evictions.lines(), inst.verification_failures.lines(), inst.acquire.lines(),
-        inst.publication_phases.lines(), *fleet_blocks(daemon.fleet),
-    ])

@@ -24,9 +24,13 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hwr.client.errors import PublicationFailed
+
+if TYPE_CHECKING:
+    from hwr.daemon.store.staging import Staging
 
 __all__ = ["MemfdStagings"]
 
@@ -42,10 +46,10 @@ class MemfdStagings:
         self._lock = threading.Lock()
         self._by_pub: dict[str, list[int]] = {}
 
-    def eligible(self, staging: Any) -> bool:
+    def eligible(self, staging: Staging) -> bool:
         return self.max_bytes > 0 and sum(size for _n, _p, size in staging.files) <= self.max_bytes
 
-    def descriptors(self, publication_id: str, staging: Any) -> list[int]:
+    def descriptors(self, publication_id: str, staging: Staging) -> list[int]:
         """New descriptors (the caller sends and closes them) of the publication's memfds,
         created, filled with the staging files' headers and sealed on first use."""
         with self._lock:
@@ -55,7 +59,7 @@ class MemfdStagings:
                 self._by_pub[publication_id] = memfds
             return [os.dup(fd) for fd in memfds]
 
-    def drain(self, publication_id: str, staging: Any) -> None:
+    def drain(self, publication_id: str, staging: Staging) -> None:
         """Copy the memfds into the staging files and close them; a no-op for a publication
         that never got memfds. The copy is the daemon's own file: whatever the publisher
         writes to its memfd afterwards changes nothing that is hashed or served."""
@@ -78,7 +82,7 @@ class MemfdStagings:
             os.close(fd)
 
 
-def _create(staging: Any) -> list[int]:
+def _create(staging: Staging) -> list[int]:
     heads = {plan.name: plan.head for plan in staging.plans}
     made: list[int] = []
     try:
@@ -95,7 +99,7 @@ def _create(staging: Any) -> list[int]:
     return made
 
 
-def _copy(memfd: int, path: Any, size: int) -> None:
+def _copy(memfd: int, path: str | Path, size: int) -> None:
     """Copy ``size`` bytes of a frozen memfd into the daemon's staging file at ``path``."""
     out = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:

@@ -1,0 +1,41 @@
+"""One scrape of hwrd's metrics: the series of ``hwr.daemon.system.metrics``, gathered from the
+collaborators the wiring built (the store, the lease registry, publications, the fleet tier).
+
+Call on the event loop thread: one call renders in one loop step, so its numbers are consistent
+with each other (see ``hwr.daemon.system.metrics``'s contract).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hwr.daemon.fleet.tier import metric_blocks as fleet_blocks
+from hwr.daemon.system.metrics import Counter, counter_lines, gauge_lines, render
+
+if TYPE_CHECKING:
+    from hwr.daemon.fleet.tier import Fleet
+    from hwr.daemon.service.publications import Publications
+    from hwr.daemon.service.sessions import Registry
+    from hwr.daemon.store.root import Store
+    from hwr.daemon.system.metrics import Instruments
+
+__all__ = ["exposition"]
+
+
+def exposition(*, store: Store, registry: Registry, publications: Publications, metrics: Instruments,
+               fleet: Fleet | None) -> bytes:
+    records = store.artifacts()
+    pubs = Counter("hwr_publications_total", "Publications finished, by outcome.", "outcome")
+    pubs.inc("committed", publications.committed)
+    pubs.inc("failed", publications.failed)
+    return render([
+        gauge_lines("hwr_artifacts", "Ready artifacts in the store.", len(records)),
+        gauge_lines("hwr_store_bytes", "Bytes of the ready artifacts.", sum(r.size_bytes for r in records)),
+        gauge_lines("hwr_leases", "Leases held now.", registry.lease_count()),
+        gauge_lines("hwr_sessions", "Sessions open now.", len(registry.sessions())),
+        gauge_lines("hwr_publications_active", "Publications in progress.", len(publications.active())),
+        counter_lines("hwr_leases_granted_total", "Leases granted since start.", registry.leases_granted),
+        counter_lines("hwr_leases_released_total", "Leases released since start.", registry.leases_released),
+        pubs.lines(), metrics.evictions.lines(), metrics.verification_failures.lines(), metrics.acquire.lines(),
+        metrics.publication_phases.lines(), *fleet_blocks(fleet),
+    ])
