@@ -1,0 +1,233 @@
+"""The publication gate: admission, then a capacity reservation, evicting to make room.
+
+A publication passes here before its staging exists (``hwr.daemon.service.publications`` calls
+``admit``, then ``allocated`` once its files are preallocated, then ``finished`` at its end): it
+takes the store-wide admission slot (only with ``serialized_admission``), then reserves its
+bytes against the store limit and the free-space floor (``policy.capacity``), evicting LRU
+artifacts to make room (``make_room``: an eviction round that only retires; see ``reserve`` for
+when the retired bytes are deleted). A request that does not fit while other publications hold
+reservations waits for room, oldest first (``signal_room``).
+
+Usage snapshots read the reservations before the disk (see ``usage``): the other order missed a
+commit landing in between and let concurrent publications overshoot the store limit.
+
+Lock order (all on the daemon's event loop; the threads below take none of these):
+
+    admission slot (``Admission``)  ->  a turn in the room queue  ->  ``lock`` (capacity)
+
+A publication takes the admission slot first and keeps it until ``finished``; it waits for its
+turn in the room queue without holding ``lock``; ``lock`` (an ``asyncio.Lock``) is held across
+one usage snapshot and the eviction round that follows it (``Evictor.round``, ``Evictor.evict``,
+``StoreService.collect_garbage`` take it too), across thread hops that take only the store's own
+locks (the /proc scan, ``Store.retire``/``remove``, ``Purger.purge``). Nothing waits for the
+admission slot or a room turn while holding ``lock``, and the pin lock (``Pinning``) is never
+taken under it, nor it under the pin lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import os
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hwr.daemon.policy.admission import Admission
+from hwr.daemon.policy.capacity import CapacityPolicy, Reservation, Reservations, Usage, assess, shortfall_error
+from hwr.daemon.store.staging import plan_payloads
+
+if TYPE_CHECKING:
+    from hwr.daemon.service.evictor import EvictionReport
+    from hwr.daemon.service.purger import Purger
+    from hwr.daemon.service.recency import Recency
+    from hwr.daemon.store.root import Store
+    from hwr.daemon.store.staging import TensorSpec
+    from hwr.daemon.system.config import DaemonConfig
+
+__all__ = ["CapacityGate", "Ticket"]
+
+
+@dataclass
+class Ticket:
+    key: str
+    took_slot: bool
+    reservation: Reservation
+    #: Artifacts retired to make room, still on disk: the publication must ``purge_sync`` them
+    #: before it creates its staging (``hwr.daemon.service.publications`` does both in one worker hop),
+    #: or, when ``purge_after_commit``, delete them after its commit (see ``reserve``).
+    trash: list[Path] = field(default_factory=list)
+    purge_after_commit: bool = False
+
+    def take_trash(self) -> list[Path]:
+        """The trash not yet deleted, handed over once (the next call returns an empty list)."""
+        trash, self.trash = self.trash, []
+        return trash
+
+
+class CapacityGate:
+    """Admission and capacity reservations of publications (see the module contract).
+
+    ``make_room(shortfall, key)``: one eviction round for a publication of ``key`` that only
+    retires what it evicts and evicts nothing unless the request then fits (``Evictor.round``
+    with ``exclude={key}, require_fit=True, defer=True, explain=False``); called under ``lock``.
+    """
+
+    #: Retired bytes a publication may leave on disk until its commit (``reserve``).
+    PURGE_AFTER_COMMIT_MAX_BYTES = 64 << 20
+
+    def __init__(self, config: DaemonConfig, store: Store, recency: Recency, purger: Purger,
+                 make_room: Callable[[int, str], Awaitable[EvictionReport]]) -> None:
+        self.store = store
+        self.recency = recency
+        self.purger = purger
+        self.make_room = make_room
+        self.policy = CapacityPolicy(config.store_limit_bytes, config.artifact_limit_bytes, config.min_free_bytes)
+        self.reservations = Reservations()
+        self.admission = Admission(serialized=config.serialized_admission)
+        self.lock = asyncio.Lock()  # the capacity lock: see the lock order in the module docstring
+        # Publications waiting for room, oldest first (see reserve and signal_room).
+        self._room_waiters: collections.deque[asyncio.Event] = collections.deque()
+
+    async def admit(self, key: str, specs: Sequence[TensorSpec], wait_timeout: float) -> Ticket:
+        need = sum(p.size for p in plan_payloads(list(specs)))
+        took = await self.admission.enter(key, wait_timeout)
+        try:
+            reservation, trash, late = await self.reserve(key, need, wait_timeout)
+        except BaseException:
+            self.admission.leave(took)
+            raise
+        return Ticket(key, took, reservation, trash, late)
+
+    def allocated(self, ticket: Ticket) -> None:
+        self.reservations.mark_allocated(ticket.reservation)
+
+    def finished(self, ticket: Ticket, committed: bool) -> None:
+        self.purger.purge_later(ticket.take_trash())  # not deleted by the commit (it failed, or was aborted)
+        self.reservations.drop(ticket.reservation)
+        self.admission.leave(ticket.took_slot)
+        ticket.took_slot = False
+        if committed:
+            self.recency.touch(ticket.key)
+        self.signal_room()
+
+    def signal_room(self) -> None:
+        """Room may have appeared (a reservation ended, an artifact lost its last lease): wake
+        the oldest publication waiting for it (``reserve``), which passes the wake-up on when
+        it leaves the queue. One retry per event instead of one per waiter: with every waiter
+        woken, dozens of publications re-ran an eviction round per lease release under churn
+        (measured: 25 rounds per publication) and the youngest could overtake the oldest."""
+        for waiter in self._room_waiters:
+            if not waiter.is_set():
+                waiter.set()
+                return
+
+    async def usage(self) -> Usage:
+        """Committed + reserved bytes, never an undercount (may double count a commit in flight).
+
+        The committed bytes are the store's in-memory accounting (``Store.committed_bytes``:
+        an artifact counts from the moment its rename into ``artifacts/`` is done until its rename
+        out). The reservations are read BEFORE it: a publication renames its artifact into
+        ``artifacts/`` first and drops its reservation afterwards (``finished``), so each of its
+        bytes is in the snapshot of one or both. Read the other way round, a commit landing
+        between the two reads is in neither and a concurrent reservation overshoots the limit by
+        that artifact. Likewise a staging is preallocated before it is marked allocated, so free
+        space measured after the unallocated snapshot double counts at worst. Sound only under
+        the capacity lock (eviction, the other way bytes leave ``artifacts/``, takes it too).
+        """
+        reserved, unallocated = self.reservations.reserved_bytes, self.reservations.unallocated_bytes
+        # Inline, not in a worker thread: the accounting is in memory and a statvfs takes
+        # microseconds, while a thread hop under publication churn waits behind blocking store
+        # work; it runs under the capacity lock, so every hop here serialises all publications
+        # (measured: ~100 ms of admission queueing). A listdir of artifacts/ here instead cost a
+        # third of the loop's time under churn: it waits on the directory lock behind renames.
+        committed, free = self._disk_usage()
+        return Usage(committed, reserved, unallocated, free)
+
+    def _disk_usage(self) -> tuple[int, int]:
+        committed = self.store.committed_bytes()
+        st = os.statvfs(self.store.root)
+        return committed, st.f_bavail * st.f_frsize
+
+    async def reserve(self, key: str, need: int, wait_timeout: float = 0.0) -> tuple[Reservation, list[Path], bool]:
+        """Reserve ``need`` bytes for a publication of ``key``, evicting LRU artifacts if needed:
+        (reservation, trash, purge_after_commit). The evicted artifacts are only retired here and
+        their trash returned; the caller must ``purge_sync`` it before it writes anything (in the
+        same worker hop as its staging), or, when ``purge_after_commit`` is True, may instead
+        delete it once its commit's ``artifacts/`` fsync made the retirement durable
+        (``Store.delete_retired``: saves a directory fsync). That is allowed only for at most
+        ``PURGE_AFTER_COMMIT_MAX_BYTES`` of trash and only when the filesystem keeps
+        ``min_free_bytes`` free with the trash still on it: the store limit counts committed and
+        reserved bytes (retired ones are neither), and the free-space floor then holds on the
+        disk itself. Deleting the trash after the lock (before the staging exists, the disk then
+        never holds more than committed + reserved bytes) lets other publications take the lock
+        meanwhile instead of queueing behind a directory fsync.
+
+        When the request does not fit even after eviction but publications in flight hold
+        reservations (their bytes will be committed, and become evictable once unused, or be
+        returned), it waits up to ``wait_timeout`` for a reservation to end or an artifact's last
+        lease to be released and tries again, in arrival order (``signal_room``; a request that
+        arrives while others wait queues behind them first); then the typed capacity error.
+        Requests that can never fit (``ArtifactTooLarge``, larger than the whole store) fail at
+        once.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.0, wait_timeout)
+        turn = asyncio.Event()  # our place in the room queue (signal_room), once a try failed
+        queued = False
+        try:
+            if self._room_waiters and len(self.reservations) and deadline > loop.time():
+                # Others wait for room already (and a reservation in flight will wake them):
+                # queue behind them instead of a try that would only find the room taken.
+                self._room_waiters.append(turn)
+                queued = True
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(turn.wait(), deadline - loop.time())
+            while True:
+                turn.clear()  # before the try: a wake-up that lands during it is kept for the wait
+                async with self.lock:
+                    usage = await self.usage()
+                    shortfall = assess(self.policy, usage, need, key=key)
+                    if shortfall:
+                        on_disk_free = usage.free_bytes  # with the retired bytes still on the disk
+                        report = await self.make_room(shortfall, key)
+                        # Sound without re-reading the disk: nothing but eviction (under this lock)
+                        # takes bytes out of the snapshot, and the retired bytes are purged before
+                        # this publication's staging is created (after the lock, below).
+                        usage = replace(usage, committed_bytes=usage.committed_bytes - report.freed_bytes,
+                                        free_bytes=usage.free_bytes + report.freed_bytes)
+                        if assess(self.policy, usage, need, key=key):
+                            await self.purger.purge(report.trash)  # nothing will stand in for it: free it now
+                            report.trash = []
+                            usage = await self.usage()
+                        if assess(self.policy, usage, need, key=key):
+                            error = shortfall_error(self.policy, usage, need, key)
+                            in_flight = len(self.reservations)
+                        else:
+                            reservation = self.reservations.add(key, need)
+                            break
+                    else:
+                        return self.reservations.add(key, need), [], False
+                remaining = deadline - loop.time()
+                if not in_flight or remaining <= 0:
+                    raise error
+                if not queued:
+                    self._room_waiters.append(turn)
+                    queued = True
+                try:
+                    await asyncio.wait_for(turn.wait(), remaining)
+                except TimeoutError:
+                    raise error from None
+        finally:
+            if queued:
+                self._room_waiters.remove(turn)
+                self.signal_room()  # pass it on: room may be left, or this one absorbed a wake-up
+        # The reservation stands in for the retired artifacts' bytes (they were taken out of the
+        # committed count); the caller deletes them before its staging exists, or after its
+        # commit when the disk's floor holds with them on it (see the docstring), so other
+        # publications take the lock meanwhile instead of queueing behind a directory fsync.
+        late = bool(report.trash) and report.freed_bytes <= self.PURGE_AFTER_COMMIT_MAX_BYTES and (
+            on_disk_free - usage.unallocated_reserved_bytes - need >= self.policy.min_free_bytes)
+        return reservation, report.trash, late
