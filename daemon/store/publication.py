@@ -154,9 +154,14 @@ class Publisher:
             raise
         return self.commit(staging)
 
-    def commit(self, staging: Staging, *, expected_tensor_sha256: Mapping[str, str] | None = None,
-               trusted_digests: ProducerDigests | None = None,
-               opened: dict[str, int] | None = None) -> ArtifactRecord:
+    def commit(
+        self,
+        staging: Staging,
+        *,
+        expected_tensor_sha256: Mapping[str, str] | None = None,
+        trusted_digests: ProducerDigests | None = None,
+        opened: dict[str, int] | None = None,
+    ) -> ArtifactRecord:
         """Validate, hash and atomically publish ``staging``; returns the committed (or joined) record.
 
         Raises ``ManifestCorrupt`` (a header was overwritten, a file resized), ``ChecksumMismatch``

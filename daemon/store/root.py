@@ -152,13 +152,24 @@ class Store:
         self._denied = DenyList(root, self._usage)
         self._records = RecordCache(root, self.euid, self._denied, self._keys, self._usage)
         self._publisher = Publisher(
-            root, records=self._records, denied=self._denied, keys=self._keys, usage=self._usage,
-            artifacts_sync=self._artifacts_sync, reaper=self.reaper, unique=self._unique,
-            require_open=self._require_open, step=_step,
+            root,
+            records=self._records,
+            denied=self._denied,
+            keys=self._keys,
+            usage=self._usage,
+            artifacts_sync=self._artifacts_sync,
+            reaper=self.reaper,
+            unique=self._unique,
+            require_open=self._require_open,
+            step=_step,
         )
         self._retirement = Retirement(
-            root, records=self._records, keys=self._keys, usage=self._usage,
-            artifacts_sync=self._artifacts_sync, unique=self._unique,
+            root,
+            records=self._records,
+            keys=self._keys,
+            usage=self._usage,
+            artifacts_sync=self._artifacts_sync,
+            unique=self._unique,
         )
 
     # ----------------------------------------------------------------- lifecycle
@@ -202,8 +213,9 @@ class Store:
         recovery.remove_legacy_key_locks(self.root / "locks")
         recovery.wipe_tmp(self.root / "tmp")
         self._denied.load()
-        self.start_report.extend(recovery.validate_at_open(self.root / "artifacts", self.euid, self._denied,
-                                                           self._records))
+        self.start_report.extend(
+            recovery.validate_at_open(self.root / "artifacts", self.euid, self._denied, self._records)
+        )
         self._usage.reset(self._scan_sizes())
 
     def close(self) -> None:
@@ -258,13 +270,19 @@ class Store:
         """Convenience: ``begin`` + write CPU tensors + ``commit`` (aborts on any failure)."""
         return self._publisher.publish(identity, tensors, kinds=kinds, max_file_bytes=max_file_bytes)
 
-    def commit(self, staging: Staging, *, expected_tensor_sha256: Mapping[str, str] | None = None,
-               trusted_digests: ProducerDigests | None = None,
-               opened: dict[str, int] | None = None) -> ArtifactRecord:
+    def commit(
+        self,
+        staging: Staging,
+        *,
+        expected_tensor_sha256: Mapping[str, str] | None = None,
+        trusted_digests: ProducerDigests | None = None,
+        opened: dict[str, int] | None = None,
+    ) -> ArtifactRecord:
         """``Publisher.commit``: validate, hash and atomically publish ``staging`` (its errors
         are listed there); returns the committed (or joined) record."""
-        return self._publisher.commit(staging, expected_tensor_sha256=expected_tensor_sha256,
-                                      trusted_digests=trusted_digests, opened=opened)
+        return self._publisher.commit(
+            staging, expected_tensor_sha256=expected_tensor_sha256, trusted_digests=trusted_digests, opened=opened
+        )
 
     def take_added(self) -> list[str]:
         """Keys that became records (validated artifacts) since the last call, each once per
@@ -309,8 +327,7 @@ class Store:
         """Re-hash every byte; a mismatch quarantines and denies the key, raising ``ChecksumMismatch``.
         A key an operator denied is verified too (its bytes are judged, the deny stays); one
         denied because it was found corrupt raises ``ArtifactDenied``."""
-        return verify(_check_key(key), records=self._records, denied=self._denied, keys=self._keys,
-                      progress=progress)
+        return verify(_check_key(key), records=self._records, denied=self._denied, keys=self._keys, progress=progress)
 
     # ----------------------------------------------------------------- usage and staging
     def usage_by_key(self) -> dict[str, int]:
@@ -329,9 +346,13 @@ class Store:
         result = self._usage.rescan(self._scan_sizes)
         added, gone = listing_changes(result.before, result.after)
         if added or gone:
-            log.warning("artifacts/ changed behind the daemon: %d entries appeared (%s), %d vanished (%s)",
-                        len(added), ",".join(k[:12] for k in added[:5]),
-                        len(gone), ",".join(k[:12] for k in gone[:5]))
+            log.warning(
+                "artifacts/ changed behind the daemon: %d entries appeared (%s), %d vanished (%s)",
+                len(added),
+                ",".join(k[:12] for k in added[:5]),
+                len(gone),
+                ",".join(k[:12] for k in gone[:5]),
+            )
         return dict(result.after)
 
     def _scan_sizes(self) -> dict[str, int]:

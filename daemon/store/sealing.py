@@ -34,8 +34,13 @@ from hwr.daemon.store.staging_bounds import allocation_ok
 __all__ = ["seal"]
 
 
-def seal(staging: Staging, expected: Mapping[str, str] | None, trusted: ProducerDigests | None,
-         opened: dict[str, int], step: Callable[[str], None]) -> tuple[Manifest, ReadyMarker]:
+def seal(
+    staging: Staging,
+    expected: Mapping[str, str] | None,
+    trusted: ProducerDigests | None,
+    opened: dict[str, int],
+    step: Callable[[str], None],
+) -> tuple[Manifest, ReadyMarker]:
     """Validate, hash, document and fsync ``staging`` (see the module docstring).
 
     ``trusted``: digests a daemon-owned producer computed while writing, used when they cover the
@@ -58,8 +63,13 @@ def seal(staging: Staging, expected: Mapping[str, str] | None, trusted: Producer
             if not allocation_ok(st, plan.size):  # grown, or blocks allocated past the end
                 raise ManifestCorrupt(
                     f"{plan.name} was resized or holds more blocks than its planned size",
-                    details={"file": plan.name, "key": staging.key, "size": st.st_size,
-                             "allocated": st.st_blocks * 512, "planned": plan.size},
+                    details={
+                        "file": plan.name,
+                        "key": staging.key,
+                        "size": st.st_size,
+                        "allocated": st.st_blocks * 512,
+                        "planned": plan.size,
+                    },
                 )
             if os.pread(fd, len(plan.head), 0) != plan.head:
                 raise ManifestCorrupt(
@@ -84,8 +94,7 @@ def seal(staging: Staging, expected: Mapping[str, str] | None, trusted: Producer
                     "tensor bytes differ from the writer's hashes",
                     details={"key": staging.key, "tensors": ",".join(bad[:20])},
                 )
-        files = [FileRecord(name=p.name, size=p.size, sha256=h)
-                 for p, h in zip(staging.plans, file_sha, strict=True)]
+        files = [FileRecord(name=p.name, size=p.size, sha256=h) for p, h in zip(staging.plans, file_sha, strict=True)]
         where = {e.name: p.name for p in staging.plans for e in p.entries}
         tensors = [
             TensorRecord(

@@ -35,8 +35,9 @@ def corrupt_parts(record: ArtifactRecord, file_sha: Sequence[str], tensor_sha: M
     return bad
 
 
-def _hash(record: ArtifactRecord, fds: Sequence[tuple[str, int]],
-          progress: Callable[[int, int], None] | None) -> tuple[list[str], dict[str, str]]:
+def _hash(
+    record: ArtifactRecord, fds: Sequence[tuple[str, int]], progress: Callable[[int, int], None] | None
+) -> tuple[list[str], dict[str, str]]:
     jobs = []
     for (_, fd), file_record in zip(fds, record.manifest.files, strict=True):
         header = read_header(fd)
@@ -52,8 +53,14 @@ def _hash(record: ArtifactRecord, fds: Sequence[tuple[str, int]],
     return store_io.hash_ranges(jobs, progress)
 
 
-def verify(key: str, *, records: RecordCache, denied: DenyList, keys: KeyLocks,
-           progress: Callable[[int, int], None] | None = None) -> ArtifactRecord:
+def verify(
+    key: str,
+    *,
+    records: RecordCache,
+    denied: DenyList,
+    keys: KeyLocks,
+    progress: Callable[[int, int], None] | None = None,
+) -> ArtifactRecord:
     """Re-hash every byte of ``key`` (a valid key); returns its record when every hash holds."""
     record = records.inspect_denied(key) if denied.reason(key) == OPERATOR_DENIED else None
     if record is None:
@@ -66,9 +73,7 @@ def verify(key: str, *, records: RecordCache, denied: DenyList, keys: KeyLocks,
             os.close(fd)
     bad = corrupt_parts(record, file_sha, tensor_sha)
     if bad:
-        exc = ChecksumMismatch(
-            f"artifact {key} has corrupt bytes", details={"key": key, "corrupt": ",".join(bad[:20])}
-        )
+        exc = ChecksumMismatch(f"artifact {key} has corrupt bytes", details={"key": key, "corrupt": ",".join(bad[:20])})
         with keys.hold(key):
             records.deny_for(key, exc)
             denied.quarantine(record.path, "checksum", key)
