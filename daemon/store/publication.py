@@ -51,8 +51,8 @@ class Publisher:
 
     Lock order: ``_lock`` is a leaf (held only to add or take an open staging). An install holds
     the key's lock (``KeyLocks``) across the rename, the chmod and the group fsync, and under it
-    may write or clear a deny marker (the deny list's lock) and take leaf locks; a group fsync
-    waited on under a key lock is led by a thread that needs no store lock.
+    may write or clear a deny marker (the deny list's lock) and take leaf locks; waiting there for
+    a group fsync round is safe (its leader only fsyncs, it never waits for a lock meanwhile).
     """
 
     def __init__(

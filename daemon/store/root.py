@@ -118,16 +118,16 @@ class Store:
     Lock order (a lock may be taken while holding only those above it; each collaborator's
     docstring repeats its part):
 
-    1. a key's lock (``KeyLocks.hold``): outermost; held across the disk work on
-       ``artifacts/<key>`` (an install's rename, chmod and group fsync, a retirement's rename,
-       a quarantine, the first inspection of a directory);
+    1. a key's lock (``KeyLocks.hold``): outermost, and a thread holds at most one; held
+       across the disk work on ``artifacts/<key>`` (an install's rename, chmod and group fsync,
+       a retirement's rename, a quarantine, the first inspection of a directory);
     2. ``DenyList._lock``: held across a deny marker's write, rename and fsync;
     3. ``UsageLedger._scan_lock``: held across a usage rescan's listing, under no other lock;
     4. leaves, held only for in-memory updates, never across a syscall nor while taking another
        lock: ``RecordCache._lock``, ``UsageLedger._lock``, ``Publisher._lock``,
        ``Retirement._lock``, ``KeyLocks._table_lock``, ``StagingReaper._lock`` and
-       ``GroupSync``'s (whose round leader fsyncs holding no store lock, so waiting for a round
-       under a key lock cannot deadlock).
+       ``GroupSync``'s. Waiting for a ``GroupSync`` round under a key's lock is safe: the
+       round's leader only fsyncs, it never waits for a lock meanwhile.
 
     Readers of single values (``listed``, ``cached``, ``deny_reason``, ``usage_by_key``,
     ``committed_bytes``) take no lock: a dict lookup or copy is atomic under the interpreter lock.
