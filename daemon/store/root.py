@@ -27,7 +27,7 @@ are described in ``publication``. A crash before the rename leaves only staging 
 next start); after it a complete artifact.
 
 Validation: full hashing once at publication and on ``verify``; metadata level
-(``store_validation``) at start and on the first lookup, then a warm lookup compares recorded
+(``validation``) at start and on the first lookup, then a warm lookup compares recorded
 ``lstat`` fingerprints (a few microseconds). Corruption writes a deny marker and raises
 ``ManifestCorrupt``/``ChecksumMismatch``/``ManifestIncompatible``; a denied key raises
 ``ArtifactDenied``; only 64-hex keys ever become paths.
@@ -35,8 +35,8 @@ Validation: full hashing once at publication and on ``verify``; metadata level
 Limits: a writer that keeps its ``O_RDWR`` descriptor after commit can still write (the kernel
 cannot revoke it); such a write changes mtime/ctime and is caught at the next lookup, to the
 filesystem's timestamp granularity, and always by ``verify``. Thread-safe; not fork-safe (a child
-must not use its parent's Store). Usage is accounted in memory (``usage``), no lock is held across
-a rename except a key's own.
+must not use its parent's Store). Usage is accounted in memory (``usage``); no lock but the key's
+own is held across the rename of an ``artifacts/`` entry.
 """
 
 from __future__ import annotations
