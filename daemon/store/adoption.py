@@ -36,11 +36,14 @@ import os
 import stat
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hwr.client.errors import ArtifactNotFound, HwrError, ManifestIncompatible, StoreLocked
 from hwr.client.identity import canonical_json, is_key
 from hwr.daemon.store import fileio as store_io
+
+if TYPE_CHECKING:
+    from hwr.daemon.store.root import Store
 
 __all__ = ["REPORT_FILE", "finish", "prepare"]
 
@@ -124,7 +127,7 @@ def _previous(root: Path) -> set[str]:
     return set()
 
 
-def finish(store: Any, report: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def finish(store: Store, report: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Verify every pending artifact in the opened store and write ``adoption.json``."""
     root = Path(store.root)
     done_before = _previous(root)

@@ -272,7 +272,7 @@ def test_a_lookup_that_races_a_quarantine_reports_the_deny_not_a_missing_artifac
     """Regression (seen once in CI under load): a lookup that passed the deny check while a
     scrub was denying and quarantining the artifact found it gone and said ArtifactNotFound.
     It must hand back the record and let ``open_payloads`` say what the artifact is now."""
-    import hwr.daemon.store.root as store_module
+    import hwr.daemon.store.records as store_module
     from hwr.client.errors import ArtifactDenied, ChecksumMismatch
 
     store = Store.open(tmp_path / "root")
@@ -283,12 +283,11 @@ def test_a_lookup_that_races_a_quarantine_reports_the_deny_not_a_missing_artifac
         def inspect_then_quarantine(path, key_, euid):  # type: ignore[no-untyped-def]
             record = real(path, key_, euid)
             # The scrub's verify lands here: deny first, then move the directory aside.
-            store._deny_for(key_, ChecksumMismatch("flipped", details={"key": key_}))
-            store._quarantine_path(path, "checksum", key_)
+            store._records.deny_for(key_, ChecksumMismatch("flipped", details={"key": key_}))
+            store._denied.quarantine(path, "checksum", key_)
             return record
 
-        with store._mutex:
-            store._records.pop(key)  # as verify does first: the next lookup inspects the disk
+        store._records.drop(key)  # as verify does first: the next lookup inspects the disk
         monkeypatch.setattr(store_module, "inspect_artifact", inspect_then_quarantine)
         record = store.lookup(key)
         with pytest.raises(ArtifactDenied):
@@ -312,7 +311,7 @@ def test_a_failed_rescan_keeps_the_accounting_and_the_next_one_works(tmp_path: P
         with pytest.raises(OSError):
             store.rescan_usage()
         monkeypatch.setattr(store, "_scan_sizes", real)
-        assert store.usage_by_key() == before and store._touched is None
+        assert store.usage_by_key() == before and store._usage._touched is None
         assert store.rescan_usage() == before and key in before
     finally:
         store.close()
