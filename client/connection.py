@@ -151,11 +151,6 @@ class Connection:
         return not self._closed and os.getpid() == self._pid
 
     @property
-    def peer(self) -> socket.socket | None:
-        """The current peer socket (None once closed); a snapshot: a reconnect replaces it."""
-        return self._peer
-
-    @property
     def channel(self) -> grpc.Channel | None:
         """The gRPC channel, None until a call needed it (and again after a reconnect)."""
         return self._channel
