@@ -1,7 +1,7 @@
 """Leases from hwrd: acquire on the peer channel, checkpoint leases, reattach after a reconnect.
 
 An ``Acquirer`` turns an identity or key into a ``Lease`` (one peer request and one reply: the
-lease id, the manifest and the payload descriptors, see ``hwr.daemon.peer``), leases registered
+lease id, the manifest and the payload descriptors, see ``hwr.daemon.peer.channel``), leases registered
 checkpoints (``acquire_checkpoint``: the Acquire RPC, then the descriptors on the peer channel),
 and keeps the table of open leases that a reconnect reattaches.
 
