@@ -272,10 +272,10 @@ def worker_hwr_breakdown(spec: dict[str, Any]) -> dict[str, Any]:
 def connect_steps(socket: str, lap: Any) -> None:
     """What ``Client.__init__`` does, step by step (private names: may drift). No gRPC: the
     client opens its channel lazily, on the first call that needs it."""
-    from hwr.client.client import _open_peer
+    from hwr.client.connection import open_peer
     from hwr.client.wire import recv_frame, send_frame
 
-    peer = _open_peer(Path(socket), 30.0)
+    peer = open_peer(Path(socket), 30.0)
     lap("connect: peer socket connect")
     recv_frame(peer)
     lap("connect: peer greeting (daemon: SO_PEERCRED, session)")

@@ -1,0 +1,194 @@
+"""Leases from hwrd: acquire on the peer channel, checkpoint leases, reattach after a reconnect.
+
+An ``Acquirer`` turns an identity or key into a ``Lease`` (one peer request and one reply: the
+lease id, the manifest and the payload descriptors, see ``hwr.daemon.peer.channel``), leases registered
+checkpoints (``acquire_checkpoint``: the Acquire RPC, then the descriptors on the peer channel),
+and keeps the table of open leases that a reconnect reattaches.
+
+Two per-process manifest caches make a repeated lease of one artifact cheap: ``_MANIFESTS``
+(key -> digest and parsed manifest: the request says which manifest this process holds, and the
+daemon then sends no manifest bytes) and ``_parse_manifest`` (a manifest's bytes name it, so it
+is validated once per process).
+
+Reattach contract: after the daemon restarted, ``reattach`` re-acquires the key of every open
+lease on the new session. A lease keeps its mappings (they are mappings of immutable files and
+stay valid whatever the daemon does) and is rebound to the new lease id when the daemon hands
+out the *same files* (same dev:inode); otherwise (evicted and republished meanwhile, or denied)
+it is detached: still readable, no longer counted by the daemon (which still sees its mappings
+in the mappings scan). A closed lease is not reattached.
+
+Thread safety: the open-lease table has no lock of its own. Callers add to it (``acquire``);
+``reattach`` runs under the connection's reconnect lock (one at a time) and pops from it; both
+it and the watcher's ``any_open`` read a copy. Limits: an ``acquire`` that adds while another
+thread is taking such a copy can make that copy fail (``RuntimeError`` from the weak dictionary);
+the manifest cache is cleared whole when it passes 256 keys, and a clear racing an acquire that
+said it held the manifest leaves that acquire's reply without a manifest (``DaemonUnavailable``,
+which ``acquire`` answers as a broken channel: it reconnects and asks again).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+import time
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from hwr.client.errors import DaemonUnavailable, DeadlineExceeded, HwrError, InvalidRequest
+from hwr.client.identity import ArtifactIdentity, is_key
+from hwr.client.manifest import Manifest
+from hwr.client.wire import close_fds
+from hwr.protos.hwr.v1 import hwr_pb2 as pb
+
+if TYPE_CHECKING:  # the lease modules import torch: only the calls that build tensors load them
+    from hwr.client.checkpoint_lease import CheckpointLease
+    from hwr.client.connection import Connection, ReattachReport
+    from hwr.client.lease import Lease
+
+__all__ = ["Acquirer"]
+
+#: key -> (sha256 of the manifest bytes the daemon sent, parsed manifest): lets ``acquire`` tell the
+#: daemon which manifest this process already holds, so the daemon sends it only once per process.
+_MANIFESTS: dict[str, tuple[str, Manifest]] = {}
+
+
+@functools.lru_cache(maxsize=32)
+def _parse_manifest(data: bytes) -> Manifest:
+    """Strictly parse a manifest once per process: a manifest is immutable, its bytes name it.
+
+    Repeated leases of the same artifact (every restart of a pipeline in a long-lived worker,
+    the latency benchmarks) then skip the O(tensors) validation. Errors are not cached.
+    """
+    return Manifest.from_json(data)
+
+
+class Acquirer:
+    """Acquires and releases the leases of one connection, and reattaches them after a reconnect."""
+
+    def __init__(self, connection: Connection) -> None:
+        self._connection = connection
+        #: Open leases with the (dev, inode) of their files: what ``reattach`` compares.
+        self._open_leases: weakref.WeakKeyDictionary[Lease, tuple[tuple[int, int], ...]] = (
+            weakref.WeakKeyDictionary())
+
+    def peer_acquire(self, key: str, identity: bytes | None = None,
+                     deadline: float | None = None) -> tuple[str, str, Manifest, list[int]]:
+        """The peer channel's ``acquire`` of ``key`` (sent as ``identity``, its canonical bytes,
+        when given) within ``deadline`` (``time.monotonic()``; None: the connection's timeout):
+        (lease id, key, manifest, descriptors)."""
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise DeadlineExceeded("the acquire's deadline passed before hwrd was asked")
+        request: dict[str, Any] = {"op": "acquire"}
+        if identity is not None:
+            request["identity"] = identity.decode()
+        else:
+            request["key"] = key
+        cached = _MANIFESTS.get(key)
+        if cached is not None:  # the daemon then sends no manifest bytes
+            request["have"] = cached[0]
+        reply, fds, tail = self._connection.exchange(request, want_fds=True, timeout=left)
+        try:
+            try:
+                lease_id, got_key, digest = (str(reply["lease_id"]), str(reply["key"]),
+                                             str(reply["manifest_sha256"]))
+            except KeyError:
+                raise DaemonUnavailable("malformed acquire reply from hwrd") from None
+            if tail:
+                manifest = _parse_manifest(tail)
+                if len(_MANIFESTS) > 256:
+                    _MANIFESTS.clear()
+                _MANIFESTS[got_key] = (digest, manifest)
+            else:
+                cached = _MANIFESTS.get(got_key)
+                if cached is None or cached[0] != digest:
+                    raise DaemonUnavailable("hwrd omitted a manifest this process does not hold")
+                manifest = cached[1]
+        except BaseException:
+            close_fds(fds)
+            if "lease_id" in reply:
+                with contextlib.suppress(HwrError):
+                    self._connection.exchange({"op": "release", "lease_id": str(reply["lease_id"])},
+                                              want_fds=False)
+            raise
+        return lease_id, got_key, manifest, fds
+
+    def acquire(self, artifact: ArtifactIdentity | str, *, copy_on_write: bool = False,
+                populate: bool = False, timeout: float | None = None) -> Lease:
+        """Lease an artifact by identity or 64-hex key (``Client.acquire`` documents the contract)."""
+        if isinstance(artifact, ArtifactIdentity):
+            identity = artifact.canonical_bytes
+            key = hashlib.sha256(identity).hexdigest()  # = artifact.key
+        elif isinstance(artifact, str) and is_key(artifact):
+            key, identity = artifact, None
+        else:
+            raise InvalidRequest("acquire takes an ArtifactIdentity or a 64-hex key")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        lease_id, key, manifest, fds = self._connection.with_reconnect(
+            lambda: self.peer_acquire(key, identity, deadline), deadline)
+        from hwr.client.lease import Lease
+
+        # Lease owns the descriptors from here (closes them, and releases the lease on failure).
+        lease = Lease(lease_id=lease_id, key=key, manifest=manifest, fds=fds,
+                      release=self.release, copy_on_write=copy_on_write, populate=populate)
+        self._open_leases[lease] = lease.file_ids
+        self._connection.start_watcher(self.any_open)
+        return lease
+
+    def release(self, lease_id: str) -> None:
+        """Release ``lease_id``; nothing once the connection is closed or in a forked child (the
+        session's end released it, or it is the parent's)."""
+        if not self._connection.active:
+            return
+        self._connection.exchange({"op": "release", "lease_id": lease_id}, want_fds=False)
+
+    def acquire_checkpoint(self, checkpoint_id: str, *, populate: bool = False,
+                           timeout: float | None = None) -> CheckpointLease:
+        """Lease the canonical tensors of a registered checkpoint (id or unique prefix)."""
+        ref = pb.ArtifactRef(checkpoint=pb.CheckpointRef(checkpoint_id=checkpoint_id))
+        response: pb.AcquireResponse = self._connection.call("Acquire", pb.AcquireRequest(artifact=ref), timeout)
+        try:
+            _reply, fds, _tail = self._connection.exchange(
+                {"op": "fds", "lease_id": response.lease_id, "lease_token": response.lease_token}, want_fds=True)
+        except BaseException:
+            self.release(response.lease_id)
+            raise
+        from hwr.client.checkpoint_lease import CheckpointLease
+
+        return CheckpointLease(lease_id=response.lease_id, checkpoint_id=response.key,
+                               files=[(f.name, f.size) for f in response.files], fds=fds,
+                               release=self.release, populate=populate)
+
+    def any_open(self) -> bool:
+        """Whether a lease of this table is still open (the reconnect watcher runs while so)."""
+        return any(not lease.closed for lease in list(self._open_leases))
+
+    def reattach(self) -> ReattachReport:
+        """Re-acquire every open lease on the connection's new session (see the module contract)."""
+        reattached, detached = 0, []
+        for lease, files in list(self._open_leases.items()):
+            if lease.closed:
+                continue
+            try:
+                lease_id, _key, _manifest, fds = self.peer_acquire(lease.key)
+            except HwrError:
+                detached.append(lease.key)
+                self._open_leases.pop(lease, None)
+                continue
+            try:
+                same = tuple((st.st_dev, st.st_ino) for st in map(os.fstat, fds)) == files
+            finally:
+                close_fds(fds)
+            if same and lease.rebind(lease_id):
+                reattached += 1
+                continue
+            # Other files, or the application closed the lease while it was being reattached
+            # (its close released the old id): the new one is not wanted.
+            with contextlib.suppress(HwrError):
+                self._connection.exchange({"op": "release", "lease_id": lease_id}, want_fds=False)
+            self._open_leases.pop(lease, None)
+            if not same:
+                detached.append(lease.key)
+        return {"reattached": reattached, "detached": detached}
