@@ -75,9 +75,12 @@ class Housekeeping:
     async def _bound_staging(self, publications: Publications) -> None:
         """Cancel staged publications whose files grew past their plan, and take back the
         blocks of discarded stagings a writer still holds (``hwr.daemon.store.staging_bounds``)."""
+        from hwr.daemon.service.publications import PubState
         from hwr.daemon.store.staging_bounds import overgrown
 
-        for pub_id in await asyncio.to_thread(overgrown, publications.active()):
+        staged = [(p.publication_id, p.staging) for p in publications.active()
+                  if p.state is PubState.STAGED and p.staging is not None]
+        for pub_id in await asyncio.to_thread(overgrown, staged):
             if await publications.cancel(pub_id, "its staging grew past its reservation"):
                 self.cancelled_publications += 1
                 log.warning("cancelled publication %s: its staging grew past its reservation", pub_id)

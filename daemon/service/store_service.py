@@ -14,8 +14,9 @@ it has one), and wires them on the daemon's event loop:
 ``Scrubber`` (``scrubber``)         background re-verification at a bandwidth cap
 ``Housekeeping`` (``housekeeping``) the periodic tick
 
-The acquire gate stays here (``lookup_now``/``lookup``: an acquire of a key that an eviction round
-has marked waits for the round to end), with key-prefix resolution (``resolve``). The lease
+The eviction gate stays here (``lookup_now``/``lookup``: an acquire of a key that an eviction round
+has marked waits for the round to end); readers reach it through the read API
+(``hwr.daemon.service.catalog``), which also resolves key prefixes. The lease
 observer (``_on_lease``) feeds the journal, the mapping-scan cache, the LRU clock and the room
 queue of waiting publications. The public methods and attributes are those callers used before
 the split; most delegate.
@@ -47,9 +48,8 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from hwr.client.errors import ArtifactNotFound, InvalidRequest
 from hwr.daemon.service.access_times import AccessTimes
 from hwr.daemon.service.capacity_gate import CapacityGate, Ticket
 from hwr.daemon.service.evictor import EvictionReport, Evictor
@@ -72,12 +72,12 @@ if TYPE_CHECKING:
     from hwr.daemon.service.sessions import LeaseRecord, Registry
     from hwr.daemon.store.root import Store
     from hwr.daemon.store.staging import TensorSpec
+    from hwr.daemon.store.validation import ArtifactRecord
     from hwr.daemon.system.config import DaemonConfig
 
 __all__ = ["AccessTimes", "EvictionReport", "StoreService", "Ticket"]
 
 log = logging.getLogger("hwrd.store")
-_HEX = frozenset("0123456789abcdef")
 
 
 class StoreService:
@@ -162,12 +162,12 @@ class StoreService:
         return self.lease_holds.held_pids(key)
 
     # ------------------------------------------------------------------ acquire gate
-    def lookup_now(self, key: str) -> Any:
+    def lookup_now(self, key: str) -> ArtifactRecord | None:
         """The cached validated record when ``key`` can be leased right now without waiting or
         touching the disk (``Store.cached``), else None: then await ``lookup``."""
         return None if key in self.evicting else self.store.cached(key)
 
-    async def lookup(self, key: str) -> Any:
+    async def lookup(self, key: str) -> ArtifactRecord:
         """``Store.lookup`` that waits while ``key`` is being evicted. No await follows the final
         check, so the caller's ``add_lease`` runs before any later eviction round can mark it."""
         record = await asyncio.to_thread(self.store.lookup, key)
@@ -314,17 +314,4 @@ class StoreService:
     @property
     def cancelled_publications(self) -> int:
         return self.housekeeping.cancelled_publications
-
-    # ------------------------------------------------------------------ keys
-    async def resolve(self, prefix: str) -> str:
-        """A full key from a key or unique prefix, among present, denied and pinned artifacts."""
-        if not 4 <= len(prefix) <= 64 or not set(prefix) <= _HEX:
-            raise InvalidRequest("a key prefix needs 4 to 64 lowercase hex digits", details={"key": prefix[:80]})
-        keys = await asyncio.to_thread(self.store.known_keys) | self.pins.keys()
-        matches = [k for k in keys if k.startswith(prefix)]
-        if not matches:
-            raise ArtifactNotFound("no artifact matches that key", details={"key": prefix})
-        if len(matches) > 1:
-            raise InvalidRequest("ambiguous key prefix", details={"key": prefix, "matches": len(matches)})
-        return matches[0]
 

@@ -36,9 +36,12 @@ import stat
 import threading
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hwr.daemon.store import fileio as store_io
+
+if TYPE_CHECKING:
+    from hwr.daemon.store.staging import Staging
 
 __all__ = ["SLACK_BYTES", "StagingReaper", "allocation_ok", "overgrown", "truncate_tree"]
 
@@ -53,20 +56,18 @@ def allocation_ok(st: os.stat_result, planned: int) -> bool:
     return st.st_size == planned and st.st_blocks * 512 <= limit
 
 
-def overgrown(publications: Iterable[Any]) -> list[str]:
-    """Ids of staged publications (``Publication`` objects) whose staging outgrew its plan."""
+def overgrown(staged: Iterable[tuple[str, Staging]]) -> list[str]:
+    """Of ``(publication id, staging)`` pairs of staged publications, the ids whose staging
+    outgrew its plan."""
     found = []
-    for pub in publications:
-        staging = getattr(pub, "staging", None)
-        if staging is None or getattr(pub.state, "value", "") != "staged":
-            continue
+    for publication_id, staging in staged:
         for _name, path, size in staging.files:
             try:
                 st = os.lstat(path)
             except OSError:
                 continue
             if not allocation_ok(st, size):
-                found.append(pub.publication_id)
+                found.append(publication_id)
                 break
     return found
 
