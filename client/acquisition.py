@@ -17,13 +17,13 @@ out the *same files* (same dev:inode); otherwise (evicted and republished meanwh
 it is detached: still readable, no longer counted by the daemon (which still sees its mappings
 in the mappings scan). A closed lease is not reattached.
 
-Thread safety: the open-lease table has no lock of its own. Callers add to it (``acquire``);
-``reattach`` runs under the connection's reconnect lock (one at a time) and pops from it; both
-it and the watcher's ``any_open`` read a copy. Limits: an ``acquire`` that adds while another
-thread is taking such a copy can make that copy fail (``RuntimeError`` from the weak dictionary);
-the manifest cache is cleared whole when it passes 256 keys, and a clear racing an acquire that
-said it held the manifest leaves that acquire's reply without a manifest (``DaemonUnavailable``,
-which ``acquire`` answers as a broken channel: it reconnects and asks again).
+Thread safety: the open-lease table has its own lock, a leaf (never held while talking to hwrd
+or while taking another lock): callers add to it (``acquire``); ``reattach`` runs under the
+connection's reconnect lock (one at a time), reads a copy and pops from it; the watcher's
+``any_open`` reads a copy. Limits: the manifest cache is cleared whole when it passes 256 keys,
+and a clear racing an acquire that said it held the manifest leaves that acquire's reply without
+a manifest (``DaemonUnavailable``, which ``acquire`` answers as a broken channel: it reconnects
+and asks again).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import contextlib
 import functools
 import hashlib
 import os
+import threading
 import time
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -72,6 +73,7 @@ class Acquirer:
         #: Open leases with the (dev, inode) of their files: what ``reattach`` compares.
         self._open_leases: weakref.WeakKeyDictionary[Lease, tuple[tuple[int, int], ...]] = (
             weakref.WeakKeyDictionary())
+        self._table_lock = threading.Lock()  # guards _open_leases (a leaf: see the module docstring)
 
     def peer_acquire(self, key: str, identity: bytes | None = None,
                      deadline: float | None = None) -> tuple[str, str, Manifest, list[int]]:
@@ -133,7 +135,8 @@ class Acquirer:
         # Lease owns the descriptors from here (closes them, and releases the lease on failure).
         lease = Lease(lease_id=lease_id, key=key, manifest=manifest, fds=fds,
                       release=self.release, copy_on_write=copy_on_write, populate=populate)
-        self._open_leases[lease] = lease.file_ids
+        with self._table_lock:
+            self._open_leases[lease] = lease.file_ids
         self._connection.start_watcher(self.any_open)
         return lease
 
@@ -163,19 +166,23 @@ class Acquirer:
 
     def any_open(self) -> bool:
         """Whether a lease of this table is still open (the reconnect watcher runs while so)."""
-        return any(not lease.closed for lease in list(self._open_leases))
+        with self._table_lock:
+            leases = list(self._open_leases)
+        return any(not lease.closed for lease in leases)
 
     def reattach(self) -> ReattachReport:
         """Re-acquire every open lease on the connection's new session (see the module contract)."""
         reattached, detached = 0, []
-        for lease, files in list(self._open_leases.items()):
+        with self._table_lock:
+            table = list(self._open_leases.items())
+        for lease, files in table:
             if lease.closed:
                 continue
             try:
                 lease_id, _key, _manifest, fds = self.peer_acquire(lease.key)
             except HwrError:
                 detached.append(lease.key)
-                self._open_leases.pop(lease, None)
+                self._forget(lease)
                 continue
             try:
                 same = tuple((st.st_dev, st.st_ino) for st in map(os.fstat, fds)) == files
@@ -188,7 +195,11 @@ class Acquirer:
             # (its close released the old id): the new one is not wanted.
             with contextlib.suppress(HwrError):
                 self._connection.exchange({"op": "release", "lease_id": lease_id}, want_fds=False)
-            self._open_leases.pop(lease, None)
+            self._forget(lease)
             if not same:
                 detached.append(lease.key)
         return {"reattached": reattached, "detached": detached}
+
+    def _forget(self, lease: Lease) -> None:
+        with self._table_lock:
+            self._open_leases.pop(lease, None)
