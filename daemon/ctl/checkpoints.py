@@ -16,14 +16,13 @@
 from __future__ import annotations
 
 import argparse
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from hwr.client.client import Client
 from hwr.client.errors import BuildCancelled, InvalidRequest
-from hwr.daemon.ctl.cli import _ago, human_bytes, register, table
+from hwr.daemon.ctl.cli import _ago, register, table
+from hwr.daemon.ctl.progress import ProgressBar, human_bytes
 
 __all__ = ["cmd_checkpoints", "cmd_prewarm"]
 
@@ -69,37 +68,6 @@ def _prewarm_args(p: argparse.ArgumentParser) -> None:
                    help="producer time limit in seconds (default: the daemon's)")
 
 
-class _Bar:
-    """A one-line progress bar on stderr (redrawn on a TTY, every 10%% otherwise)."""
-
-    def __init__(self) -> None:
-        self.tty = sys.stderr.isatty()
-        self.last_decile = -1
-        self.last_draw = 0.0
-
-    def __call__(self, p: dict[str, Any]) -> None:
-        total = max(1, p["total_bytes"])
-        frac = min(1.0, p["done_bytes"] / total)
-        width = 30
-        bar = "#" * int(frac * width) + "." * (width - int(frac * width))
-        line = (f"rank {p['tp_rank']} [{bar}] {frac * 100:5.1f}% {human_bytes(p['done_bytes'])}/"
-                f"{human_bytes(total)} {p['tensor'][:40]}")
-        if self.tty:
-            now = time.monotonic()
-            if now - self.last_draw >= 0.05 or frac >= 1.0:
-                self.last_draw = now
-                sys.stderr.write("\r\x1b[2K" + line)
-                sys.stderr.flush()
-        elif int(frac * 10) != self.last_decile:
-            self.last_decile = int(frac * 10)
-            print(line, file=sys.stderr, flush=True)
-
-    def done(self) -> None:
-        if self.tty:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-
-
 @register("prewarm", "build artifacts from a registered checkpoint in the daemon (Ctrl-C cancels)",
           _prewarm_args)
 def cmd_prewarm(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
@@ -111,16 +79,18 @@ def cmd_prewarm(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
             raise InvalidRequest(f"cannot read the TP plan {args.tp_plan}: {exc.strerror}") from None
     if args.tp_size < 0 or any(r < 0 for r in args.tp_rank):
         raise InvalidRequest("--tp-size and --tp-rank must not be negative")
-    bar = _Bar()
-    try:
-        artifacts = client.prewarm(
-            args.checkpoint, args.producer, dtype=args.dtype, keep_fp32=args.keep_fp32,
-            tp_size=args.tp_size, tp_plan=plan, tp_ranks=args.tp_rank, timeout_s=args.build_timeout,
-            on_progress=bar)
-    except KeyboardInterrupt:
-        bar.done()
-        raise BuildCancelled("cancelled: the daemon kills the producer and discards its staging") from None
-    bar.done()
+    # One bar, restarted on a new line for each TP rank (the daemon builds them one after another).
+    with ProgressBar("rank 0", unit="bytes") as bar:
+        def on_progress(p: dict[str, Any]) -> None:
+            bar.update(p["done_bytes"], p["total_bytes"], label=f"rank {p['tp_rank']}", suffix=p["tensor"][:40])
+
+        try:
+            artifacts = client.prewarm(
+                args.checkpoint, args.producer, dtype=args.dtype, keep_fp32=args.keep_fp32,
+                tp_size=args.tp_size, tp_plan=plan, tp_ranks=args.tp_rank, timeout_s=args.build_timeout,
+                on_progress=on_progress)
+        except KeyboardInterrupt:  # the bar's line is ended on the way out, before the error line
+            raise BuildCancelled("cancelled: the daemon kills the producer and discards its staging") from None
     document = {"checkpoint": args.checkpoint, "producer": args.producer,
                 "keys": [a["key"] for a in artifacts], "artifacts": artifacts}
     rows = [[a["tp_rank"], a["key"][:16], a["outcome"], human_bytes(a["size_bytes"]),

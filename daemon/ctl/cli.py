@@ -26,19 +26,11 @@ from typing import Any
 from hwr import __version__
 from hwr.client.client import Client, connect
 from hwr.client.errors import DaemonUnavailable, HwrError
+from hwr.daemon.ctl.progress import human_bytes
 
 __all__ = ["main"]
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
-
-
-def human_bytes(n: int | float) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 def printable(text: str) -> str:
@@ -157,7 +149,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def register(name: str, help_text: str, arguments: Callable[[argparse.ArgumentParser], None] | None = None):
-    """Decorator for subcommands defined in other modules (``hwr.daemon.ctl_*``).
+    """Decorator for subcommands defined in other modules (``EXTENSIONS``).
 
     A handler takes ``(client, args)`` and returns ``(json_document, human_text)``.
     """

@@ -14,8 +14,8 @@ import sys
 from typing import Any
 
 from hwr.client.client import Client
-from hwr.daemon.ctl.cli import human_bytes, register, table
-from hwr.daemon.ctl.store_admin import ProgressBar
+from hwr.daemon.ctl.cli import register, table
+from hwr.daemon.ctl.progress import ProgressBar, human_bytes
 
 __all__: list[str] = []
 
@@ -37,11 +37,8 @@ def _pull_args(p: argparse.ArgumentParser) -> None:
 
 @register("pull", "pull an artifact from the remote into this node's store (verified)", _pull_args)
 def cmd_pull(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
-    bar = ProgressBar(args.key[:16], args.progress or sys.stderr.isatty())
-    try:
-        result = client.pull(args.key, progress=bar)
-    finally:
-        bar.end()
+    with ProgressBar(args.key[:16], unit="bytes", quiet=not (args.progress or sys.stderr.isatty())) as bar:
+        result = client.pull(args.key, progress=bar.update)
     return result, f"{result['outcome']}: {result['key']} ({human_bytes(result['size_bytes'])})"
 
 

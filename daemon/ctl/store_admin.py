@@ -16,35 +16,10 @@ from typing import Any
 
 from hwr.client.client import Client
 from hwr.client.errors import ChecksumMismatch, InvalidRequest, error_from_code
-from hwr.daemon.ctl.cli import human_bytes, register, table
+from hwr.daemon.ctl.cli import register, table
+from hwr.daemon.ctl.progress import ProgressBar, human_bytes
 
 __all__: list[str] = []
-
-
-class ProgressBar:
-    """``[#####.....]  42%  1.2 GiB / 2.9 GiB  key`` redrawn in place on stderr."""
-
-    def __init__(self, label: str, enabled: bool, width: int = 30) -> None:
-        self.label = label
-        self.enabled = enabled
-        self.width = width
-        self._last = 0.0
-
-    def __call__(self, done: int, total: int) -> None:
-        now = time.monotonic()
-        if not self.enabled or (now - self._last < 0.1 and done < total):
-            return
-        self._last = now
-        fraction = done / total if total else 1.0
-        filled = int(fraction * self.width)
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (self.width - filled)}] {fraction:4.0%}  "
-                         f"{human_bytes(done)} / {human_bytes(total)}  {self.label}")
-        sys.stderr.flush()
-
-    def end(self) -> None:
-        if self.enabled and self._last:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
 
 
 def _verify_args(p: argparse.ArgumentParser) -> None:
@@ -58,14 +33,11 @@ def cmd_verify(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
     if bool(args.key) == bool(args.all):
         raise InvalidRequest("give a KEY or --all")
     keys = [a["key"] for a in client.list_artifacts() if a["state"] == "ready"] if args.all else [args.key]
-    draw = (sys.stderr.isatty() or args.progress) and not args.json
+    quiet = not (sys.stderr.isatty() or args.progress) or args.json
     results = []
     for key in keys:
-        bar = ProgressBar(key[:16], draw)
-        try:
-            results.append(client.verify(key, bar))
-        finally:
-            bar.end()
+        with ProgressBar(key[:16], unit="bytes", quiet=quiet) as bar:
+            results.append(client.verify(key, bar.update))
     bad = [r for r in results if not r["ok"]]
     if bad:
         leases = [f"{x['lease_id']} (pid {x['pid']})" for r in bad for x in r["affected_leases"]]
