@@ -21,7 +21,7 @@ from typing import Any
 
 from hwr.client.client import Client
 from hwr.client.errors import BuildCancelled, InvalidRequest
-from hwr.daemon.ctl.cli import _ago, register, table
+from hwr.daemon.ctl.cli import ago, register, table
 from hwr.daemon.ctl.progress import ProgressBar, human_bytes
 
 __all__ = ["cmd_checkpoints", "cmd_prewarm"]
@@ -47,7 +47,7 @@ def cmd_checkpoints(client: Client, args: argparse.Namespace) -> tuple[Any, str]
         raise InvalidRequest("unexpected PATH (did you mean `checkpoints add PATH`?)")
     items = client.list_checkpoints()
     rows = [[c["checkpoint_id"][:16], c["model_id"], c["revision"][:12], c["files"], c["tensors"],
-             human_bytes(c["size_bytes"]), c["source_kind"], c["state"], c["leases"], _ago(c["registered_at"])]
+             human_bytes(c["size_bytes"]), c["source_kind"], c["state"], c["leases"], ago(c["registered_at"])]
             for c in items]
     text = table(["CHECKPOINT", "MODEL", "REVISION", "FILES", "TENSORS", "SIZE", "SOURCE", "STATE", "LEASES",
                   "ADDED"], rows)

@@ -61,7 +61,7 @@ def _is_num(text: str) -> bool:
     return text.replace(".", "", 1).replace(" ", "").rstrip("KMGTiB").isdigit()
 
 
-def _ago(ts: float) -> str:
+def ago(ts: float) -> str:
     delta = max(0.0, time.time() - ts)
     for unit, seconds in (("d", 86400), ("h", 3600), ("m", 60)):
         if delta >= seconds:
@@ -97,7 +97,7 @@ def _remote_lines(remote: dict[str, Any] | None) -> list[str]:
 def cmd_ls(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
     items = sorted(client.list_artifacts(include_denied=True), key=lambda a: a["created_at"])
     rows = [[a["key"][:16], human_bytes(a["size_bytes"]), a["state"], a["leases"], a["tensors"],
-             a["model_id"], a["dtype"], _ago(a["created_at"]) if a["created_at"] else "-"] for a in items]
+             a["model_id"], a["dtype"], ago(a["created_at"]) if a["created_at"] else "-"] for a in items]
     text = table(["KEY", "SIZE", "STATE", "LEASES", "TENSORS", "MODEL", "DTYPE", "CREATED"], rows)
     return items, text if items else text + "\n(no artifacts)"
 
@@ -116,7 +116,7 @@ def cmd_show(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
         f"layout:     {json.dumps(ident.get('layout', {}), sort_keys=True)}",
         f"producer:   {json.dumps(ident.get('producer', {}), sort_keys=True)}",
         f"content:    {info['content_sha256']}",
-        f"created:    {_ago(info['created_at'])}",
+        f"created:    {ago(info['created_at'])}",
         "files:",
         *(f"  {f['file_name']}  {human_bytes(f['size'])}  sha256 {f['sha256'][:16]}…" for f in info["files"]),
         f"tensors:    {len(info['tensors'])}",
@@ -127,7 +127,7 @@ def cmd_show(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
 
 def cmd_leases(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
     items = client.leases()
-    rows = [[x["lease_id"], x["key"][:16], x["pid"], x["uid"], x["client_name"], _ago(x["acquired_at"])]
+    rows = [[x["lease_id"], x["key"][:16], x["pid"], x["uid"], x["client_name"], ago(x["acquired_at"])]
             for x in items]
     text = table(["LEASE", "KEY", "PID", "UID", "CLIENT", "ACQUIRED"], rows)
     return items, text if items else text + "\n(no leases)"
