@@ -144,9 +144,11 @@ class Daemon:
         grpc_path = self._grpc_bind_path()
         if server.add_insecure_port(f"unix:{grpc_path}") == 0:
             raise OSError(f"cannot bind {grpc_path}")
-        await server.start()
-        # The private path behind the relay is for the daemon's user only; clients use the unit's.
+        # Before start() accepts anyone (the socket file exists once bound), so no client ever
+        # sees the umask's mode. The private path behind the relay is for the daemon's user
+        # only; clients use the unit's.
         grpc_path.chmod(0o600 if self.inherited.grpc is not None else config.socket_mode)
+        await server.start()
         self._grpc = server
         if self.inherited.grpc is not None:
             self._relay = GrpcRelay(self.inherited.grpc, grpc_path)

@@ -8,6 +8,10 @@ is an exact, race-free check as long as nobody can open the file again afterward
 private to the daemon's user and the daemon stops handing out staging descriptors before it
 checks). Limit: the daemon must own the file (or hold CAP_LEASE); filesystems without lease
 support report ``Unsupported``.
+
+A refusal names the processes seen holding the file (``holder_pids``: a scan of
+``/proc/<pid>/fd`` made only on refusal, so it sees the processes whose descriptors the
+daemon's user may read, and misses a mapping whose descriptor was closed).
 """
 
 from __future__ import annotations
@@ -19,7 +23,26 @@ from pathlib import Path
 
 from hwr.client.errors import PublicationFailed, Unsupported
 
-__all__ = ["open_sole"]
+__all__ = ["holders", "open_sole"]
+
+
+def holders(path: Path) -> list[int]:
+    """Pids with a descriptor open on ``path`` (those whose ``/proc/<pid>/fd`` can be read)."""
+    target = os.fspath(path)
+    found = []
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            links = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in links:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
+                    found.append(int(pid))
+                    break
+            except OSError:
+                continue
+    return found
 
 
 def open_sole(path: Path) -> int:
@@ -33,10 +56,12 @@ def open_sole(path: Path) -> int:
             fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
         except OSError as exc:
             if exc.errno in (errno.EAGAIN, errno.EBUSY):
+                seen = holders(path)  # this process is among them (``fd``): name it only if alone
+                pids = [pid for pid in seen if pid != os.getpid()] or seen
                 raise PublicationFailed(
                     "a writer still holds the staging file open or mapped; close every descriptor "
-                    "and mapping before committing",
-                    details={"file": path.name},
+                    f"and mapping before committing (held by pids {pids or 'unknown'})",
+                    details={"file": path.name, "holder_pids": pids},
                 ) from None
             raise Unsupported(
                 f"the store filesystem does not support file leases ({errno.errorcode.get(exc.errno)})"
