@@ -1,7 +1,7 @@
 """Shell completion for hwrctl: ``hwrctl completion bash|zsh`` prints a script to source.
 
 The scripts are generated from hwrctl's argparse parser, so subcommands registered by extension
-modules (``hwr.daemon.ctl_*``) complete without further code. They complete subcommand names and
+modules (``hwr.daemon.ctl.*``) complete without further code. They complete subcommand names and
 each subcommand's options (and the global options); positional values such as KEYs are not
 completed (that would need a daemon call from the shell). Install::
 
