@@ -138,6 +138,20 @@ def peer_error(client: Any, request: dict[str, Any]) -> Any:
     return caught.value
 
 
+def rot_a_byte(payload: Path, offset: int) -> None:
+    """Bit rot: flip one byte of a store file in place, keeping its size and timestamps, so only
+    a re-hash can tell (run it while the daemon is down: the chmod changes the ctime)."""
+    st = os.stat(payload)
+    os.chmod(payload, 0o644)
+    with open(payload, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.chmod(payload, 0o444)
+    os.utime(payload, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
 def staging_entries(root: Path) -> list[str]:
     return sorted(os.listdir(root / "tmp"))
 

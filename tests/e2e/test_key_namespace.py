@@ -6,7 +6,6 @@ store (an operator's deny) or gone (quarantined after a failed verification).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,17 +16,7 @@ from hwr.client import ArtifactIdentity, connect
 from hwr.client.errors import ArtifactDenied, ArtifactNotFound, InvalidRequest
 from hwr.daemon.app.launcher import DaemonProcess
 
-
-def _flip_a_byte(payload: Path) -> None:
-    st = os.stat(payload)
-    os.chmod(payload, 0o644)
-    with open(payload, "r+b") as f:
-        f.seek(1024)
-        byte = f.read(1)
-        f.seek(1024)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    os.chmod(payload, 0o444)
-    os.utime(payload, ns=(st.st_atime_ns, st.st_mtime_ns))
+from .helpers import rot_a_byte
 
 
 @pytest.mark.timeout(120)
@@ -39,7 +28,7 @@ def test_denied_and_quarantined_keys_resolve_alike_for_every_command(
         rotten = client.publish(ArtifactIdentity.simple("rotten"), {"w": torch.arange(8192.0)})
         assert client.deny(denied[:10], "operator says no")["key"] == denied
     daemon.stop()  # bit rot while it is down: sizes and timestamps stay, only a re-hash can tell
-    _flip_a_byte(Path(daemon.root) / "artifacts" / rotten / "model-00001.safetensors")
+    rot_a_byte(Path(daemon.root) / "artifacts" / rotten / "model-00001.safetensors", 1024)
     daemon = spawn_daemon(daemon=daemon)
     with connect(daemon.socket) as client:
         verdict = client.verify(rotten[:10])

@@ -24,6 +24,8 @@ from hwr.client import ArtifactIdentity, connect
 from hwr.client.errors import ActiveLease, ArtifactDenied, StoreLimitExceeded
 from hwr.daemon.ctl import cli as ctl
 
+from .helpers import rot_a_byte
+
 WORKER = Path(__file__).with_name("store_worker.py")
 MIB = 1 << 20
 ART = MIB + 136  # one 256Ki-float32 tensor plus its safetensors header, as the store lays it out
@@ -196,16 +198,7 @@ def test_verify_catches_a_flipped_byte_and_stops_handing_it_out(spawn_daemon) ->
         assert client.verify(key[:8], lambda d, t: seen.append((d, t)))["ok"]
     daemon.stop()
     # Bit rot: one byte flips on disk, sizes and timestamps stay (metadata checks cannot see it).
-    payload = Path(daemon.root) / "artifacts" / key / "model-00001.safetensors"
-    st = os.stat(payload)
-    os.chmod(payload, 0o644)
-    with open(payload, "r+b") as f:
-        f.seek(4096)
-        byte = f.read(1)
-        f.seek(4096)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    os.chmod(payload, 0o444)
-    os.utime(payload, ns=(st.st_atime_ns, st.st_mtime_ns))
+    rot_a_byte(Path(daemon.root) / "artifacts" / key / "model-00001.safetensors", 4096)
     daemon = spawn_daemon(daemon=daemon)
     with connect(daemon.socket) as client:
         lease = client.acquire(key)  # metadata still validates: only a re-hash can tell
