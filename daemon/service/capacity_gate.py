@@ -67,6 +67,11 @@ class Ticket:
         return trash
 
 
+#: With no publication in flight, how long a publication that may wait gives a leased artifact to
+#: be released before the capacity error (once per request).
+LEASE_GRACE_S = 1.0
+
+
 class CapacityGate:
     """Admission and capacity reservations of publications (see the module contract).
 
@@ -169,7 +174,9 @@ class CapacityGate:
         reservations (their bytes will be committed, and become evictable once unused, or be
         returned), it waits up to ``wait_timeout`` for a reservation to end or an artifact's last
         lease to be released and tries again, in arrival order (``signal_room``; a request that
-        arrives while others wait queues behind them first); then the typed capacity error.
+        arrives while others wait queues behind them first); then the typed capacity error. With
+        nothing in flight it waits once, at most ``LEASE_GRACE_S``, for a lease release (every
+        artifact may be leased for a moment by clients that are about to let go).
         Requests that can never fit (``ArtifactTooLarge``, larger than the whole store) fail at
         once.
         """
@@ -177,6 +184,7 @@ class CapacityGate:
         deadline = loop.time() + max(0.0, wait_timeout)
         turn = asyncio.Event()  # our place in the room queue (signal_room), once a try failed
         queued = False
+        lease_grace_used = False
         try:
             if self._room_waiters and len(self.reservations) and deadline > loop.time():
                 # Others wait for room already (and a reservation in flight will wake them):
@@ -211,8 +219,16 @@ class CapacityGate:
                     else:
                         return self.reservations.add(key, need), [], False
                 remaining = deadline - loop.time()
-                if not in_flight or remaining <= 0:
+                if remaining <= 0:
                     raise error
+                if not in_flight:
+                    # Nothing in flight will free room, but an artifact's last lease may be a
+                    # moment from its release (which signals the queue): wait for that once,
+                    # briefly, instead of failing a publication on a lease's round trip.
+                    if lease_grace_used:
+                        raise error
+                    lease_grace_used = True
+                    remaining = min(remaining, LEASE_GRACE_S)
                 if not queued:
                     self._room_waiters.append(turn)
                     queued = True

@@ -19,11 +19,16 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import time
 from pathlib import Path
 
 from hwr.client.errors import PublicationFailed, Unsupported
 
-__all__ = ["holders", "open_sole"]
+__all__ = ["RETRIES", "holders", "open_sole"]
+
+#: Tries of the write lease before a refusal, the n-th after ``n * RETRY_DELAY_S`` (100 ms in all).
+RETRIES = 5
+RETRY_DELAY_S = 0.01
 
 
 def holders(path: Path) -> list[int]:
@@ -49,23 +54,31 @@ def open_sole(path: Path) -> int:
     """Open ``path`` read-only and prove (a write lease taken and dropped) that no other open
     file description of it exists; returns that descriptor (the caller closes it: the commit
     hashes through it instead of opening the file again). ``PublicationFailed`` when a writer
-    still holds it, ``Unsupported`` without lease support."""
+    still holds it, ``Unsupported`` without lease support.
+
+    A refusal is confirmed over ``RETRIES`` tries about 100 ms apart in all: a reference the
+    kernel drops a moment later (the daemon's own just-closed copy, a descriptor still in flight
+    on a socket) is not a writer, and a real one is still there at the last try."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        try:
-            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
-        except OSError as exc:
-            if exc.errno in (errno.EAGAIN, errno.EBUSY):
-                seen = holders(path)  # this process is among them (``fd``): name it only if alone
-                pids = [pid for pid in seen if pid != os.getpid()] or seen
-                raise PublicationFailed(
-                    "a writer still holds the staging file open or mapped; close every descriptor "
-                    f"and mapping before committing (held by pids {pids or 'unknown'})",
-                    details={"file": path.name, "holder_pids": pids},
-                ) from None
-            raise Unsupported(
-                f"the store filesystem does not support file leases ({errno.errorcode.get(exc.errno)})"
-            ) from None
+        for attempt in range(RETRIES):
+            try:
+                fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+                break
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EBUSY):
+                    raise Unsupported(
+                        f"the store filesystem does not support file leases ({errno.errorcode.get(exc.errno)})"
+                    ) from None
+                if attempt == RETRIES - 1:
+                    seen = holders(path)  # this process is among them (``fd``): name it only if alone
+                    pids = [pid for pid in seen if pid != os.getpid()] or seen
+                    raise PublicationFailed(
+                        "a writer still holds the staging file open or mapped; close every descriptor "
+                        f"and mapping before committing (held by pids {pids or 'unknown'})",
+                        details={"file": path.name, "holder_pids": pids},
+                    ) from None
+                time.sleep(RETRY_DELAY_S * (attempt + 1))
         fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
     except BaseException:
         os.close(fd)
