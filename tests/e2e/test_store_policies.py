@@ -24,19 +24,9 @@ from hwr.client import ArtifactIdentity, Client, connect
 from hwr.client.errors import ActiveBuildTimeout, ArtifactDenied, ArtifactNotFound, StoreLimitExceeded
 from hwr.client.publisher import specs_for
 
+from .helpers import rot_a_byte
+
 MIB = 1 << 20
-
-
-def _flip_keep_times(payload: Path, offset: int) -> None:
-    st = os.stat(payload)
-    os.chmod(payload, 0o644)
-    with open(payload, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    os.chmod(payload, 0o444)
-    os.utime(payload, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 def test_background_scrub_at_a_bandwidth_cap_quarantines_a_flipped_byte(spawn_daemon) -> None:
@@ -45,7 +35,7 @@ def test_background_scrub_at_a_bandwidth_cap_quarantines_a_flipped_byte(spawn_da
         good = client.publish(ArtifactIdentity.simple("scrub-good"), {"w": torch.ones(1 << 18)})
         bad = client.publish(ArtifactIdentity.simple("scrub-bad"), {"w": torch.full((1 << 20,), 2.0)})
     daemon.stop()
-    _flip_keep_times(Path(daemon.root) / "artifacts" / bad / "model-00001.safetensors", 3 * MIB)
+    rot_a_byte(Path(daemon.root) / "artifacts" / bad / "model-00001.safetensors", 3 * MIB)
     cap = 2.0  # MiB/s: the bad artifact's 4 MiB payload is hashed twice (file + tensor) = 8 MiB
     daemon = spawn_daemon("--scrub-bandwidth-mib-s", str(cap), "--scrub-interval-s", "1")  # same root
     started = time.monotonic()
