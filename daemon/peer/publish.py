@@ -38,9 +38,8 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from hwr.client.errors import InvalidRequest
-from hwr.client.wire import MAX_WAIT_TIMEOUT_MS
 from hwr.daemon.service.leasing import parse_identity
-from hwr.daemon.service.publication_request import KINDS, TensorEntry, format_metadata, tensor_specs
+from hwr.daemon.service.publication_request import KINDS, TensorEntry, format_metadata, tensor_specs, wait_timeout_s
 from hwr.daemon.service.roles import PUBLISH
 from hwr.daemon.service.sessions import Session
 
@@ -86,17 +85,14 @@ class PeerPublishing:
         identity_text = req.get("identity")
         if not isinstance(identity_text, str):
             raise InvalidRequest("identity must be canonical identity JSON text", details={"field": "identity"})
-        wait_ms = req.get("wait_timeout_ms", 0)
-        if not _is_int(wait_ms) or not 0 <= wait_ms <= MAX_WAIT_TIMEOUT_MS:
-            raise InvalidRequest("wait_timeout_ms is out of range",
-                                 details={"field": "wait_timeout_ms", "limit": MAX_WAIT_TIMEOUT_MS})
+        wait_timeout = wait_timeout_s(req.get("wait_timeout_ms", 0))
         metadata = req.get("format_metadata", "")
         if not isinstance(metadata, str):
             raise InvalidRequest("format_metadata must be JSON text", details={"field": "format_metadata_json"})
         identity = parse_identity(identity_text.encode())
         specs = tensor_specs(_parse_tensors(req.get("tensors")))
         result = await self._publications.begin(
-            session, identity, specs, wait_timeout=wait_ms / 1000.0,
+            session, identity, specs, wait_timeout=wait_timeout,
             format_metadata=format_metadata(metadata.encode()))
         pub = result.publication
         if pub is None:

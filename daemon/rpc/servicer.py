@@ -9,14 +9,12 @@ answered INTERNAL; the daemon keeps serving. Nothing here returns sentinels.
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from typing import TYPE_CHECKING
 
 from hwr import __version__
 from hwr.client.errors import InvalidRequest
-from hwr.client.wire import MAX_WAIT_TIMEOUT_MS
 from hwr.daemon.rpc.checkpoints import CheckpointsMixin
 from hwr.daemon.rpc.collaborators import Ctx, Handlers, RpcCollaborators
 from hwr.daemon.rpc.messages import artifact_info, denied_info, lease_infos
@@ -24,7 +22,7 @@ from hwr.daemon.rpc.remote import RemoteRpc, remote_status
 from hwr.daemon.rpc.store_admin import StoreAdminRpc
 from hwr.daemon.rpc.support import rpc
 from hwr.daemon.service.leasing import key_of, parse_identity
-from hwr.daemon.service.publication_request import TensorEntry, format_metadata, tensor_specs
+from hwr.daemon.service.publication_request import TensorEntry, format_metadata, tensor_specs, wait_timeout_s
 from hwr.daemon.service.roles import PUBLISH
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
 from hwr.protos.hwr.v1 import hwr_pb2_grpc
@@ -34,7 +32,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Servicer"]
 
-log = logging.getLogger("hwrd.rpc")
 _KIND_NAMES = {pb.TENSOR_KIND_PARAMETER: "parameter", pb.TENSOR_KIND_BUFFER: "buffer",
                pb.TENSOR_KIND_UNSPECIFIED: "parameter"}
 
@@ -89,11 +86,9 @@ class Servicer(RemoteRpc, StoreAdminRpc, CheckpointsMixin, Handlers, hwr_pb2_grp
         identity = parse_identity(bytes(request.identity_json))
         specs = tensor_specs([TensorEntry(t.name, t.dtype, tuple(t.shape), _KIND_NAMES.get(t.kind), t.role)
                               for t in request.tensors])
-        if request.wait_timeout_ms > MAX_WAIT_TIMEOUT_MS:
-            raise InvalidRequest("wait_timeout_ms is out of range",
-                                 details={"field": "wait_timeout_ms", "limit": MAX_WAIT_TIMEOUT_MS})
+        wait_timeout = wait_timeout_s(request.wait_timeout_ms)
         result = await self.c.publications.begin(
-            session, identity, specs, wait_timeout=request.wait_timeout_ms / 1000.0,
+            session, identity, specs, wait_timeout=wait_timeout,
             format_metadata=format_metadata(bytes(request.format_metadata_json)))
         if result.publication is None:
             outcome = (pb.BEGIN_OUTCOME_JOINED if result.outcome == "joined"

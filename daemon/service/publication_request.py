@@ -15,9 +15,11 @@ from dataclasses import dataclass
 from hwr.client.errors import IdentityError, InvalidRequest
 from hwr.client.identity import parse_canonical
 from hwr.client.safetensors_header import DTYPES
+from hwr.client.wire import MAX_WAIT_TIMEOUT_MS
 from hwr.daemon.store.staging import TensorSpec
 
-__all__ = ["KINDS", "MAX_PUBLICATION_BYTES", "MAX_TENSORS", "TensorEntry", "format_metadata", "tensor_specs"]
+__all__ = ["KINDS", "MAX_PUBLICATION_BYTES", "MAX_TENSORS", "TensorEntry", "format_metadata", "tensor_specs",
+           "wait_timeout_s"]
 
 MAX_TENSORS = 1 << 20
 MAX_PUBLICATION_BYTES = 1 << 50  # 1 PiB: far above any model, far below int64 overflow
@@ -64,6 +66,15 @@ def tensor_specs(tensors: Sequence[TensorEntry]) -> list[TensorSpec]:
         specs.append(TensorSpec(name=t.name, dtype=t.dtype, shape=tuple(int(d) for d in t.shape),
                                 kind="buffer" if t.kind == "buffer" else "parameter", role=t.role or "weight"))
     return specs
+
+
+def wait_timeout_s(wait_ms: object) -> float:
+    """How long a begin may wait for another publisher of the same identity: ``wait_timeout_ms``
+    (an int in [0, MAX_WAIT_TIMEOUT_MS]) in seconds."""
+    if not isinstance(wait_ms, int) or isinstance(wait_ms, bool) or not 0 <= wait_ms <= MAX_WAIT_TIMEOUT_MS:
+        raise InvalidRequest("wait_timeout_ms is out of range",
+                             details={"field": "wait_timeout_ms", "limit": MAX_WAIT_TIMEOUT_MS})
+    return wait_ms / 1000.0
 
 
 def format_metadata(data: bytes) -> dict[str, object] | None:
