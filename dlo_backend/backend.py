@@ -7,6 +7,8 @@ State table (enforced by ``enable``/``disable`` and the hooks)::
     NEW        | -> ENABLING                  | (no hooks)               | -> CLOSED (closes lease)
     ENABLING   | ok -> READY; error -> FAILED | (not reachable)          | (not reachable)
     READY      | InvalidRequest               | streams the block        | -> CLOSED (restores)
+               |                              | (live updates: switched  |
+               |                              |  at the model's forward) |
     POISONED   | InvalidRequest               | CollectiveStateError /   | -> CLOSED (no restore
                |                              | OffloadError             |    of streamed blocks)
     FAILED     | InvalidRequest               | (hooks removed)          | no-op
@@ -23,30 +25,12 @@ failure at PREFETCH or COMMIT (after the first gather was issued) cannot be agre
 failing rank raises ``CollectiveStateError`` and its peers fail at their next gather, within the
 group's timeout.
 
-Teardown order (``_teardown``, shared by failure rollback and ``disable``):
-
-1. drain the copy and communication lanes (every copy, or zero-copy page population, that may
-   read mapped memory finishes);
-2. remove the hooks and unbind the running block;
-3. restore weights: before COMMIT the original tensors are reattached; after it, rank-local
-   blocks get their originals (module source) or CPU copies of the lease views, and AllGather
-   blocks are gathered one last time into CPU tensors (a collective: call ``disable`` on every
-   rank) unless the backend is poisoned;
-4. release staging, device slots, shards and lanes; shut DLO's own communicator down;
-5. undo ``cudaHostRegister`` (if that fails the lease stays open: unmapping registered memory
-   is undefined behaviour);
-6. close the lease (and the carrier, in case enable failed before taking it).
+Teardown (failure rollback and ``disable``) runs in the order ``teardown`` documents.
 
 A failed collective leaves the group in an unknown state: the backend becomes POISONED and
 every further use raises ``CollectiveStateError`` (recreate the backend, reload the pipeline).
 NCCL reports failures asynchronously, so a gather that stays pending for 90% of the group's
 timeout is declared failed by ``watchdog.CollectiveWatchdog`` (which also aborts the group).
-
-CUDA memory rules the teardown keeps: before step 4 releases the slots, the compute lane is
-synchronized on every stream a forward ran on (the caching allocator would otherwise hand the
-slots' memory to the next allocation on their allocating stream while another stream still
-reads it); after it, the host arenas that shards and staging were carved from (``arena``) are
-unregistered and unmapped.
 
 Inference only: streamed weights are swapped in and out under the model, so do not backprop.
 """
@@ -72,7 +56,7 @@ from hwr.dlo_backend.contract import TensorContract, collect_rest
 from hwr.dlo_backend.discovery import find_block_stacks
 from hwr.dlo_backend.errors import CollectiveStateError, OffloadError
 from hwr.dlo_backend.hooks import HookRegistry
-from hwr.dlo_backend.lanes import CudaLane, CurrentStreamLane, InlineLane, Lane, LaneError, ThreadLane
+from hwr.dlo_backend.lanes import CudaLane, CurrentStreamLane, InlineLane, Lane, ThreadLane
 from hwr.dlo_backend.layout import BlockLayout, manifest_digest, plan_block
 from hwr.dlo_backend.live import LiveUpdates
 from hwr.dlo_backend.registration import HostRegistration
@@ -89,6 +73,7 @@ from hwr.dlo_backend.sources import (
 )
 from hwr.dlo_backend.stream import BlockStream
 from hwr.dlo_backend.switch import RevisionSwitch
+from hwr.dlo_backend.teardown import Teardown
 from hwr.dlo_backend.transfer import AllGatherTransfer, DirectTransfer, HostBindTransfer, StagedTransfer, Transfer
 from hwr.dlo_backend.watchdog import CollectiveWatchdog, abort_group, watchdog_timeout_s
 
@@ -159,7 +144,7 @@ class OffloadStats:
     shard_source: str = "none"
 
 
-class LayerwiseOffloadBackend(LiveUpdates):
+class LayerwiseOffloadBackend(LiveUpdates, Teardown):
     """Streams a model's blocks through two device slots; ``enable`` once, ``disable`` once.
 
     With ``live_updates``, ``update(lease)`` switches the host source between two passes
@@ -563,102 +548,6 @@ class LayerwiseOffloadBackend(LiveUpdates):
             return exc
         return OffloadError(f"enable failed at step {step!r}: {exc}", details={"step": step})
 
-    def _teardown(self) -> list[str]:
-        errors: list[str] = []
-        for lane in self._lanes:  # 1. drain: nothing may still read mapped memory or a slot
-            try:
-                lane.drain()
-            except LaneError as exc:
-                errors.append(f"drain: {exc}")
-                if self._stream is not None:
-                    self._stream.poisoned = True
-        if self._stream is not None:  # 2. running block unbound, hooks off
-            self._stream.unbind()
-        self._hooks.remove()
-        try:  # 3. restore weights
-            self._restore()
-        except Exception as exc:
-            errors.append(f"restore: {exc}")
-            if self._stream is not None:
-                self._stream.poisoned = True
-        for source in self._resident + self._streamed:
-            source.host = []  # lease views must not outlive the lease
-        pending = self._switch.close() if self._switch is not None else []
-        if self._watchdog is not None:  # every gather (the gather-back's too) has been waited for
-            self._watchdog.close()
-            self._watchdog = None
-        try:  # 4. release, once compute (on every stream a forward used) stopped reading the slots
-            self._compute.drain()
-        except (LaneError, RuntimeError) as exc:
-            errors.append(f"drain compute: {exc}")
-        for lane in self._lanes:
-            lane.close()
-        if self._transfer is not None:
-            self._transfer.close()
-        if self._stream is not None:
-            self._stream.close()  # it held the transfer and the sources: views of the lease
-        if self._slots is not None:
-            self._slots.release()
-        self._transfer, self._lanes, self._installed, self._packer = None, [], [], None
-        if self._group is not None:  # after the lanes: no gather may still use it
-            failure = self._group.close()
-            if failure is not None:
-                errors.append(failure)
-            self._group = None
-        # 5. and 6.: every revision unregisters, unmaps its arenas, then closes its lease.
-        held = ([] if self._revision is None else [self._revision]) + pending + self._retired
-        self._retired = []
-        for revision in held:
-            self._release(revision, errors)
-        self._close_lease()
-        return errors
-
-    def _release(self, revision: Revision, errors: list[str]) -> None:
-        """Close ``revision``; one whose host memory stays registered keeps its lease, for a retry."""
-        failures = revision.close()
-        if failures:
-            errors.extend(failures)
-            self._retired.append(revision)
-            _log.error("host memory still registered; keeping its lease open: %s", failures)
-
-    def _close_lease(self) -> None:
-        if isinstance(self._host_source, LeaseCarrier):
-            self._host_source.close()  # closes the lease only if enable failed before taking it
-
-    def _restore(self) -> None:
-        if not self._committed:
-            for source in self._installed:
-                for ref in source.refs:
-                    if ref.original.is_meta:
-                        ref.replace_object(ref.original)
-                    else:
-                        ref.current().data = ref.backing
-            return
-        for source in self._resident + (self._streamed if self._group is None else []):
-            for ref, host in zip(source.refs, source.host, strict=True):
-                self._set(ref, host if host is ref.backing else _host_copy(host))
-        if self._group is not None and self._stream is not None and not self._stream.poisoned:
-            self._gather_back(self._stream)
-
-    def _gather_back(self, stream: BlockStream) -> None:
-        """Rebuild every AllGather block into CPU tensors (a collective on every rank)."""
-        assert self._slots is not None
-        for block, source in enumerate(self._streamed):
-            stream.fill(block, 0)
-            stream.wait_ready(0)
-            layout = self._layouts[block]
-            for index, ref in enumerate(source.refs):
-                ref.current().data = _host_copy(self._slots.tensor_view(0, layout, index))
-            stream.mark_free(0)  # the next gather overwrites slot 0 only after these copies
-
-
 def _device_index(device: torch.device) -> int:
     """The CUDA ordinal of ``device`` (``cuda`` alone means the current device)."""
     return device.index if device.index is not None else torch.cuda.current_device()
-
-
-def _host_copy(value: torch.Tensor) -> torch.Tensor:
-    """A private CPU tensor with ``value``'s shape, stride and bytes."""
-    copy = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cpu")
-    copy.copy_(value)
-    return copy
