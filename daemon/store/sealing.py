@@ -7,11 +7,11 @@ fsyncs everything: every write before any fsync, then the staging directory itse
 names it reports (``hashed``, ``manifest_written``, ``marker_written``, ``payloads_fsynced``) are
 ``root.PUBLICATION_STEPS``'.
 
-Contract: on return the staging directory is complete and durable, and nothing is visible in
-``artifacts/`` yet (the install's rename follows). Raises ``ManifestCorrupt`` (a header was
-overwritten, a file resized or given blocks past its planned size, a payload changed while it
-was hashed), ``ChecksumMismatch`` (the expected hashes differ), ``OSError``. Touches nothing
-outside the staging directory and holds no lock.
+Contract: on return the staging directory is complete and durable (unless the publication is
+non-durable), and nothing is visible in ``artifacts/`` yet (the install's rename follows).
+Raises ``ManifestCorrupt`` (a header was overwritten, a file resized or given blocks past its
+planned size, a payload changed while it was hashed), ``ChecksumMismatch`` (the expected
+hashes differ), ``OSError``. Touches nothing outside the staging directory and holds no lock.
 
 Limits: a writer that keeps an ``O_RDWR`` descriptor can still write after the hash; the mtime
 check catches a write during hashing, a later one is caught at the next lookup (fingerprints)
@@ -40,8 +40,13 @@ def seal(
     trusted: ProducerDigests | None,
     opened: dict[str, int],
     step: Callable[[str], None],
+    *,
+    durable: bool = True,
 ) -> tuple[Manifest, ReadyMarker]:
     """Validate, hash, document and fsync ``staging`` (see the module docstring).
+
+    ``durable`` False: nothing is fsynced nor written back early (a non-durable publication:
+    ``hwr.daemon.store.volatile``); every check and hash is the same.
 
     ``trusted``: digests a daemon-owned producer computed while writing, used when they cover the
     staging exactly. ``opened``: read-only descriptors of payload files by name; each one used
@@ -78,7 +83,8 @@ def seal(
                 )
             ranges = [(e.name, len(plan.head) + e.begin, len(plan.head) + e.end) for e in plan.entries]
             jobs.append((fd, plan.size, ranges))
-            store_io.start_writeback(fd)  # the disk works while we hash; the fsync below waits
+            if durable:
+                store_io.start_writeback(fd)  # the disk works while we hash; the fsync below waits
         if trusted is not None and trusted.covers(staging):
             file_sha = [trusted.files[p.name] for p in staging.plans]
             tensor_sha = dict(trusted.tensors)
@@ -124,13 +130,16 @@ def seal(
         # POSIX asks for), but on a journaling filesystem (ext4, xfs) the first fsync commits
         # the one transaction holding all of them and the others return without waiting for
         # another journal commit. Nothing is visible before the rename, which follows.
-        for fd in fds:
-            store_io.fsync(fd)
+        if durable:
+            for fd in fds:
+                store_io.fsync(fd)
         step("payloads_fsynced")
-        for fd in documents:
-            store_io.fsync(fd)
+        if durable:
+            for fd in documents:
+                store_io.fsync(fd)
     finally:
         for fd in fds + documents:
             os.close(fd)
-    store_io.fsync_dir(staging.path)
+    if durable:
+        store_io.fsync_dir(staging.path)
     return manifest, marker
