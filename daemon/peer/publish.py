@@ -11,6 +11,10 @@ RPCs (one domain implementation: ``hwr.daemon.service.publications``; the same r
                                      code ("F32"), shape a list of ints, kind "parameter"|"buffer"
                     wait_timeout_ms  int in [0, MAX_WAIT_TIMEOUT_MS] (optional, default 0)
                     format_metadata  canonical JSON object as a string (optional)
+                    channel          a channel to point at the artifact as part of the commit
+                                     (optional; see ``hwr.daemon.service.publications``)
+                    durable          bool (optional, default true); false: no fsync, gone at
+                                     hwrd's next start
       -> outcome ("staged" | "joined" | "already_present"), key; when staged also
          publication_id, publication_token, files [[name, size]], placements
          [[name, file_index, offset, nbytes]] (sorted by name), count + the staging descriptors
@@ -89,11 +93,16 @@ class PeerPublishing:
         metadata = req.get("format_metadata", "")
         if not isinstance(metadata, str):
             raise InvalidRequest("format_metadata must be JSON text", details={"field": "format_metadata_json"})
+        channel, durable = req.get("channel"), req.get("durable", True)
+        if channel is not None and not isinstance(channel, str):
+            raise InvalidRequest("channel must be a channel name", details={"field": "channel"})
+        if not isinstance(durable, bool):
+            raise InvalidRequest("durable must be true or false", details={"field": "durable"})
         identity = parse_identity(identity_text.encode())
         specs = tensor_specs(_parse_tensors(req.get("tensors")))
         result = await self._publications.begin(
             session, identity, specs, wait_timeout=wait_timeout,
-            format_metadata=format_metadata(metadata.encode()))
+            format_metadata=format_metadata(metadata.encode()), channel=channel, durable=durable)
         pub = result.publication
         if pub is None:
             return {"ok": True, "outcome": result.outcome, "key": result.key}, []

@@ -11,6 +11,13 @@ to finish: COMMITTED -> it is answered JOINED; FAILED/ABORTED -> it takes over a
 own; timeout -> ``ActiveBuildTimeout``. Staging descriptors are handed out only while STAGED,
 so once COMMITTING starts nobody can obtain a new writable descriptor.
 
+A publication may name a channel (``hwr.daemon.service.channels``): it is pointed at the key as
+part of the commit, after the artifact is installed and before the publication is finished (so
+the key is never an eviction candidate in between: it is still being built), or at the answer
+to ``begin`` when the artifact is already present or joined. A failed channel change fails the
+call; the artifact stays committed (publishing again sets the channel). A non-durable
+publication (``durable=False``) is committed without fsync (``hwr.daemon.store.volatile``).
+
 Contract: called on the daemon's event loop; blocking store work runs in worker threads.
 Limit: one daemon per store root (the store's lock), so "one publisher per identity" is node-wide.
 """
@@ -27,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from hwr.client.channels import check_channel_name
 from hwr.client.errors import (
     ActiveBuildTimeout,
     ArtifactNotFound,
@@ -39,6 +47,7 @@ from hwr.daemon.service.sessions import Session
 from hwr.daemon.system.exclusive import open_sole
 
 if TYPE_CHECKING:
+    from hwr.daemon.service.channels import Channels
     from hwr.daemon.store.memfd_staging import MemfdStagings
     from hwr.daemon.store.root import Store
     from hwr.daemon.store.staging import ProducerDigests, Staging, TensorSpec
@@ -94,6 +103,8 @@ class Publication:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     started_at: float = 0.0  # loop time when staged (the stalled-publisher deadline counts from it)
     ticket: Ticket | None = None  # the gate's admission + capacity reservation
+    channel: str | None = None  # pointed at the key as part of the commit
+    durable: bool = True  # False: no fsync, removed at the next start (store.volatile)
 
 
 @dataclass(frozen=True)
@@ -124,6 +135,9 @@ class Publications:
         # Sealed memfd staging of small client publications (hwr.daemon.store.memfd_staging), set by
         # the daemon; None: every publication writes its staging files.
         self.memfd_staging: MemfdStagings | None = None
+        # The channels a publication may set (hwr.daemon.service.channels), set by the daemon;
+        # None: a publication that names a channel is refused.
+        self.channels: Channels | None = None
 
     def active(self) -> list[Publication]:
         return list(self._by_id.values())
@@ -147,8 +161,17 @@ class Publications:
         *,
         wait_timeout: float,
         format_metadata: dict[str, Any] | None = None,
+        channel: str | None = None,
+        durable: bool = True,
     ) -> BeginResult:
+        """Stage a publication of ``identity`` (or join/answer one already present; see the
+        module docstring). ``channel``: point it at the key as part of the commit (or now, when
+        the artifact is present); ``durable`` False: a non-durable publication."""
         key = identity.key
+        if channel is not None:
+            check_channel_name(channel)
+            if self.channels is None:
+                raise InvalidRequest("this hwrd serves no channels", details={"field": "channel"})
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(0.0, wait_timeout)
         waited = False
@@ -156,6 +179,8 @@ class Publications:
             # Provably absent (not validated, not denied, no directory): no thread hop.
             absent = self._store.absent_now(key)
             if not absent and await asyncio.to_thread(self._exists, key):
+                if channel is not None and self.channels is not None:
+                    await self.channels.set(channel, key, set_by="publication", check=True)
                 return BeginResult("joined" if waited else "already_present", key)
             current = self._by_key.get(key)
             if current is None:
@@ -176,7 +201,7 @@ class Publications:
         # session None: a daemon-side build (prewarm); it is owned by its build task, not a session.
         owner = session.session_id if session is not None else DAEMON_OWNER
         raw = secrets.token_bytes(32)  # one getrandom for the id and the secret token
-        pub = Publication(raw[:8].hex(), raw[8:].hex(), key, owner, None)
+        pub = Publication(raw[:8].hex(), raw[8:].hex(), key, owner, None, channel=channel, durable=durable)
         self._by_key[key] = pub
         self._by_id[pub.publication_id] = pub
         phase = self._on_phase
@@ -271,7 +296,7 @@ class Publications:
                 return False, exc
             record = self._store.commit(  # closes ``opened``
                 pub.staging, expected_tensor_sha256=dict(expected) or None, trusted_digests=trusted_digests,
-                opened=opened)
+                opened=opened, durable=pub.durable)
             ticket = pub.ticket
             if ticket is not None and ticket.purge_after_commit:
                 # The commit's artifacts/ fsync started after these were retired: delete now.
@@ -287,6 +312,12 @@ class Publications:
             pub.state = PubState.STAGED
             raise outcome
         existed, record = outcome
+        if pub.channel is not None and self.channels is not None:
+            try:  # still building: the key cannot be evicted before the channel protects it
+                await self.channels.set(pub.channel, record.key, set_by="publication")
+            except BaseException:
+                self._finish(pub, PubState.COMMITTED)  # the artifact is committed all the same
+                raise
         if self._on_phase is not None:  # with _finish below in one loop step: scrapes agree
             self._on_phase("writing", max(0.0, began - pub.started_at))
             self._on_phase("commit", loop.time() - began)
