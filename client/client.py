@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from hwr.client.acquisition import Acquirer
 from hwr.client.admin import AdminCalls
+from hwr.client.channel_calls import ChannelCalls
 from hwr.client.connection import Connection, ReattachReport
 from hwr.client.paths import default_socket
 from hwr.client.publications import Publications
@@ -60,7 +61,7 @@ def connect(socket: str | os.PathLike[str] | None = None, *, timeout: float = 30
                   client_name=client_name)
 
 
-class Client(AdminCalls):
+class Client(ChannelCalls, AdminCalls):
     """A session with hwrd (see the module contract); a context manager."""
 
     def __init__(self, socket_path: Path, *, timeout: float = 30.0, client_name: str | None = None) -> None:
@@ -120,6 +121,15 @@ class Client(AdminCalls):
         daemon restart) is bounded by the connection's timeout, not by this one."""
         return self._acquirer.acquire(artifact, copy_on_write=copy_on_write, populate=populate, timeout=timeout)
 
+    def acquire_channel(self, name: str, *, copy_on_write: bool = False, populate: bool = False,
+                        timeout: float | None = None) -> Lease:
+        """Lease the key channel ``name`` points to at this moment (``lease.key`` says which):
+        one peer request, resolved and leased by hwrd in one step. ``ChannelNotFound`` when no
+        such channel exists; otherwise as ``acquire`` (the lease is an ordinary lease of that
+        key: a later change of the channel does not touch it; see ``watch_channel``)."""
+        return self._acquirer.acquire_channel(name, copy_on_write=copy_on_write, populate=populate,
+                                              timeout=timeout)
+
     def acquire_checkpoint(self, checkpoint_id: str, *, populate: bool = False,
                            timeout: float | None = None) -> CheckpointLease:
         """Lease the canonical tensors of a registered checkpoint (id or unique prefix)."""
@@ -128,16 +138,24 @@ class Client(AdminCalls):
     # publication ----------------------------------------------------------------------------
     def publisher(self, identity: ArtifactIdentity, specs: Sequence[TensorSpec], *,
                   wait_timeout: float = 600.0, verify: bool = False,
-                  format_metadata: Mapping[str, Any] | None = None) -> Publisher:
-        """Start a streaming publication (see ``hwr.client.publisher``)."""
+                  format_metadata: Mapping[str, Any] | None = None, channel: str | None = None,
+                  durable: bool = True) -> Publisher:
+        """Start a streaming publication (see ``hwr.client.publisher``; ``channel``/``durable``
+        as for ``publish``)."""
         return self._publications.publisher(identity, specs, wait_timeout=wait_timeout, verify=verify,
-                                            format_metadata=format_metadata)
+                                            format_metadata=format_metadata, channel=channel, durable=durable)
 
     def publish(self, identity: ArtifactIdentity, tensors: Mapping[str, torch.Tensor], *,
-                buffers: Sequence[str] = (), wait_timeout: float = 600.0, verify: bool = False) -> str:
-        """Publish a mapping of CPU tensors; returns the key (also when it already existed)."""
+                channel: str | None = None, durable: bool = True, buffers: Sequence[str] = (),
+                wait_timeout: float = 600.0, verify: bool = False) -> str:
+        """Publish a mapping of CPU tensors; returns the key (also when it already existed).
+
+        ``channel``: point that channel at the artifact atomically as part of the commit (or,
+        when the artifact is already present, at the begin's answer); needs only the publish
+        role. ``durable=False``: no fsync; at hwrd's next start the artifact is gone and a
+        channel pointing to it falls back to its last durable key."""
         return self._publications.publish(identity, tensors, buffers=buffers, wait_timeout=wait_timeout,
-                                          verify=verify)
+                                          verify=verify, channel=channel, durable=durable)
 
     # lifecycle ------------------------------------------------------------------------------
     def close(self) -> None:

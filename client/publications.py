@@ -45,7 +45,8 @@ class Publications:
 
     def publisher(self, identity: ArtifactIdentity, specs: Sequence[TensorSpec], *,
                   wait_timeout: float = 600.0, verify: bool = False,
-                  format_metadata: Mapping[str, Any] | None = None) -> Publisher:
+                  format_metadata: Mapping[str, Any] | None = None, channel: str | None = None,
+                  durable: bool = True) -> Publisher:
         """Start a streaming publication (see ``hwr.client.publisher``)."""
         connection = self._connection
 
@@ -72,7 +73,7 @@ class Publications:
             pub = Publisher(identity=identity, specs=specs, call=connection.call, staging_fds=staging_fds,
                             wait_timeout=wait_timeout, verify=verify, call_timeout=connection.timeout,
                             format_metadata=format_metadata, peer=peer_begin,
-                            peer_may_wait=self.peer_begin_may_wait)
+                            peer_may_wait=self.peer_begin_may_wait, channel=channel, durable=durable)
             if pub.staged:
                 with self._lock:
                     self._staged.add(pub)
@@ -93,14 +94,15 @@ class Publications:
             return self._beginning <= 1 and all(p.finished for p in self._staged)
 
     def publish(self, identity: ArtifactIdentity, tensors: Mapping[str, torch.Tensor], *,
-                buffers: Sequence[str] = (), wait_timeout: float = 600.0, verify: bool = False) -> str:
+                buffers: Sequence[str] = (), wait_timeout: float = 600.0, verify: bool = False,
+                channel: str | None = None, durable: bool = True) -> str:
         """Publish a mapping of CPU tensors; returns the key (also when it already existed)."""
         if not tensors:
             raise InvalidRequest("nothing to publish")
         from hwr.client.publisher import specs_for
 
         with self.publisher(identity, specs_for(dict(tensors), buffers), wait_timeout=wait_timeout,
-                            verify=verify) as pub:
+                            verify=verify, channel=channel, durable=durable) as pub:
             if pub.staged:
                 for name, tensor in tensors.items():
                     pub.write(name, tensor)

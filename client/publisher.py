@@ -14,6 +14,10 @@ just returns the key).
 
 Contract: a Publisher not committed is aborted by ``abort()``, by ``__exit__`` on an exception,
 and by the daemon when this process's session ends; the staging is reclaimed in every case.
+
+Live updates: ``channel=NAME`` points the channel at the artifact as part of the commit (or at
+the begin's answer when the artifact is already present); ``durable=False`` asks for no fsync
+(the artifact is gone at hwrd's next start, and the channel falls back to its last durable key).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any
 
 import torch
 
+from hwr.client.channels import check_channel_name
 from hwr.client.errors import (
     ActiveBuildTimeout,
     InsufficientCapacity,
@@ -123,6 +128,8 @@ class Publisher:
         format_metadata: Mapping[str, Any] | None = None,
         peer: Callable[..., tuple[dict[str, Any], list[int]]] | None = None,
         peer_may_wait: Callable[[], bool] = lambda: True,
+        channel: str | None = None,
+        durable: bool = True,
     ) -> None:
         self._call = call
         self._call_timeout = call_timeout
@@ -139,6 +146,8 @@ class Publisher:
         self._written: set[str] = set()
         self._digests: dict[str, str] = {}
         self._verify = verify
+        self._channel = check_channel_name(channel) if channel is not None else None
+        self._durable = durable
         started = time.monotonic()
         peer_wait = min(wait_timeout, PEER_MAX_WAIT_S, call_timeout / 4) if peer_may_wait() else 0.0
         begun = self._begin_peer(identity, specs, format_metadata, peer_wait) if self._peer is not None else None
@@ -163,6 +172,10 @@ class Publisher:
         request: dict[str, Any] = {
             "op": "publish_begin", "identity": identity.canonical_bytes.decode(),
             "tensors": [s.to_wire() for s in specs], "wait_timeout_ms": int(wait * 1000)}
+        if self._channel is not None:
+            request["channel"] = self._channel
+        if not self._durable:
+            request["durable"] = False
         if format_metadata:
             request["format_metadata"] = canonical_json(dict(format_metadata)).decode()
         try:
@@ -186,7 +199,8 @@ class Publisher:
         request = pb.BeginPublicationRequest(
             identity_json=identity.canonical_bytes, tensors=[s.to_proto() for s in specs],
             wait_timeout_ms=int(wait_timeout * 1000),
-            format_metadata_json=canonical_json(dict(format_metadata)) if format_metadata else b"")
+            format_metadata_json=canonical_json(dict(format_metadata)) if format_metadata else b"",
+            channel=self._channel or "", non_durable=not self._durable)
         # The daemon may rightly hold this call for the whole wait (another publisher is building).
         response = self._call("BeginPublication", request, self._call_timeout + wait_timeout)
         outcome = {pb.BEGIN_OUTCOME_STAGED: "staged", pb.BEGIN_OUTCOME_JOINED: "joined",
@@ -236,8 +250,11 @@ class Publisher:
             if digest is not None:
                 digest.update(chunk[:written])
             done += written
-        # The daemon fsyncs at commit; starting writeback now overlaps the disk with our writing.
-        start_writeback(fd, placement.offset, data.nbytes)
+        if self._durable:
+            # The daemon fsyncs at commit; starting writeback now overlaps the disk with our
+            # writing. A non-durable publication is never fsynced: the disk has no reason to
+            # wait on it (the call may block while the device queue is full).
+            start_writeback(fd, placement.offset, data.nbytes)
         if digest is not None:
             self._digests[name] = digest.hexdigest()
         self._written.add(name)
