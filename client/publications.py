@@ -56,6 +56,10 @@ class Publications:
                 want_fds=True)
             return fds
 
+        def hand_over(publication_id: str, token: str, index: int) -> None:
+            connection.exchange({"op": "publish_file_done", "publication_id": publication_id,
+                                 "publication_token": token, "file_index": index}, want_fds=False)
+
         def peer(request: dict[str, Any], timeout: float | None = None) -> tuple[dict[str, Any], list[int]]:
             reply, fds, _tail = connection.exchange(request, want_fds=True, timeout=timeout)
             return reply, fds
@@ -73,7 +77,8 @@ class Publications:
             pub = Publisher(identity=identity, specs=specs, call=connection.call, staging_fds=staging_fds,
                             wait_timeout=wait_timeout, verify=verify, call_timeout=connection.timeout,
                             format_metadata=format_metadata, peer=peer_begin,
-                            peer_may_wait=self.peer_begin_may_wait, channel=channel, durable=durable)
+                            peer_may_wait=self.peer_begin_may_wait, channel=channel, durable=durable,
+                            hand_over=hand_over)
             if pub.staged:
                 with self._lock:
                     self._staged.add(pub)
@@ -104,8 +109,8 @@ class Publications:
         with self.publisher(identity, specs_for(dict(tensors), buffers), wait_timeout=wait_timeout,
                             verify=verify, channel=channel, durable=durable) as pub:
             if pub.staged:
-                for name, tensor in tensors.items():
-                    pub.write(name, tensor)
+                for name in pub.write_order(tensors):
+                    pub.write(name, tensors[name])
             return pub.commit()
 
     def abandon_unfinished(self) -> None:

@@ -27,7 +27,7 @@ import hashlib
 import math
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,6 +130,7 @@ class Publisher:
         peer_may_wait: Callable[[], bool] = lambda: True,
         channel: str | None = None,
         durable: bool = True,
+        hand_over: Callable[[str, str, int], None] | None = None,
     ) -> None:
         self._call = call
         self._call_timeout = call_timeout
@@ -148,6 +149,11 @@ class Publisher:
         self._verify = verify
         self._channel = check_channel_name(channel) if channel is not None else None
         self._durable = durable
+        # A large update (a channel's revision, or non-durable) is laid out in several files that
+        # are handed over as soon as they are written, so hwrd hashes them while the rest is
+        # written (``hwr.daemon.store.prehash``).
+        self._hand_over = hand_over if (channel is not None or not durable) and total > PEER_MAX_BYTES else None
+        self._token = ""
         started = time.monotonic()
         peer_wait = min(wait_timeout, PEER_MAX_WAIT_S, call_timeout / 4) if peer_may_wait() else 0.0
         begun = self._begin_peer(identity, specs, format_metadata, peer_wait) if self._peer is not None else None
@@ -162,6 +168,20 @@ class Publisher:
         self.outcome, self.key, self._publication_id, self._placements, self._fds = begun  # type: ignore[misc]
         self._done = not self.staged
         self.joined = self.outcome == "joined"
+        # Tensors not yet written, per file: a file is handed over when its set empties.
+        self._unwritten: dict[int, set[str]] = {}
+        if self._hand_over is not None and len(self._fds) > 1:
+            for placement in self._placements.values():
+                self._unwritten.setdefault(placement.file_index, set()).add(placement.name)
+
+    def write_order(self, names: Iterable[str]) -> list[str]:
+        """``names`` in the order of their places in the staging files (file by file): writing in
+        this order hands each file over as early as possible."""
+        def place(name: str) -> tuple[int, int]:
+            p = self._placements.get(name)
+            return (p.file_index, p.offset) if p is not None else (-1, 0)
+
+        return sorted(names, key=place)
 
     def _begin_peer(self, identity: ArtifactIdentity, specs: Sequence[TensorSpec],
                     format_metadata: Mapping[str, Any] | None, wait: float) -> tuple[Any, ...]:
@@ -176,6 +196,8 @@ class Publisher:
             request["channel"] = self._channel
         if not self._durable:
             request["durable"] = False
+        if self._hand_over is not None:
+            request["overlap"] = True
         if format_metadata:
             request["format_metadata"] = canonical_json(dict(format_metadata)).decode()
         try:
@@ -187,6 +209,7 @@ class Publisher:
             if outcome != "staged":
                 return outcome, str(reply["key"]), "", {}, _checked_fds(fds, 0)
             placements = {str(n): _Placement(str(n), int(i), int(o), int(b)) for n, i, o, b in reply["placements"]}
+            self._token = str(reply["publication_token"])
             return (outcome, str(reply["key"]), str(reply["publication_id"]), placements,
                     _checked_fds(fds, len(reply["files"])))
         except (KeyError, TypeError, ValueError):
@@ -200,7 +223,8 @@ class Publisher:
             identity_json=identity.canonical_bytes, tensors=[s.to_proto() for s in specs],
             wait_timeout_ms=int(wait_timeout * 1000),
             format_metadata_json=canonical_json(dict(format_metadata)) if format_metadata else b"",
-            channel=self._channel or "", non_durable=not self._durable)
+            channel=self._channel or "", non_durable=not self._durable,
+            overlap_hashing=self._hand_over is not None)
         # The daemon may rightly hold this call for the whole wait (another publisher is building).
         response = self._call("BeginPublication", request, self._call_timeout + wait_timeout)
         outcome = {pb.BEGIN_OUTCOME_STAGED: "staged", pb.BEGIN_OUTCOME_JOINED: "joined",
@@ -209,6 +233,7 @@ class Publisher:
         fds: list[int] = []
         if outcome == "staged":
             self._publication_id, self._done = response.publication_id, False
+            self._token = response.publication_token
             try:
                 fds = staging_fds(response.publication_id, response.publication_token)
             except BaseException:
@@ -258,6 +283,15 @@ class Publisher:
         if digest is not None:
             self._digests[name] = digest.hexdigest()
         self._written.add(name)
+        pending = self._unwritten.get(placement.file_index)
+        if pending is not None:
+            pending.discard(name)
+            if not pending:  # the file is complete: close it and hand it over to be hashed now
+                del self._unwritten[placement.file_index]
+                self._fds[placement.file_index], closing = -1, fd
+                os.close(closing)
+                assert self._hand_over is not None
+                self._hand_over(self._publication_id, self._token, placement.file_index)
 
     def commit(self) -> str:
         """Close the staging descriptors and ask the daemon to commit; returns the key."""
@@ -309,7 +343,7 @@ class Publisher:
 
     def _close_fds(self) -> None:
         fds, self._fds = self._fds, []
-        close_fds(fds)
+        close_fds([fd for fd in fds if fd >= 0])  # -1: a file already handed over
 
     def __enter__(self) -> Publisher:
         return self

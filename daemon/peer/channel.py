@@ -25,6 +25,7 @@ One SOCK_STREAM Unix socket at ``<socket>.peer``. Per connection:
    ``publish_begin``     see ``hwr.daemon.peer.publish``          ``outcome``, ``key``, placements;
    ``publish_commit``    (the publication RPCs on this channel)   staging descriptors when staged
    ``publish_abort``
+   ``publish_file_done`` (a staging file handed over)
    ``ping``              -                                       -
    ====================  ======================================  ==================================
 
@@ -257,6 +258,10 @@ class PeerServer:
             if not isinstance(lease_id, str):
                 raise InvalidRequest("lease_id is required")
             return {"ok": True, "released": self._leasing.release(session, lease_id)}, []
+        if op == "publish_file_done":
+            if self._publishing is None:
+                raise PermissionDeniedError(f"peer operation {op!r} is not served here")
+            return self._publishing.file_done(session, req), []
         if op == "staging_fds":
             if self._publishing is None:
                 raise PermissionDeniedError(f"peer operation {op!r} is not served here")

@@ -15,12 +15,18 @@ RPCs (one domain implementation: ``hwr.daemon.service.publications``; the same r
                                      (optional; see ``hwr.daemon.service.publications``)
                     durable          bool (optional, default true); false: no fsync, gone at
                                      hwrd's next start
+                    overlap          bool (optional): lay the staging out in several files the
+                                     writer hands over one by one (``publish_file_done``)
       -> outcome ("staged" | "joined" | "already_present"), key; when staged also
          publication_id, publication_token, files [[name, size]], placements
          [[name, file_index, offset, nbytes]] (sorted by name), count + the staging descriptors
     publish_commit  publication_id, expected_sha256 {name: 64 hex} (optional)
       -> key, joined, size_bytes, content_sha256
     publish_abort   publication_id   -> aborted (bool)
+    publish_file_done  publication_id, publication_token, file_index
+                                     the writer closed its descriptor of that file: hwrd hashes
+                                     it while the rest is written (answered at once; see
+                                     ``hwr.daemon.store.prehash``) -> {}
 
 Typed errors are error frames with the code, message and details the RPC would carry.
 
@@ -70,7 +76,7 @@ class PeerPublishing:
         """The staging descriptors of a publication ``session`` staged (its token checked)."""
         self._require(session, "open staging descriptors")
         publications = self._publications
-        pub = publications.staged_publication(session, publication_id, token)
+        pub = publications.writable_publication(session, publication_id, token)
         memfds = publications.memfd_staging
         if memfds is not None and memfds.eligible(pub.staging):  # sealed: cannot grow at all
             return memfds.descriptors(pub.publication_id, pub.staging)
@@ -84,6 +90,15 @@ class PeerPublishing:
             raise
         return fds
 
+    def file_done(self, session: Session, req: dict[str, Any]) -> dict[str, Any]:
+        """``publish_file_done``: the writer handed a staging file over (answered at once)."""
+        self._require(session, "publish_file_done")
+        index = req.get("file_index")
+        if not _is_int(index):
+            raise InvalidRequest("file_index must be an integer", details={"field": "file_index"})
+        self._publications.file_done(session, _id(req), _token(req), index)  # type: ignore[arg-type]
+        return {"ok": True}
+
     async def begin(self, session: Session, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         self._require(session, "publish_begin")
         identity_text = req.get("identity")
@@ -93,16 +108,16 @@ class PeerPublishing:
         metadata = req.get("format_metadata", "")
         if not isinstance(metadata, str):
             raise InvalidRequest("format_metadata must be JSON text", details={"field": "format_metadata_json"})
-        channel, durable = req.get("channel"), req.get("durable", True)
+        channel, durable, overlap = req.get("channel"), req.get("durable", True), req.get("overlap", False)
         if channel is not None and not isinstance(channel, str):
             raise InvalidRequest("channel must be a channel name", details={"field": "channel"})
-        if not isinstance(durable, bool):
-            raise InvalidRequest("durable must be true or false", details={"field": "durable"})
+        if not isinstance(durable, bool) or not isinstance(overlap, bool):
+            raise InvalidRequest("durable and overlap must be true or false", details={"field": "durable"})
         identity = parse_identity(identity_text.encode())
         specs = tensor_specs(_parse_tensors(req.get("tensors")))
         result = await self._publications.begin(
             session, identity, specs, wait_timeout=wait_timeout,
-            format_metadata=format_metadata(metadata.encode()), channel=channel, durable=durable)
+            format_metadata=format_metadata(metadata.encode()), channel=channel, durable=durable, overlap=overlap)
         pub = result.publication
         if pub is None:
             return {"ok": True, "outcome": result.outcome, "key": result.key}, []
@@ -140,6 +155,13 @@ def _id(req: dict[str, Any]) -> str:
     value = req.get("publication_id")
     if not isinstance(value, str) or not value or len(value) > 256:
         raise InvalidRequest("publication_id is required", details={"field": "publication_id"})
+    return value
+
+
+def _token(req: dict[str, Any]) -> str:
+    value = req.get("publication_token")
+    if not isinstance(value, str) or not value or len(value) > 256:
+        raise InvalidRequest("publication_token is required", details={"field": "publication_token"})
     return value
 
 

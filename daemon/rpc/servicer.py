@@ -93,7 +93,7 @@ class Servicer(ChannelsRpc, RemoteRpc, StoreAdminRpc, CheckpointsMixin, Handlers
         result = await self.c.publications.begin(
             session, identity, specs, wait_timeout=wait_timeout,
             format_metadata=format_metadata(bytes(request.format_metadata_json)),
-            channel=request.channel or None, durable=not request.non_durable)
+            channel=request.channel or None, durable=not request.non_durable, overlap=request.overlap_hashing)
         if result.publication is None:
             outcome = (pb.BEGIN_OUTCOME_JOINED if result.outcome == "joined"
                        else pb.BEGIN_OUTCOME_ALREADY_PRESENT)

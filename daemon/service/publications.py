@@ -29,7 +29,7 @@ import concurrent.futures
 import enum
 import os
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -44,6 +44,8 @@ from hwr.client.errors import (
 )
 from hwr.client.identity import ArtifactIdentity
 from hwr.daemon.service.sessions import Session
+from hwr.daemon.store.prehash import PreHashed, prehash
+from hwr.daemon.store.staging import overlap_file_bytes
 from hwr.daemon.system.exclusive import open_sole
 
 if TYPE_CHECKING:
@@ -75,7 +77,8 @@ class Gate(Protocol):
     staging, ``allocated`` once preallocated, ``finished`` at the end; ``purge_sync`` frees the
     bytes that eviction retired to make room (in the worker thread that stages or commits)."""
 
-    async def admit(self, key: str, specs: Sequence[TensorSpec], wait_timeout: float) -> Ticket: ...
+    async def admit(self, key: str, specs: Sequence[TensorSpec], wait_timeout: float,
+                    max_file_bytes: int | None = None) -> Ticket: ...
 
     def allocated(self, ticket: Ticket) -> None: ...
 
@@ -105,6 +108,9 @@ class Publication:
     ticket: Ticket | None = None  # the gate's admission + capacity reservation
     channel: str | None = None  # pointed at the key as part of the commit
     durable: bool = True  # False: no fsync, removed at the next start (store.volatile)
+    # Files handed over by the writer (``file_done``), by index: their hashing in flight or done
+    # (``store.prehash``; a None result: the commit hashes that file itself).
+    prehashed: dict[int, asyncio.Future[PreHashed | None]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -130,6 +136,9 @@ class Publications:
         self._by_key: dict[str, Publication] = {}
         self._on_commit = on_commit
         self._commit_pool = concurrent.futures.ThreadPoolExecutor(commit_threads, thread_name_prefix="hwr-commit")
+        # Hashing of handed-over files (``file_done``): its own threads, so that a commit never
+        # waits for a pool that its own publication's hashing occupies.
+        self._prehash_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="hwr-prehash")
         self.committed = 0
         self.failed = 0
         # Sealed memfd staging of small client publications (hwr.daemon.store.memfd_staging), set by
@@ -163,10 +172,13 @@ class Publications:
         format_metadata: dict[str, Any] | None = None,
         channel: str | None = None,
         durable: bool = True,
+        overlap: bool = False,
     ) -> BeginResult:
         """Stage a publication of ``identity`` (or join/answer one already present; see the
         module docstring). ``channel``: point it at the key as part of the commit (or now, when
-        the artifact is present); ``durable`` False: a non-durable publication."""
+        the artifact is present); ``durable`` False: a non-durable publication; ``overlap``: lay
+        it out in several files (``staging.overlap_file_bytes``) that the writer may hand over
+        one by one to be hashed while it writes the next (``file_done``)."""
         key = identity.key
         if channel is not None:
             check_channel_name(channel)
@@ -202,13 +214,14 @@ class Publications:
         owner = session.session_id if session is not None else DAEMON_OWNER
         raw = secrets.token_bytes(32)  # one getrandom for the id and the secret token
         pub = Publication(raw[:8].hex(), raw[8:].hex(), key, owner, None, channel=channel, durable=durable)
+        max_file_bytes = overlap_file_bytes(sum(_nbytes(s) for s in specs)) if overlap else None
         self._by_key[key] = pub
         self._by_id[pub.publication_id] = pub
         phase = self._on_phase
         try:
             if self._gate is not None:
                 began = loop.time()
-                pub.ticket = await self._gate.admit(key, specs, deadline - loop.time())
+                pub.ticket = await self._gate.admit(key, specs, deadline - loop.time(), max_file_bytes)
                 if phase is not None:
                     phase("admission", loop.time() - began)
             ticket = pub.ticket
@@ -216,7 +229,8 @@ class Publications:
             def stage() -> Staging:  # one worker hop: free the evicted bytes, then stage
                 if ticket is not None and not ticket.purge_after_commit:
                     self._gate.purge_sync(ticket.take_trash())
-                return self._store.begin(identity, specs, format_metadata=format_metadata)
+                return self._store.begin(identity, specs, format_metadata=format_metadata,
+                                         max_file_bytes=max_file_bytes)
 
             began = loop.time()
             pub.staging = await loop.run_in_executor(self._commit_pool, stage)
@@ -251,8 +265,33 @@ class Publications:
             raise PublicationFailed("the publication is no longer accepting writes")
         return pub
 
-    def staging_paths(self, session: Session, publication_id: str, token: str) -> list[Path]:
+    def writable_publication(self, session: Session, publication_id: str, token: str) -> Publication:
+        """``staged_publication`` whose writer has handed no file over: once one was (it is
+        being hashed), no writable staging descriptor is handed out again (``store.prehash``)."""
         pub = self.staged_publication(session, publication_id, token)
+        if pub.prehashed:
+            raise PublicationFailed("files of this publication were handed over; its staging descriptors "
+                                    "are not handed out again")
+        return pub
+
+    def file_done(self, session: Session, publication_id: str, token: str, index: int) -> None:
+        """The writer handed file ``index`` over (it closed its descriptor of it): prove that and
+        hash the file in the background while the rest is written (``store.prehash``; the
+        commit uses the result). Returns at once. A memfd-staged (small) publication is hashed
+        at commit only: it is refused here, as is a file handed over twice."""
+        pub = self.staged_publication(session, publication_id, token)
+        files = pub.staging.plans
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(files):
+            raise InvalidRequest("file_index is out of range", details={"field": "file_index"})
+        if self.memfd_staging is not None and self.memfd_staging.eligible(pub.staging):
+            raise InvalidRequest("a small publication is hashed at its commit", details={"field": "file_index"})
+        if index in pub.prehashed:
+            raise InvalidRequest("that file was handed over already", details={"file_index": index})
+        loop = asyncio.get_running_loop()
+        pub.prehashed[index] = loop.run_in_executor(self._prehash_pool, prehash, pub.staging, index)
+
+    def staging_paths(self, session: Session, publication_id: str, token: str) -> list[Path]:
+        pub = self.writable_publication(session, publication_id, token)
         return [Path(path) for _name, path, _size in pub.staging.files]
 
     async def commit(
@@ -277,18 +316,36 @@ class Publications:
         paths = [Path(path) for _n, path, _s in pub.staging.files]
         loop = asyncio.get_running_loop()
         began = loop.time()
+        # Files hashed while the rest was written: the commit takes their descriptors (and
+        # closes them, whatever happens); one whose hashing failed is hashed by the commit.
+        prehashed: dict[str, PreHashed] = {}
+        futures, pub.prehashed = list(pub.prehashed.values()), {}
+        for taken, future in enumerate(futures):
+            try:
+                done = await asyncio.shield(future)
+            except Exception:  # its own failure: the commit hashes the file itself
+                continue
+            except BaseException:  # the commit was cancelled: it fails, nothing takes the rest
+                _close_when_done(futures[taken:])
+                for result in prehashed.values():
+                    os.close(result.fd)
+                self._finish(pub, PubState.FAILED)
+                raise
+            if done is not None:
+                prehashed[done.name] = done
 
         def checks_and_commit() -> tuple[bool, Any]:
             """One worker hop: the quick checks, then the commit. A failed check leaves the
             publication STAGED (the writer may close its descriptor and retry); a failed commit
             fails it. Commits (hashing, fsyncs) run on their own threads: in the loop's default
             executor they would make every quick hop (acquire lookups) queue behind an fsync."""
-            opened: dict[str, int] = {}  # checked descriptors, hashed through by the commit
+            opened: dict[str, int] = {name: done.fd for name, done in prehashed.items()}
             try:
                 if self.memfd_staging is not None:  # memfd staging: copy it into the files first
                     self.memfd_staging.drain(pub.publication_id, pub.staging)
                 for path in paths:
-                    opened[path.name] = open_sole(path)
+                    if path.name not in opened:
+                        opened[path.name] = open_sole(path)
                 existed = self._exists(pub.key)
             except BaseException as exc:
                 for fd in opened.values():
@@ -296,7 +353,7 @@ class Publications:
                 return False, exc
             record = self._store.commit(  # closes ``opened``
                 pub.staging, expected_tensor_sha256=dict(expected) or None, trusted_digests=trusted_digests,
-                opened=opened, durable=pub.durable)
+                opened=opened, durable=pub.durable, prehashed=prehashed)
             ticket = pub.ticket
             if ticket is not None and ticket.purge_after_commit:
                 # The commit's artifacts/ fsync started after these were retired: delete now.
@@ -372,6 +429,8 @@ class Publications:
     def _finish(self, pub: Publication, state: PubState) -> None:
         if pub.done.is_set():
             return
+        futures, pub.prehashed = pub.prehashed, {}
+        _close_when_done(futures.values())  # an abort or cancel: nothing takes their descriptors
         if self.memfd_staging is not None:
             self.memfd_staging.discard(pub.publication_id)
         if self._gate is not None and pub.ticket is not None:
@@ -385,3 +444,22 @@ class Publications:
         if self._by_key.get(pub.key) is pub:
             del self._by_key[pub.key]
         pub.done.set()
+
+
+def _nbytes(spec: TensorSpec) -> int:
+    count = 1
+    for d in spec.shape:
+        count *= d
+    return count * spec.info.itemsize
+
+
+def _close_when_done(futures: Iterable[asyncio.Future[PreHashed | None]]) -> None:
+    """Close the descriptor of each prehash result once it is there (nothing will take it)."""
+    def close(future: asyncio.Future[PreHashed | None]) -> None:
+        if not future.cancelled() and future.exception() is None:
+            done = future.result()
+            if done is not None:
+                os.close(done.fd)
+
+    for future in futures:
+        future.add_done_callback(close)

@@ -36,6 +36,7 @@ from hwr.client.manifest import Manifest, ReadyMarker
 from hwr.daemon.store import fileio as store_io
 from hwr.daemon.store.denylist import DenyList, publication_may_replace
 from hwr.daemon.store.keylocks import KeyLocks
+from hwr.daemon.store.prehash import PreHashed
 from hwr.daemon.store.records import RecordCache
 from hwr.daemon.store.sealing import seal
 from hwr.daemon.store.staging import ProducerDigests, Staging, TensorSpec, plan_payloads, write_tensor
@@ -168,6 +169,7 @@ class Publisher:
         trusted_digests: ProducerDigests | None = None,
         opened: dict[str, int] | None = None,
         durable: bool = True,
+        prehashed: Mapping[str, PreHashed] | None = None,
     ) -> ArtifactRecord:
         """Validate, hash and atomically publish ``staging``; returns the committed (or joined) record.
 
@@ -180,7 +182,8 @@ class Publisher:
         read-only descriptors of payload files by name (``exclusive.open_sole``'s), used instead
         of opening them again; the commit closes them in every case. ``durable`` False: nothing
         is fsynced and the artifact is removed at the store's next open (``volatile``); a key
-        already present is joined as it is (durable or not).
+        already present is joined as it is (durable or not). ``prehashed``: files hashed after
+        their writer handed them over (``prehash``; their descriptors are in ``opened``).
         """
         opened = dict(opened or {})
         try:
@@ -191,7 +194,7 @@ class Publisher:
             try:
                 self._step("payload_written")
                 manifest, marker = seal(staging, expected_tensor_sha256, trusted_digests, opened, self._step,
-                                        durable=durable)
+                                        durable=durable, prehashed=prehashed)
                 return self._install(staging, manifest, marker, durable)
             except HwrError:
                 raise  # several typed errors are also OSError subclasses; keep their type

@@ -60,6 +60,7 @@ from hwr.daemon.store import recovery
 from hwr.daemon.store.denylist import CORRUPTION_CODES, OPERATOR_DENIED, DenyList
 from hwr.daemon.store.domain import ensure_domain
 from hwr.daemon.store.keylocks import KeyLocks
+from hwr.daemon.store.prehash import PreHashed
 from hwr.daemon.store.publication import Publisher
 from hwr.daemon.store.records import RecordCache
 from hwr.daemon.store.retirement import Retirement
@@ -285,13 +286,15 @@ class Store:
         trusted_digests: ProducerDigests | None = None,
         opened: dict[str, int] | None = None,
         durable: bool = True,
+        prehashed: Mapping[str, PreHashed] | None = None,
     ) -> ArtifactRecord:
         """``Publisher.commit``: validate, hash and atomically publish ``staging`` (its errors
         are listed there); returns the committed (or joined) record. ``durable`` False: no
-        fsync, and the artifact is removed at the next open (``volatile``)."""
+        fsync, and the artifact is removed at the next open (``volatile``); ``prehashed``:
+        files hashed while the rest was written (``prehash``)."""
         return self._publisher.commit(
             staging, expected_tensor_sha256=expected_tensor_sha256, trusted_digests=trusted_digests, opened=opened,
-            durable=durable,
+            durable=durable, prehashed=prehashed,
         )
 
     def is_volatile(self, key: str) -> bool:

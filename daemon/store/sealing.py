@@ -28,6 +28,7 @@ from hwr.client.errors import ChecksumMismatch, ManifestCorrupt
 from hwr.client.manifest import MANIFEST_FILE, READY_FILE, FileRecord, Manifest, ReadyMarker, TensorRecord
 from hwr.client.safetensors_header import contiguous_stride
 from hwr.daemon.store import fileio as store_io
+from hwr.daemon.store.prehash import PreHashed
 from hwr.daemon.store.staging import ProducerDigests, Staging
 from hwr.daemon.store.staging_bounds import allocation_ok
 
@@ -42,8 +43,13 @@ def seal(
     step: Callable[[str], None],
     *,
     durable: bool = True,
+    prehashed: Mapping[str, PreHashed] | None = None,
 ) -> tuple[Manifest, ReadyMarker]:
     """Validate, hash, document and fsync ``staging`` (see the module docstring).
+
+    ``prehashed``: files already hashed after their writer handed them over (``prehash``), by
+    name; their descriptor must be in ``opened``. Such a file is checked as any other and must
+    still have the size and mtime it was hashed with; it is not hashed again.
 
     ``durable`` False: nothing is fsynced nor written back early (a non-durable publication:
     ``hwr.daemon.store.volatile``); every check and hash is the same.
@@ -55,6 +61,7 @@ def seal(
     """
     fds: list[int] = []
     documents: list[int] = []  # manifest.json, READY.json
+    prehashed = prehashed or {}
     try:
         jobs = []
         before = []  # mtimes before hashing: a write since would change them
@@ -81,17 +88,28 @@ def seal(
                     f"{plan.name} was resized or its header overwritten",
                     details={"file": plan.name, "key": staging.key},
                 )
-            ranges = [(e.name, len(plan.head) + e.begin, len(plan.head) + e.end) for e in plan.entries]
-            jobs.append((fd, plan.size, ranges))
             if durable:
                 store_io.start_writeback(fd)  # the disk works while we hash; the fsync below waits
+            done = prehashed.get(plan.name)
+            if done is not None:
+                if done.fd != fd or not done.unchanged(st):
+                    raise ManifestCorrupt(f"{plan.name} changed after it was handed over and hashed",
+                                          details={"file": plan.name, "key": staging.key})
+                continue  # hashed already; the mtime check after hashing covers it too
+            ranges = [(e.name, len(plan.head) + e.begin, len(plan.head) + e.end) for e in plan.entries]
+            jobs.append((fd, plan.size, ranges))
         if trusted is not None and trusted.covers(staging):
             file_sha = [trusted.files[p.name] for p in staging.plans]
             tensor_sha = dict(trusted.tensors)
         else:
-            file_sha, tensor_sha = store_io.hash_ranges(jobs)
+            hashed, tensor_sha = store_io.hash_ranges(jobs)
             if [os.fstat(fd).st_mtime_ns for fd in fds] != before:
                 raise ManifestCorrupt("a payload changed while it was hashed", details={"key": staging.key})
+            computed = iter(hashed)
+            file_sha = [prehashed[p.name].file_sha256 if p.name in prehashed else next(computed)
+                        for p in staging.plans]
+            for done in prehashed.values():
+                tensor_sha.update(done.tensor_sha256)
         step("hashed")
         if expected is not None:
             bad = sorted(n for n in tensor_sha if expected.get(n) != tensor_sha[n])

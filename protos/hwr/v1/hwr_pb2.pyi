@@ -162,20 +162,22 @@ class TensorPlacement(_message.Message):
     def __init__(self, name: _Optional[str] = ..., file_index: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class BeginPublicationRequest(_message.Message):
-    __slots__ = ("identity_json", "tensors", "wait_timeout_ms", "format_metadata_json", "channel", "non_durable")
+    __slots__ = ("identity_json", "tensors", "wait_timeout_ms", "format_metadata_json", "channel", "non_durable", "overlap_hashing")
     IDENTITY_JSON_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     WAIT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     FORMAT_METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
     CHANNEL_FIELD_NUMBER: _ClassVar[int]
     NON_DURABLE_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_HASHING_FIELD_NUMBER: _ClassVar[int]
     identity_json: bytes
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     wait_timeout_ms: int
     format_metadata_json: bytes
     channel: str
     non_durable: bool
-    def __init__(self, identity_json: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., wait_timeout_ms: _Optional[int] = ..., format_metadata_json: _Optional[bytes] = ..., channel: _Optional[str] = ..., non_durable: _Optional[bool] = ...) -> None: ...
+    overlap_hashing: bool
+    def __init__(self, identity_json: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., wait_timeout_ms: _Optional[int] = ..., format_metadata_json: _Optional[bytes] = ..., channel: _Optional[str] = ..., non_durable: _Optional[bool] = ..., overlap_hashing: _Optional[bool] = ...) -> None: ...
 
 class BeginPublicationResponse(_message.Message):
     __slots__ = ("outcome", "key", "publication_id", "publication_token", "files", "placements")
