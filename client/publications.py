@@ -46,7 +46,8 @@ class Publications:
     def publisher(self, identity: ArtifactIdentity, specs: Sequence[TensorSpec], *,
                   wait_timeout: float = 600.0, verify: bool = False,
                   format_metadata: Mapping[str, Any] | None = None, channel: str | None = None,
-                  durable: bool = True) -> Publisher:
+                  durable: bool = True, reuse_base: str | None = None,
+                  reuse: Mapping[str, str] | None = None) -> Publisher:
         """Start a streaming publication (see ``hwr.client.publisher``)."""
         connection = self._connection
 
@@ -78,7 +79,7 @@ class Publications:
                             wait_timeout=wait_timeout, verify=verify, call_timeout=connection.timeout,
                             format_metadata=format_metadata, peer=peer_begin,
                             peer_may_wait=self.peer_begin_may_wait, channel=channel, durable=durable,
-                            hand_over=hand_over)
+                            hand_over=hand_over, reuse_base=reuse_base, reuse=reuse)
             if pub.staged:
                 with self._lock:
                     self._staged.add(pub)
@@ -100,14 +101,16 @@ class Publications:
 
     def publish(self, identity: ArtifactIdentity, tensors: Mapping[str, torch.Tensor], *,
                 buffers: Sequence[str] = (), wait_timeout: float = 600.0, verify: bool = False,
-                channel: str | None = None, durable: bool = True) -> str:
+                channel: str | None = None, durable: bool = True, reuse_base: str | None = None,
+                reuse: Mapping[str, str] | None = None) -> str:
         """Publish a mapping of CPU tensors; returns the key (also when it already existed)."""
         if not tensors:
             raise InvalidRequest("nothing to publish")
         from hwr.client.publisher import specs_for
 
         with self.publisher(identity, specs_for(dict(tensors), buffers), wait_timeout=wait_timeout,
-                            verify=verify, channel=channel, durable=durable) as pub:
+                            verify=verify, channel=channel, durable=durable, reuse_base=reuse_base,
+                            reuse=reuse) as pub:
             if pub.staged:
                 for name in pub.write_order(tensors):
                     pub.write(name, tensors[name])

@@ -131,6 +131,8 @@ class Publisher:
         channel: str | None = None,
         durable: bool = True,
         hand_over: Callable[[str, str, int], None] | None = None,
+        reuse: Mapping[str, str] | None = None,
+        reuse_base: str | None = None,
     ) -> None:
         self._call = call
         self._call_timeout = call_timeout
@@ -154,6 +156,11 @@ class Publisher:
         # written (``hwr.daemon.store.prehash``).
         self._hand_over = hand_over if (channel is not None or not durable) and total > PEER_MAX_BYTES else None
         self._token = ""
+        # Tensors equal to ``reuse_base``'s, with the base's digests (for ``verify``): hwrd takes
+        # them from the base; the reply says which it does (``reused``: not to be written).
+        self._reuse = dict(reuse or {}) if reuse_base else {}
+        self._reuse_base = reuse_base if self._reuse else None
+        self.reused: frozenset[str] = frozenset()
         started = time.monotonic()
         peer_wait = min(wait_timeout, PEER_MAX_WAIT_S, call_timeout / 4) if peer_may_wait() else 0.0
         begun = self._begin_peer(identity, specs, format_metadata, peer_wait) if self._peer is not None else None
@@ -168,11 +175,18 @@ class Publisher:
         self.outcome, self.key, self._publication_id, self._placements, self._fds = begun  # type: ignore[misc]
         self._done = not self.staged
         self.joined = self.outcome == "joined"
-        # Tensors not yet written, per file: a file is handed over when its set empties.
+        if self._verify:
+            self._digests.update({n: d for n, d in self._reuse.items() if n in self.reused})
+        # Tensors not yet written, per file: a file is handed over when its set empties (one
+        # whose tensors are all reused at once: hwrd copies them from the base meanwhile).
         self._unwritten: dict[int, set[str]] = {}
         if self._hand_over is not None and len(self._fds) > 1:
             for placement in self._placements.values():
-                self._unwritten.setdefault(placement.file_index, set()).add(placement.name)
+                self._unwritten.setdefault(placement.file_index, set())
+                if placement.name not in self.reused:
+                    self._unwritten[placement.file_index].add(placement.name)
+            for index in [i for i, names in self._unwritten.items() if not names]:
+                self._file_written(index)
 
     def write_order(self, names: Iterable[str]) -> list[str]:
         """``names`` in the order of their places in the staging files (file by file): writing in
@@ -198,6 +212,8 @@ class Publisher:
             request["durable"] = False
         if self._hand_over is not None:
             request["overlap"] = True
+        if self._reuse_base is not None:
+            request["reuse"] = {"base": self._reuse_base, "tensors": sorted(self._reuse)}
         if format_metadata:
             request["format_metadata"] = canonical_json(dict(format_metadata)).decode()
         try:
@@ -210,6 +226,7 @@ class Publisher:
                 return outcome, str(reply["key"]), "", {}, _checked_fds(fds, 0)
             placements = {str(n): _Placement(str(n), int(i), int(o), int(b)) for n, i, o, b in reply["placements"]}
             self._token = str(reply["publication_token"])
+            self.reused = frozenset(str(n) for n in reply.get("reused", ()))
             return (outcome, str(reply["key"]), str(reply["publication_id"]), placements,
                     _checked_fds(fds, len(reply["files"])))
         except (KeyError, TypeError, ValueError):
@@ -224,7 +241,8 @@ class Publisher:
             wait_timeout_ms=int(wait_timeout * 1000),
             format_metadata_json=canonical_json(dict(format_metadata)) if format_metadata else b"",
             channel=self._channel or "", non_durable=not self._durable,
-            overlap_hashing=self._hand_over is not None)
+            overlap_hashing=self._hand_over is not None, reuse_base=self._reuse_base or "",
+            reuse_tensors=sorted(self._reuse) if self._reuse_base else [])
         # The daemon may rightly hold this call for the whole wait (another publisher is building).
         response = self._call("BeginPublication", request, self._call_timeout + wait_timeout)
         outcome = {pb.BEGIN_OUTCOME_STAGED: "staged", pb.BEGIN_OUTCOME_JOINED: "joined",
@@ -234,6 +252,7 @@ class Publisher:
         if outcome == "staged":
             self._publication_id, self._done = response.publication_id, False
             self._token = response.publication_token
+            self.reused = frozenset(response.reused)
             try:
                 fds = staging_fds(response.publication_id, response.publication_token)
             except BaseException:
@@ -251,9 +270,12 @@ class Publisher:
         return self._done
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Copy one tensor's bytes to its place in the staging file (once per tensor)."""
+        """Copy one tensor's bytes to its place in the staging file (once per tensor; a tensor
+        hwrd takes from the base, ``reused``, is not written: the call returns at once)."""
         if self._done:
             raise PublicationFailed("the publication is finished or not staged")
+        if name in self.reused:
+            return
         spec = self._specs.get(name)
         placement = self._placements.get(name)
         if spec is None or placement is None:
@@ -287,17 +309,20 @@ class Publisher:
         if pending is not None:
             pending.discard(name)
             if not pending:  # the file is complete: close it and hand it over to be hashed now
-                del self._unwritten[placement.file_index]
-                self._fds[placement.file_index], closing = -1, fd
-                os.close(closing)
-                assert self._hand_over is not None
-                self._hand_over(self._publication_id, self._token, placement.file_index)
+                self._file_written(placement.file_index)
+
+    def _file_written(self, index: int) -> None:
+        del self._unwritten[index]
+        self._fds[index], closing = -1, self._fds[index]
+        os.close(closing)
+        assert self._hand_over is not None
+        self._hand_over(self._publication_id, self._token, index)
 
     def commit(self) -> str:
         """Close the staging descriptors and ask the daemon to commit; returns the key."""
         if self._done:
             return self.key
-        missing = sorted(set(self._specs) - self._written)
+        missing = sorted(set(self._specs) - self._written - self.reused)
         if missing:
             raise InvalidRequest(f"{len(missing)} tensors were not written", details={"first": missing[0]})
         self._close_fds()

@@ -17,9 +17,12 @@ RPCs (one domain implementation: ``hwr.daemon.service.publications``; the same r
                                      hwrd's next start
                     overlap          bool (optional): lay the staging out in several files the
                                      writer hands over one by one (``publish_file_done``)
+                    reuse            {"base": 64-hex key, "tensors": [names]} (optional): tensors
+                                     hwrd takes from that artifact (``hwr.daemon.store.reuse``)
       -> outcome ("staged" | "joined" | "already_present"), key; when staged also
          publication_id, publication_token, files [[name, size]], placements
-         [[name, file_index, offset, nbytes]] (sorted by name), count + the staging descriptors
+         [[name, file_index, offset, nbytes]] (sorted by name), reused [names] (not to be
+         written), count + the staging descriptors
     publish_commit  publication_id, expected_sha256 {name: 64 hex} (optional)
       -> key, joined, size_bytes, content_sha256
     publish_abort   publication_id   -> aborted (bool)
@@ -48,6 +51,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from hwr.client.errors import InvalidRequest
+from hwr.client.identity import is_key
 from hwr.daemon.service.leasing import parse_identity
 from hwr.daemon.service.publication_request import KINDS, TensorEntry, format_metadata, tensor_specs, wait_timeout_s
 from hwr.daemon.service.roles import PUBLISH
@@ -113,11 +117,13 @@ class PeerPublishing:
             raise InvalidRequest("channel must be a channel name", details={"field": "channel"})
         if not isinstance(durable, bool) or not isinstance(overlap, bool):
             raise InvalidRequest("durable and overlap must be true or false", details={"field": "durable"})
+        reuse_base, reuse = _parse_reuse(req.get("reuse"))
         identity = parse_identity(identity_text.encode())
         specs = tensor_specs(_parse_tensors(req.get("tensors")))
         result = await self._publications.begin(
             session, identity, specs, wait_timeout=wait_timeout,
-            format_metadata=format_metadata(metadata.encode()), channel=channel, durable=durable, overlap=overlap)
+            format_metadata=format_metadata(metadata.encode()), channel=channel, durable=durable, overlap=overlap,
+            reuse_base=reuse_base, reuse=reuse)
         pub = result.publication
         if pub is None:
             return {"ok": True, "outcome": result.outcome, "key": result.key}, []
@@ -133,7 +139,7 @@ class PeerPublishing:
                 "files": [[name, size] for name, _path, size in staging.files],
                 "placements": [[name, index[fname], offset, nbytes]
                                for name, (fname, offset, nbytes) in sorted(staging.placements.items())],
-                "count": len(fds)}, fds
+                "reused": result.reused, "count": len(fds)}, fds
 
     async def commit(self, session: Session, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         self._require(session, "publish_commit")
@@ -156,6 +162,15 @@ def _id(req: dict[str, Any]) -> str:
     if not isinstance(value, str) or not value or len(value) > 256:
         raise InvalidRequest("publication_id is required", details={"field": "publication_id"})
     return value
+
+
+def _parse_reuse(value: object) -> tuple[str | None, list[str]]:
+    if value is None:
+        return None, []
+    if not isinstance(value, dict) or not is_key(value.get("base")) or not isinstance(value.get("tensors"), list) \
+            or not all(isinstance(n, str) for n in value["tensors"]):
+        raise InvalidRequest('reuse must be {"base": a 64-hex key, "tensors": [names]}', details={"field": "reuse"})
+    return value["base"], value["tensors"]
 
 
 def _token(req: dict[str, Any]) -> str:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from hwr import __version__
 from hwr.client.errors import InvalidRequest
+from hwr.client.identity import is_key
 from hwr.daemon.rpc.channels import ChannelsRpc, channel_info
 from hwr.daemon.rpc.checkpoints import CheckpointsMixin
 from hwr.daemon.rpc.collaborators import Ctx, Handlers, RpcCollaborators
@@ -93,7 +94,8 @@ class Servicer(ChannelsRpc, RemoteRpc, StoreAdminRpc, CheckpointsMixin, Handlers
         result = await self.c.publications.begin(
             session, identity, specs, wait_timeout=wait_timeout,
             format_metadata=format_metadata(bytes(request.format_metadata_json)),
-            channel=request.channel or None, durable=not request.non_durable, overlap=request.overlap_hashing)
+            channel=request.channel or None, durable=not request.non_durable, overlap=request.overlap_hashing,
+            reuse_base=_reuse_base(request.reuse_base), reuse=list(request.reuse_tensors))
         if result.publication is None:
             outcome = (pb.BEGIN_OUTCOME_JOINED if result.outcome == "joined"
                        else pb.BEGIN_OUTCOME_ALREADY_PRESENT)
@@ -107,6 +109,7 @@ class Servicer(ChannelsRpc, RemoteRpc, StoreAdminRpc, CheckpointsMixin, Handlers
             files=[pb.PayloadFile(name=name, size=size) for name, _path, size in staging.files],
             placements=[pb.TensorPlacement(name=name, file_index=index[fname], offset=offset, nbytes=nbytes)
                         for name, (fname, offset, nbytes) in sorted(staging.placements.items())],
+            reused=result.reused,
         )
 
     @rpc
@@ -192,6 +195,12 @@ class Servicer(ChannelsRpc, RemoteRpc, StoreAdminRpc, CheckpointsMixin, Handlers
             channels=[channel_info(s, c.channels.watcher_count(s.name), history=False) for s in c.channels.states()]
             if c.channels is not None else [],
         )
+
+
+def _reuse_base(base: str) -> str | None:
+    if base and not is_key(base):
+        raise InvalidRequest("reuse_base must be a 64-hex key", details={"field": "reuse_base"})
+    return base or None
 
 
 def _ref_key(ref: pb.ArtifactRef) -> str:

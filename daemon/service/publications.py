@@ -38,6 +38,7 @@ from hwr.client.channels import check_channel_name
 from hwr.client.errors import (
     ActiveBuildTimeout,
     ArtifactNotFound,
+    HwrError,
     InvalidRequest,
     PermissionDeniedError,
     PublicationFailed,
@@ -45,6 +46,7 @@ from hwr.client.errors import (
 from hwr.client.identity import ArtifactIdentity
 from hwr.daemon.service.sessions import Session
 from hwr.daemon.store.prehash import PreHashed, prehash
+from hwr.daemon.store.reuse import ReuseSource, open_reuse
 from hwr.daemon.store.staging import overlap_file_bytes
 from hwr.daemon.system.exclusive import open_sole
 
@@ -111,6 +113,7 @@ class Publication:
     # Files handed over by the writer (``file_done``), by index: their hashing in flight or done
     # (``store.prehash``; a None result: the commit hashes that file itself).
     prehashed: dict[int, asyncio.Future[PreHashed | None]] = field(default_factory=dict)
+    reuse: ReuseSource | None = None  # the base whose tensors this publication takes (store.reuse)
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,12 @@ class BeginResult:
     outcome: str  # "staged" | "already_present" | "joined"
     key: str
     publication: Publication | None = None
+
+    @property
+    def reused(self) -> list[str]:
+        """Tensors hwrd takes from the base (the writer must not write them), by name."""
+        pub = self.publication
+        return sorted(pub.reuse.tensors) if pub is not None and pub.reuse is not None else []
 
 
 class Publications:
@@ -173,12 +182,17 @@ class Publications:
         channel: str | None = None,
         durable: bool = True,
         overlap: bool = False,
+        reuse_base: str | None = None,
+        reuse: Sequence[str] = (),
     ) -> BeginResult:
         """Stage a publication of ``identity`` (or join/answer one already present; see the
         module docstring). ``channel``: point it at the key as part of the commit (or now, when
         the artifact is present); ``durable`` False: a non-durable publication; ``overlap``: lay
         it out in several files (``staging.overlap_file_bytes``) that the writer may hand over
-        one by one to be hashed while it writes the next (``file_done``)."""
+        one by one to be hashed while it writes the next (``file_done``); ``reuse_base`` and
+        ``reuse``: tensors equal to that artifact's, which hwrd takes from it
+        (``store.reuse``; ``BeginResult.reused`` says which, none when the base is no longer
+        there: then the writer writes every tensor)."""
         key = identity.key
         if channel is not None:
             check_channel_name(channel)
@@ -226,14 +240,20 @@ class Publications:
                     phase("admission", loop.time() - began)
             ticket = pub.ticket
 
-            def stage() -> Staging:  # one worker hop: free the evicted bytes, then stage
+            def stage() -> tuple[Staging, ReuseSource | None]:  # one worker hop: free, stage, open the base
                 if ticket is not None and not ticket.purge_after_commit:
                     self._gate.purge_sync(ticket.take_trash())
-                return self._store.begin(identity, specs, format_metadata=format_metadata,
-                                         max_file_bytes=max_file_bytes)
+                source = self._open_reuse(reuse_base, reuse, specs) if reuse_base and reuse else None
+                try:
+                    return self._store.begin(identity, specs, format_metadata=format_metadata,
+                                             max_file_bytes=max_file_bytes), source
+                except BaseException:
+                    if source is not None:
+                        source.close()
+                    raise
 
             began = loop.time()
-            pub.staging = await loop.run_in_executor(self._commit_pool, stage)
+            pub.staging, pub.reuse = await loop.run_in_executor(self._commit_pool, stage)
             if self._gate is not None:
                 self._gate.allocated(pub.ticket)
         except BaseException:
@@ -245,6 +265,19 @@ class Publications:
         if session is not None:
             session.publications.add(pub.publication_id)
         return BeginResult("staged", key, pub)
+
+    def _open_reuse(self, base: str, names: Sequence[str], specs: Sequence[TensorSpec]) -> ReuseSource | None:
+        """The base's ``ReuseSource`` (blocking); None when the base cannot be read any more
+        (evicted, denied): the writer then writes every tensor. A request that names tensors
+        the base does not have as specified is ``InvalidRequest``."""
+        try:
+            record = self._store.lookup(base)
+            fds = self._store.open_payloads(record)
+        except InvalidRequest:
+            raise
+        except HwrError:
+            return None
+        return open_reuse(record, fds, list(names), {s.name: s for s in specs})
 
     def get(self, session: Session, publication_id: str, token: str | None = None) -> Publication:
         pub = self._by_id.get(publication_id)
@@ -288,7 +321,7 @@ class Publications:
         if index in pub.prehashed:
             raise InvalidRequest("that file was handed over already", details={"file_index": index})
         loop = asyncio.get_running_loop()
-        pub.prehashed[index] = loop.run_in_executor(self._prehash_pool, prehash, pub.staging, index)
+        pub.prehashed[index] = loop.run_in_executor(self._prehash_pool, prehash, pub.staging, index, pub.reuse)
 
     def staging_paths(self, session: Session, publication_id: str, token: str) -> list[Path]:
         pub = self.writable_publication(session, publication_id, token)
@@ -326,9 +359,9 @@ class Publications:
             except Exception:  # its own failure: the commit hashes the file itself
                 continue
             except BaseException:  # the commit was cancelled: it fails, nothing takes the rest
-                _close_when_done(futures[taken:])
                 for result in prehashed.values():
                     os.close(result.fd)
+                pub.prehashed = dict(enumerate(futures[taken:]))  # ``_finish`` closes them once done
                 self._finish(pub, PubState.FAILED)
                 raise
             if done is not None:
@@ -343,8 +376,19 @@ class Publications:
             try:
                 if self.memfd_staging is not None:  # memfd staging: copy it into the files first
                     self.memfd_staging.drain(pub.publication_id, pub.staging)
-                for path in paths:
-                    if path.name not in opened:
+                for index, path in enumerate(paths):
+                    if path.name in opened:
+                        continue
+                    if pub.reuse is not None and pub.reuse.covers(pub.staging.plans[index]):
+                        # hwrd's own copy of the reused tensors (after the sole-opener proof)
+                        done = prehash(pub.staging, index, pub.reuse)
+                        if done is None:
+                            opened[path.name] = open_sole(path)  # raises when a writer holds it
+                            raise PublicationFailed("the reused tensors could not be copied from the base",
+                                                    details={"file": path.name, "base": pub.reuse.base_key})
+                        prehashed[done.name] = done
+                        opened[path.name] = done.fd
+                    else:
                         opened[path.name] = open_sole(path)
                 existed = self._exists(pub.key)
             except BaseException as exc:
@@ -431,6 +475,8 @@ class Publications:
             return
         futures, pub.prehashed = pub.prehashed, {}
         _close_when_done(futures.values())  # an abort or cancel: nothing takes their descriptors
+        if pub.reuse is not None:  # once no hashing job reads the base any more
+            _after_all(futures.values(), pub.reuse.close)
         if self.memfd_staging is not None:
             self.memfd_staging.discard(pub.publication_id)
         if self._gate is not None and pub.ticket is not None:
@@ -451,6 +497,23 @@ def _nbytes(spec: TensorSpec) -> int:
     for d in spec.shape:
         count *= d
     return count * spec.info.itemsize
+
+
+def _after_all(futures: Iterable[asyncio.Future[PreHashed | None]], then: Callable[[], None]) -> None:
+    """``then()`` once every future is done (now, when none is pending)."""
+    pending = [f for f in futures if not f.done()]
+    if not pending:
+        then()
+        return
+    left = [len(pending)]
+
+    def one_done(_future: asyncio.Future[PreHashed | None]) -> None:
+        left[0] -= 1
+        if left[0] == 0:
+            then()
+
+    for future in pending:
+        future.add_done_callback(one_done)
 
 
 def _close_when_done(futures: Iterable[asyncio.Future[PreHashed | None]]) -> None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from hwr.client.errors import HwrError, ManifestCorrupt
 from hwr.daemon.store import fileio as store_io
+from hwr.daemon.store.reuse import ReuseSource
 from hwr.daemon.store.staging import Staging
 from hwr.daemon.store.staging_bounds import allocation_ok
 from hwr.daemon.system.exclusive import open_sole
@@ -49,9 +50,11 @@ class PreHashed:
         return (st.st_size, st.st_mtime_ns) == (self.size, self.mtime_ns)
 
 
-def prehash(staging: Staging, index: int) -> PreHashed | None:
+def prehash(staging: Staging, index: int, reuse: ReuseSource | None = None) -> PreHashed | None:
     """Prove, check and hash file ``index`` of ``staging`` (see the module docstring); None when
-    the proof or a check fails (the commit then does the work itself and reports the error)."""
+    the proof or a check fails (the commit then does the work itself and reports the error).
+    ``reuse``: first copy the file's reused tensors from the base (``reuse.ReuseSource.fill``:
+    after the proof, so no writer can change them afterwards) and take their digests."""
     plan = staging.plans[index]
     try:
         fd = open_sole(staging.path / plan.name)
@@ -61,8 +64,21 @@ def prehash(staging: Staging, index: int) -> PreHashed | None:
         st = os.fstat(fd)
         if not allocation_ok(st, plan.size) or os.pread(fd, len(plan.head), 0) != plan.head:
             raise ManifestCorrupt("handed-over file resized or its header overwritten")
-        ranges = [(e.name, len(plan.head) + e.begin, len(plan.head) + e.end) for e in plan.entries]
-        (file_sha,), tensor_sha = store_io.hash_ranges([(fd, plan.size, ranges)])
+        file_sha: str | None = None
+        known: dict[str, str] = {}
+        if reuse is not None and reuse.covers(plan):
+            writer = os.open(staging.path / plan.name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                file_sha, known = reuse.fill(plan, writer)
+            finally:
+                os.close(writer)
+            st = os.fstat(fd)
+        ranges = [(e.name, len(plan.head) + e.begin, len(plan.head) + e.end) for e in plan.entries
+                  if e.name not in known]
+        tensor_sha = dict(known)
+        if file_sha is None:
+            (file_sha,), hashed = store_io.hash_ranges([(fd, plan.size, ranges)])
+            tensor_sha.update(hashed)
         if os.fstat(fd).st_mtime_ns != st.st_mtime_ns:
             raise ManifestCorrupt("a handed-over file changed while it was hashed")
     except (HwrError, OSError):

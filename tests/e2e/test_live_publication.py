@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hwr.client import ArtifactIdentity, connect
-from hwr.client.errors import ChannelNotFound, PublicationFailed
+from hwr.client.errors import ChannelNotFound, InvalidRequest, PublicationFailed
 from hwr.client.publisher import specs_for
 from hwr.daemon.app.launcher import DaemonProcess
 
@@ -84,3 +84,84 @@ def test_a_writer_that_keeps_a_handed_over_file_cannot_commit(shared_hwrd: Daemo
                 os.close(kept)
         with pytest.raises(ChannelNotFound):  # nothing was committed, so the channel was never set
             client.inspect_channel("live-keeps")
+
+
+def small(seed: float) -> dict[str, torch.Tensor]:
+    return {"a": torch.full((1000,), seed), "b": torch.arange(2000, dtype=torch.int64) + int(seed),
+            "c": torch.full((3, 5), seed, dtype=torch.bfloat16)}
+
+
+@pytest.mark.timeout(240)
+def test_unchanged_tensors_are_taken_from_the_channels_revision_not_from_the_writer(
+        shared_hwrd: DaemonProcess) -> None:
+    with connect(shared_hwrd.socket) as client:
+        first = small(1.0)
+        base = client.publish(ArtifactIdentity.simple("live/reuse-1"), first, channel="live-reuse")
+        second = {**first, "c": torch.full((3, 5), 2.0, dtype=torch.bfloat16)}
+        with client.acquire(base) as lease:
+            digests = {t.name: t.sha256 for t in lease.manifest.tensors}
+        pub = client.publisher(ArtifactIdentity.simple("live/reuse-2"), specs_for(second), channel="live-reuse",
+                               durable=False, verify=True, reuse_base=base,
+                               reuse={"a": digests["a"], "b": digests["b"]})
+        assert pub.reused == {"a", "b"}
+        # A hostile writer puts other bytes where a reused tensor goes: they are not served.
+        where = pub._placements["a"]
+        os.pwrite(pub._fds[where.file_index], b"\xff" * where.nbytes, where.offset)
+        for name in pub.write_order(second):
+            pub.write(name, second[name])  # "a" and "b" are skipped
+        key = pub.commit()
+        assert client.verify(key)["ok"]
+        with client.acquire(key) as lease:
+            for name, tensor in second.items():
+                assert torch.equal(lease.tensors[name], tensor), name
+            mine = {t.name: t.sha256 for t in lease.manifest.tensors}
+        assert mine["a"] == digests["a"] and mine["b"] == digests["b"] and mine["c"] != digests["c"]
+        # client.publish finds the unchanged tensors itself; the artifact is the same either way
+        third = {**second, "b": torch.arange(2000, dtype=torch.int64) * 3}
+        key3 = client.publish(ArtifactIdentity.simple("live/reuse-3"), third, channel="live-reuse")
+        plain = client.publish(ArtifactIdentity.simple("live/reuse-3"), third, reuse_unchanged=False)
+        assert plain == key3 and client.verify(key3)["ok"]
+        with client.acquire(key3) as lease:
+            assert all(torch.equal(lease.tensors[n], t) for n, t in third.items())
+        client.remove_channel("live-reuse")
+
+
+@pytest.mark.timeout(240)
+def test_a_file_of_unchanged_tensors_is_the_bases_file_and_not_hashed_again(shared_hwrd: DaemonProcess) -> None:
+    first = revision(10)  # 80 MiB in several files
+    second = {name: (t.clone() if i < 5 else t) for i, (name, t) in enumerate(sorted(first.items()))}
+    for name in sorted(second)[:5]:
+        second[name].view(torch.int16)[0] += 1  # the first half changes, the second does not
+    with connect(shared_hwrd.socket) as client:
+        base = client.publish(ArtifactIdentity.simple("live/whole-1"), first, channel="live-whole", durable=False)
+        key = client.publish(ArtifactIdentity.simple("live/whole-2"), second, channel="live-whole", durable=False)
+        old, new = client.inspect(base), client.inspect(key)
+        shared = {f["sha256"] for f in old["files"]} & {f["sha256"] for f in new["files"]}
+        assert shared, "no file was taken whole from the base"
+        assert client.verify(key)["ok"]
+        with client.acquire(key) as lease:
+            for name, t in second.items():
+                assert torch.equal(lease.tensors[name].view(torch.int16), t.view(torch.int16)), name
+        client.remove_channel("live-whole")
+
+
+@pytest.mark.timeout(120)
+def test_reuse_that_does_not_fit_the_base_is_refused_and_a_missing_base_reuses_nothing(
+        shared_hwrd: DaemonProcess) -> None:
+    with connect(shared_hwrd.socket) as client:
+        base = client.publish(ArtifactIdentity.simple("live/fit-1"), small(1.0))
+        other = {"a": torch.full((999,), 1.0), "b": small(1.0)["b"]}
+        with pytest.raises(InvalidRequest):
+            client.publisher(ArtifactIdentity.simple("live/fit-2"), specs_for(other), reuse_base=base,
+                             reuse={"a": "0" * 64})
+        with pytest.raises(InvalidRequest):
+            client.publisher(ArtifactIdentity.simple("live/fit-3"), specs_for(other), reuse_base=base,
+                             reuse={"zzz": "0" * 64})
+        pub = client.publisher(ArtifactIdentity.simple("live/fit-4"), specs_for(small(4.0)), reuse_base="0" * 64,
+                               reuse={"a": "0" * 64})
+        assert pub.reused == frozenset()  # no such base: the writer writes everything
+        for name, tensor in small(4.0).items():
+            pub.write(name, tensor)
+        key = pub.commit()
+        with client.acquire(key) as lease:
+            assert torch.equal(lease.tensors["a"], small(4.0)["a"])

@@ -162,7 +162,7 @@ class TensorPlacement(_message.Message):
     def __init__(self, name: _Optional[str] = ..., file_index: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class BeginPublicationRequest(_message.Message):
-    __slots__ = ("identity_json", "tensors", "wait_timeout_ms", "format_metadata_json", "channel", "non_durable", "overlap_hashing")
+    __slots__ = ("identity_json", "tensors", "wait_timeout_ms", "format_metadata_json", "channel", "non_durable", "overlap_hashing", "reuse_base", "reuse_tensors")
     IDENTITY_JSON_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     WAIT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +170,8 @@ class BeginPublicationRequest(_message.Message):
     CHANNEL_FIELD_NUMBER: _ClassVar[int]
     NON_DURABLE_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_HASHING_FIELD_NUMBER: _ClassVar[int]
+    REUSE_BASE_FIELD_NUMBER: _ClassVar[int]
+    REUSE_TENSORS_FIELD_NUMBER: _ClassVar[int]
     identity_json: bytes
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     wait_timeout_ms: int
@@ -177,23 +179,27 @@ class BeginPublicationRequest(_message.Message):
     channel: str
     non_durable: bool
     overlap_hashing: bool
-    def __init__(self, identity_json: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., wait_timeout_ms: _Optional[int] = ..., format_metadata_json: _Optional[bytes] = ..., channel: _Optional[str] = ..., non_durable: _Optional[bool] = ..., overlap_hashing: _Optional[bool] = ...) -> None: ...
+    reuse_base: str
+    reuse_tensors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, identity_json: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., wait_timeout_ms: _Optional[int] = ..., format_metadata_json: _Optional[bytes] = ..., channel: _Optional[str] = ..., non_durable: _Optional[bool] = ..., overlap_hashing: _Optional[bool] = ..., reuse_base: _Optional[str] = ..., reuse_tensors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BeginPublicationResponse(_message.Message):
-    __slots__ = ("outcome", "key", "publication_id", "publication_token", "files", "placements")
+    __slots__ = ("outcome", "key", "publication_id", "publication_token", "files", "placements", "reused")
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     PUBLICATION_ID_FIELD_NUMBER: _ClassVar[int]
     PUBLICATION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
+    REUSED_FIELD_NUMBER: _ClassVar[int]
     outcome: BeginOutcome
     key: str
     publication_id: str
     publication_token: str
     files: _containers.RepeatedCompositeFieldContainer[PayloadFile]
     placements: _containers.RepeatedCompositeFieldContainer[TensorPlacement]
-    def __init__(self, outcome: _Optional[_Union[BeginOutcome, str]] = ..., key: _Optional[str] = ..., publication_id: _Optional[str] = ..., publication_token: _Optional[str] = ..., files: _Optional[_Iterable[_Union[PayloadFile, _Mapping]]] = ..., placements: _Optional[_Iterable[_Union[TensorPlacement, _Mapping]]] = ...) -> None: ...
+    reused: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, outcome: _Optional[_Union[BeginOutcome, str]] = ..., key: _Optional[str] = ..., publication_id: _Optional[str] = ..., publication_token: _Optional[str] = ..., files: _Optional[_Iterable[_Union[PayloadFile, _Mapping]]] = ..., placements: _Optional[_Iterable[_Union[TensorPlacement, _Mapping]]] = ..., reused: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CommitPublicationRequest(_message.Message):
     __slots__ = ("publication_id", "expected_sha256")
