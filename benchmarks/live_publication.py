@@ -20,9 +20,14 @@ every path, then rep 2, ...), so load drifts over all paths alike; median and mi
   current revision (``--unchanged``): hwrd takes their bytes and digests from that revision
   instead of the publisher writing and hwrd hashing them again.
 
-Goal: non-durable publication at least 50% of the memory copy's bandwidth. Prints a markdown
-table, then one JSON line. ``publication_vs_memcpy`` is the measurement as a function (for
-``benchmarks/live_update.py`` and others that hold their own client and tensors).
+Also measured (``watch_latency``): how long after a commit request a watcher in another process
+hears of the new revision (``client.watch_channel``), for small non-durable revisions: the part
+of "commit to the first pass on the new revision" that hwrd owns.
+
+Goal: non-durable publication at least 50% of the memory copy's bandwidth. Prints markdown
+tables, then one JSON line. ``publication_vs_memcpy`` and ``watch_latency`` are the
+measurements as functions (for ``benchmarks/live_update.py`` and others that hold their own
+client and tensors).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -118,6 +124,58 @@ def publication_vs_memcpy(client: hc.Client, tensors: dict[str, torch.Tensor], *
             "paths": rows}
 
 
+_WATCHER = """
+import sys, time
+from hwr.client import connect
+with connect(sys.argv[1]) as client, client.watch_channel(sys.argv[2]) as watch:
+    print("ready", flush=True)
+    while True:
+        update = watch.wait(60)
+        if update is None:
+            break
+        print(update.generation, time.monotonic(), flush=True)
+"""
+
+
+def watch_latency(client: hc.Client, socket: str | os.PathLike[str], *, revisions: int = 20,
+                  channel: str = "live-watch-latency") -> dict[str, Any]:
+    """Commit ``revisions`` small non-durable revisions to ``channel`` while a watcher process
+    reads it; per revision, the milliseconds from the commit request to the commit's answer and
+    to the watcher's ``wait`` returning it (CLOCK_MONOTONIC is one clock for every process)."""
+    from hwr.client.publisher import specs_for
+
+    tensors = {"w": torch.zeros(4096)}
+    client.publish(hc.ArtifactIdentity.simple(f"{channel}/0"), tensors, channel=channel, durable=False)
+    watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, str(socket), channel], stdout=subprocess.PIPE,
+                               text=True, bufsize=1)
+    assert watcher.stdout is not None
+    try:
+        assert watcher.stdout.readline().strip() == "ready"
+        watcher.stdout.readline()  # the state at subscription
+        commits, heard = [], []
+        for i in range(1, revisions + 1):
+            tensors["w"][0] = i
+            pub = client.publisher(hc.ArtifactIdentity.simple(f"{channel}/{i}-{time.monotonic_ns()}"),
+                                   specs_for(tensors), channel=channel, durable=False)
+            pub.write("w", tensors["w"])
+            started = time.monotonic()
+            pub.commit()
+            commits.append((time.monotonic() - started) * 1e3)
+            generation = client.inspect_channel(channel)["generation"]
+            while True:
+                got, at = watcher.stdout.readline().split()
+                if int(got) >= generation:
+                    heard.append((float(at) - started) * 1e3)
+                    break
+            time.sleep(0.05)  # a trainer's step apart, roughly: not back to back
+    finally:
+        watcher.kill()
+        watcher.wait()
+    return {"revisions": revisions, "commit_ms": commits, "heard_ms": heard,
+            "commit_ms_median": statistics.median(commits), "heard_ms_median": statistics.median(heard),
+            "heard_ms_max": max(heard)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mib", type=int, default=1024)
@@ -131,6 +189,7 @@ def main() -> int:
     with common.hwrd() as daemon, hc.connect(daemon.socket) as client:
         result = publication_vs_memcpy(client, tensors, repeats=args.repeats, unchanged=args.unchanged,
                                        log=lambda line: print(line, file=sys.stderr))
+        result["watch"] = watch_latency(client, daemon.socket)
     result["loadavg_before"] = list(load)
     result["loadavg_after"] = list(os.getloadavg())
     rows = [[path, common.fmt_ms(r["median_s"] * 1e3), common.fmt_ms(r["min_s"] * 1e3),
@@ -139,6 +198,12 @@ def main() -> int:
     print(f"\nPublishing a revision of {args.size_mib} MiB ({args.tensors} bf16 tensors), {args.repeats} repeats; "
           f"load average before {load[0]:.1f}\n")
     print(common.md_table(["path", "median", "min", "bandwidth (median)", "vs memory copy"], rows))
+    watch = result["watch"]
+    print(f"\nA watcher in another process hears of a small non-durable revision ({watch['revisions']} revisions)\n")
+    print(common.md_table(["from the commit request to", "median", "max"], [
+        ["the commit's answer", common.fmt_ms(watch["commit_ms_median"]), common.fmt_ms(max(watch["commit_ms"]))],
+        ["the watcher's wait() returning it", common.fmt_ms(watch["heard_ms_median"]),
+         common.fmt_ms(watch["heard_ms_max"])]]))
     common.json_line({"benchmark": "live_publication", **result}, args.json_out)
     return 0
 

@@ -440,6 +440,10 @@ class Publications:
             return False
         pub.state = PubState.ABORTED
         try:
+            if pub.prehashed:
+                # The abort truncates the staging files: never under a file hwrd still hashes
+                # (through a mapping, a truncated page is a SIGBUS) or copies reused bytes into.
+                await asyncio.wait([asyncio.shield(f) for f in pub.prehashed.values()])
             await asyncio.to_thread(self._store.abort, pub.staging)
         finally:
             self._finish(pub, PubState.ABORTED)

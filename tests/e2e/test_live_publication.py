@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -15,6 +17,8 @@ from hwr.client import ArtifactIdentity, connect
 from hwr.client.errors import ChannelNotFound, InvalidRequest, PublicationFailed
 from hwr.client.publisher import specs_for
 from hwr.daemon.app.launcher import DaemonProcess
+
+from .helpers import wait_until
 
 MIB = 1 << 20
 
@@ -165,3 +169,27 @@ def test_reuse_that_does_not_fit_the_base_is_refused_and_a_missing_base_reuses_n
         key = pub.commit()
         with client.acquire(key) as lease:
             assert torch.equal(lease.tensors["a"], small(4.0)["a"])
+
+
+@pytest.mark.timeout(300)
+def test_a_publisher_that_dies_while_its_files_are_hashed_leaves_hwrd_serving(
+        spawn_daemon: Callable[..., DaemonProcess]) -> None:
+    """The session's end aborts the publication, whose staging is truncated: never while hwrd
+    still hashes a handed-over file of it (through a mapping: that would be a SIGBUS)."""
+    daemon = spawn_daemon()
+    tensors = revision(20, count=8, mib=32)  # 256 MiB: 8 files of 32 MiB, each hashed for a while
+    for attempt in range(4):
+        client = connect(daemon.socket)
+        pub = client.publisher(ArtifactIdentity.simple(f"live/dies-{attempt}"), specs_for(tensors),
+                               channel="live-dies", durable=False)
+        order = pub.write_order(tensors)
+        for name in order[: len(order) - 1]:  # every file but the last handed over
+            pub.write(name, tensors[name])
+        time.sleep(0.01 * attempt)
+        client.close()  # the session ends now: hwrd aborts while it hashes the files handed over
+        time.sleep(0.3)
+        assert daemon.proc is not None and daemon.proc.poll() is None, f"hwrd died ({daemon.proc.returncode})"
+    with connect(daemon.socket) as client:
+        key = client.publish(ArtifactIdentity.simple("live/after-dies"), revision(21, count=2, mib=1))
+        assert client.verify(key)["ok"]
+        wait_until(lambda: client.status()["publications"] == 0, 30)
