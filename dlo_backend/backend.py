@@ -79,7 +79,7 @@ from hwr.dlo_backend.watchdog import CollectiveWatchdog, abort_group, watchdog_t
 
 if TYPE_CHECKING:
     from hwr.dlo_backend.arena import HostArena
-    from hwr.dlo_backend.sources import TensorRef
+    from hwr.dlo_backend.contract import ModelTensor
 
 __all__ = ["EnableStep", "LayerwiseOffloadBackend", "OffloadOptions", "OffloadStats", "State"]
 
@@ -165,7 +165,7 @@ class LayerwiseOffloadBackend(LiveUpdates, Teardown):
         self._world = 1
         self._streamed: list[BlockSource] = []
         self._resident: list[BlockSource] = []
-        self._rest: list[TensorRef] = []
+        self._rest: list[ModelTensor] = []
         self._layouts: list[BlockLayout] = []
         self._context: RevisionContext | None = None
         self._contract: TensorContract | None = None

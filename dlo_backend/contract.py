@@ -27,9 +27,9 @@ from torch import nn
 
 from hwr.dlo_backend.errors import RevisionMismatch
 from hwr.dlo_backend.layout import TensorMeta
-from hwr.dlo_backend.sources import BlockSource, TensorRef
+from hwr.dlo_backend.sources import BlockSource
 
-__all__ = ["TensorContract", "collect_rest", "meta_of", "mismatches"]
+__all__ = ["ModelTensor", "TensorContract", "collect_rest", "meta_of", "mismatches"]
 
 # How many mismatching names an error message lists before it says "and N more".
 _LISTED = 3
@@ -61,7 +61,7 @@ class TensorContract:
     metas: Mapping[str, TensorMeta]
 
     @classmethod
-    def of(cls, sources: Iterable[BlockSource], rest: Iterable[TensorRef]) -> TensorContract:
+    def of(cls, sources: Iterable[BlockSource], rest: Iterable[ModelTensor]) -> TensorContract:
         """The contract of the bound block ``sources`` and the model's other tensors ``rest``."""
         metas: dict[str, TensorMeta] = {}
         for source in sources:
@@ -89,11 +89,33 @@ class TensorContract:
             )
 
 
-def collect_rest(model: nn.Module, blocks: Sequence[nn.Module]) -> list[TensorRef]:
+@dataclass(eq=False)
+class ModelTensor:
+    """One of the model's non-block tensors: where it is registered (no reference to its bytes,
+    so a switch leaves nothing of an old revision alive)."""
+
+    name: str
+    owner: nn.Module
+    attr: str
+    is_param: bool
+
+    def current(self) -> torch.Tensor:
+        store = self.owner._parameters if self.is_param else self.owner._buffers
+        value = store[self.attr]
+        assert value is not None
+        return value
+
+    def replace_object(self, value: torch.Tensor) -> None:
+        """Swap the registered object itself (for meta tensors, which ``.data`` can't take)."""
+        store = self.owner._parameters if self.is_param else self.owner._buffers
+        store[self.attr] = value  # type: ignore[assignment]
+
+
+def collect_rest(model: nn.Module, blocks: Sequence[nn.Module]) -> list[ModelTensor]:
     """The model's parameters and persistent buffers outside ``blocks`` (once per tensor object)."""
     inside = {id(module) for block in blocks for module in block.modules()}
     seen: set[int] = set()
-    refs: list[TensorRef] = []
+    refs: list[ModelTensor] = []
     for prefix, module in model.named_modules():
         if id(module) in inside:
             continue
@@ -109,6 +131,5 @@ def collect_rest(model: nn.Module, blocks: Sequence[nn.Module]) -> list[TensorRe
             if id(tensor) in seen:
                 continue  # tied: switched once
             seen.add(id(tensor))
-            name = f"{prefix}.{attr}" if prefix else attr
-            refs.append(TensorRef(name, module, attr, is_param, True, tensor))
+            refs.append(ModelTensor(f"{prefix}.{attr}" if prefix else attr, module, attr, is_param))
     return refs

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 from hwr.client.carrier import HostLease
 from hwr.client.errors import HwrError
-from hwr.dlo_backend.switch import RevisionStatus
+from hwr.dlo_backend.switch import RevisionStatus, detached
 
 __all__ = ["ChannelClient", "ChannelFollower", "Updatable"]
 
@@ -159,5 +159,5 @@ class ChannelFollower:
             self._note(exc)
 
     def _note(self, error: HwrError) -> None:
-        self.last_error = error
+        self.last_error = detached(error)
         _log.info("channel %r: %s", self.channel, error)

@@ -54,16 +54,27 @@ if TYPE_CHECKING:
     from torch import nn
 
     from hwr.dlo_backend.communicator import DloCommunicator
-    from hwr.dlo_backend.contract import TensorContract
+    from hwr.dlo_backend.contract import ModelTensor, TensorContract
     from hwr.dlo_backend.hooks import HookRegistry
     from hwr.dlo_backend.lanes import Lane
     from hwr.dlo_backend.revision import RevisionContext
-    from hwr.dlo_backend.sources import BlockSource, TensorRef
+    from hwr.dlo_backend.sources import BlockSource
     from hwr.dlo_backend.stream import BlockStream
     from hwr.dlo_backend.transfer import Transfer
     from hwr.dlo_backend.watchdog import CollectiveWatchdog
 
 __all__ = ["LiveUpdates"]
+
+_EMPTY: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _empty(dtype: torch.dtype) -> torch.Tensor:
+    """What a block tensor's ``backing`` becomes once a switch made it useless: holding the bytes
+    the model had before ``enable()`` (a lease's views, or the module's own memory) would keep
+    them alive, and keep an old lease mapped and unevictable."""
+    if dtype not in _EMPTY:
+        _EMPTY[dtype] = torch.empty(0, dtype=dtype)
+    return _EMPTY[dtype]
 
 
 class LiveUpdates:
@@ -76,7 +87,7 @@ class LiveUpdates:
     _retired: list[Revision]
     _streamed: list[BlockSource]
     _resident: list[BlockSource]
-    _rest: list[TensorRef]
+    _rest: list[ModelTensor]
     _context: RevisionContext | None
     _contract: TensorContract | None
     _switch: RevisionSwitch | None
@@ -145,6 +156,7 @@ class LiveUpdates:
     def _prepare_revision(self, lease: HostLease) -> Revision:
         """Check ``lease`` and build its host side (enable's steps); closes it on failure."""
         assert self._contract is not None and self._context is not None
+        tensors = None
         try:
             if lease.closed:
                 raise LeaseClosed(f"lease {lease.key} is already closed")
@@ -159,6 +171,8 @@ class LiveUpdates:
         except BaseException:
             lease.close()
             raise
+        finally:
+            tensors = None  # a traceback keeps this frame: it must not keep the views mapped
         try:
             ctx = self._context
             revisions.shard(revision, ctx)
@@ -228,6 +242,10 @@ class LiveUpdates:
             allgather = self._group is not None
             for source, hosts in zip(self._streamed, revision.hosts, strict=True):
                 source.host = [] if allgather else hosts  # AllGather ranks read their shards only
+            for source in self._resident + self._streamed:
+                for ref in source.refs:
+                    if ref.persistent:  # the bytes from before enable: no rollback target any more
+                        ref.backing = _empty(ref.backing.dtype)
             replaced, self._transfer, self._revision = self._transfer, transfer, revision
             stream.restart(transfer)
         except Exception as exc:

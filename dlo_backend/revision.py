@@ -36,11 +36,12 @@ import torch
 
 from hwr.client.carrier import HostLease
 from hwr.dlo_backend.arena import HostArena, arena_bytes
+from hwr.dlo_backend.contract import ModelTensor
 from hwr.dlo_backend.layout import BlockLayout
 from hwr.dlo_backend.registration import HostRegistration, register_regions
 from hwr.dlo_backend.sharding import build_shard
 from hwr.dlo_backend.shards import LeaseShards, PrivateShards, ShardSource, input_nbytes
-from hwr.dlo_backend.sources import BlockSource, TensorRef
+from hwr.dlo_backend.sources import BlockSource
 
 __all__ = [
     "Revision",
@@ -154,7 +155,7 @@ def lease_hosts(sources: Sequence[BlockSource], tensors: Mapping[str, torch.Tens
     ]
 
 
-def rest_views(rest: Sequence[TensorRef], tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def rest_views(rest: Sequence[ModelTensor], tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {ref.name: tensors[ref.name] for ref in rest}
 
 

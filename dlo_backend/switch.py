@@ -39,13 +39,19 @@ from hwr.dlo_backend.agreement import Offer, Proposal, decide
 from hwr.dlo_backend.errors import OffloadError, RevisionMismatch
 from hwr.dlo_backend.revision import Revision, key_digest
 
-__all__ = ["RevisionStatus", "RevisionSwitch"]
+__all__ = ["RevisionStatus", "RevisionSwitch", "detached"]
 
 _log = logging.getLogger(__name__)
 
 # Digests the group refused, remembered so that a rank the revision reaches late refuses it at
 # once instead of offering it again (a refused revision never becomes acceptable).
 _REMEMBERED_REFUSALS = 64
+
+
+def detached(error: HwrError) -> HwrError:
+    """A copy of ``error`` without its traceback, to keep: the traceback's frames hold the
+    refused lease's views, which would keep its mapping alive (and the artifact unevictable)."""
+    return type(error)(error.message, details=dict(error.details))
 
 
 @dataclass(frozen=True)
@@ -113,17 +119,22 @@ class RevisionSwitch:
                 self._refused_locally(key, error)
                 raise error
             return
+        refused: HwrError | None = None
         try:
             revision = self._prepare(lease)  # closes the lease when it raises
         except RevisionMismatch as exc:
-            self._refused_locally(key, exc)
-            raise
+            refused = detached(exc)
         except Exception as exc:
             error = exc if isinstance(exc, HwrError) else OffloadError(f"preparing revision {key} failed: {exc}")
             self._refused_locally(key, error)
             if error is exc:
                 raise
             raise error from exc
+        if refused is not None:
+            # Raised outside the ``except``: neither a traceback nor a context of the original
+            # refers to the frames that held the refused lease's views (its mapping).
+            self._refused_locally(key, refused)
+            raise refused
         with self._lock:
             if self._closed:
                 replaced: Revision | None = revision
@@ -141,7 +152,7 @@ class RevisionSwitch:
         """This rank cannot take ``key``: it says so at the next boundaries, the newest update
         wins, so an older pending revision is dropped too."""
         with self._lock:
-            self._error = error
+            self._error = detached(error)
             self._proposal = Proposal(Offer.REFUSED, key_digest(key))
             dropped, self._pending = self._pending, None
             if dropped is self._offered:

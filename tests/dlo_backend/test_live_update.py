@@ -7,6 +7,7 @@ output is compared with a fresh, unhooked model loaded with the revision it shou
 from __future__ import annotations
 
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
@@ -112,12 +113,16 @@ def test_a_revision_that_breaks_the_contract_is_refused_and_the_old_one_keeps_se
             else:
                 state[name] = value
         bad = SafetensorsLease.write(tmp_path / f"bad{index}.safetensors", state, key=_key(100 + index))
+        view = weakref.ref(bad.tensors["blocks.0.fc1.weight"])
         with pytest.raises(RevisionMismatch, match=next(iter(change))) as refused:
             handle.update(bad)
         assert isinstance(refused.value, HostSourceMismatch), case
         assert refused.value.details["key"] == _key(100 + index)
         assert bad.close_calls == 1, case
-        assert handle.revision.last_error is refused.value
+        # Nothing keeps the refused lease's views alive, not even the error the caller holds.
+        assert view() is None, case
+        last = handle.revision.last_error
+        assert isinstance(last, RevisionMismatch) and last.details == refused.value.details
         assert torch.equal(_run(model), _want(0)), case
         assert handle.revision.key == _key(0) and handle.revision.switches == 0
     handle.close()
