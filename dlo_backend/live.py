@@ -6,8 +6,9 @@ drives when the offload was enabled with ``live_updates=True``:
 - ``update(lease)`` (any thread) hands the lease to the switch, which checks it against the
   model's ``contract.TensorContract`` and builds its host side with the functions ``enable()``
   ran (``revision``: views, AllGather shard source, ``cudaHostRegister`` of the ranges this
-  rank reads with enable's fallback to pinned staging, staging arena). Nothing the running
-  passes use is touched.
+  rank reads with enable's fallback to pinned staging, staging arena) and maps the pages this
+  rank will read (``revision.prefault``), so the first pass on it takes no page faults. Nothing
+  the running passes use is touched.
 - A forward pre-hook on the model (installed at INSTALL_HOOKS, before every block hook) is the
   pass boundary. With AllGather it first runs ``_agree``: one all-gather of 33 bytes per rank
   on DLO's own communicator, submitted to the communication lane so that it is ordered with the
@@ -180,6 +181,7 @@ class LiveUpdates:
                 index = ctx.device.index if ctx.device.index is not None else torch.cuda.current_device()
                 revisions.register_host(revision, ctx, index)
             revisions.stage(revision, ctx)
+            revisions.prefault(revision)
         except BaseException:
             self._discard_revision(revision)
             raise

@@ -38,6 +38,7 @@ from hwr.client.carrier import HostLease
 from hwr.dlo_backend.arena import HostArena, arena_bytes
 from hwr.dlo_backend.contract import ModelTensor
 from hwr.dlo_backend.layout import BlockLayout
+from hwr.dlo_backend.paging import populate
 from hwr.dlo_backend.registration import HostRegistration, register_regions
 from hwr.dlo_backend.sharding import build_shard
 from hwr.dlo_backend.shards import LeaseShards, PrivateShards, ShardSource, input_nbytes
@@ -49,6 +50,7 @@ __all__ = [
     "TransferKind",
     "key_digest",
     "lease_hosts",
+    "prefault",
     "register_host",
     "shard",
     "stage",
@@ -218,3 +220,20 @@ def stage(revision: Revision, ctx: RevisionContext) -> None:
     else:
         size = max(layout.nbytes for layout in ctx.layouts)
     revision.staging = revision.arena([size] * 2, ctx.device)
+
+
+def prefault(revision: Revision) -> None:
+    """Map the pages of the lease this rank will read (``paging.populate``, best effort).
+
+    Run where ``update`` prepares a revision, off the compute thread: otherwise the first pass
+    on a new revision takes every first-touch page fault of its mapping itself (with AllGather
+    only this rank's pieces, which is all it reads).
+    """
+    if revision.lease is None:
+        return
+    if isinstance(revision.shards, LeaseShards):
+        tensors = [piece.source for block in revision.shards.pieces for piece in block]
+    else:
+        tensors = [t for hosts in revision.hosts + revision.resident for t in hosts]
+    for tensor in [*tensors, *revision.rest.values()]:
+        populate(tensor)

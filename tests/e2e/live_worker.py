@@ -130,7 +130,8 @@ def main(spec: dict[str, Any]) -> int:
     final = handle.revision
     follower.close()
     result = {"passes": passes, "failures": failures, "refused": refused, "switches": final.switches,
-              "key": final.key, "watches": follower.watches, "updates": follower.updates}
+              "key": final.key, "watches": follower.watches, "updates": follower.updates,
+              "slot_bytes": handle.stats.slot_bytes}
     handle.close()
     client.close()
     with open(spec["out"], "w") as f:
