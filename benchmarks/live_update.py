@@ -1,6 +1,7 @@
 """Live weight updates: workers that follow a channel against workers restarted onto each revision.
 
     .venv/bin/python benchmarks/live_update.py [--size-mib 1024] [--workers 4] [--revisions 4]
+                                               [--restarts 2] [--layouts rank_local,allgather_dp2]
                                                [--json-out F]
 
 A DiT of ``--size-mib`` (bf16 final layout) runs in ``--workers`` DLO worker processes
@@ -282,6 +283,7 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--revisions", type=int, default=4)
     parser.add_argument("--restarts", type=int, default=2, help="restarts measured for the baseline")
+    parser.add_argument("--layouts", default="rank_local,allgather_dp2", help="comma-separated subset")
     parser.add_argument("--json-out")
     args = parser.parse_args()
     if args.workers % 2:
@@ -304,15 +306,17 @@ def main() -> int:
     step = [0]
     with common.hwrd() as daemon, connect(daemon.socket, timeout=600) as client:
         client.publish(ArtifactIdentity.simple(f"bench/live/{os.getpid()}", revision="0"), tensors, channel="bench")
-        for allgather in (False, True):
-            name = "allgather_dp2" if allgather else "rank_local"
+        for name in args.layouts.split(","):
+            if name not in ("rank_local", "allgather_dp2"):
+                parser.error(f"unknown layout {name!r}")
+            allgather = name == "allgather_dp2"
             print(f"{name}: live updates", flush=True)
             out[name] = live_run(daemon, client, tmp, tensors, config, args, allgather, step, log)
             print(f"{name}: restarting the workers", flush=True)
             out[name]["restart"] = restart_run(daemon, client, tmp, tensors, config, args, allgather, step)
     out["load_average_end"] = os.getloadavg()[0]
     rows = []
-    for name in ("rank_local", "allgather_dp2"):
+    for name in args.layouts.split(","):
         r = out[name]
         rows.append([name, f"{r['commit_to_first_pass_max_s'] * 1e3:.0f} ms", f"{r['goal_s'] * 1e3:.0f} ms",
                      f"{r['restart']['commit_to_first_pass_max_s'] * 1e3:.0f} ms", f"{r['pass_s'] * 1e3:.0f} ms",
