@@ -20,8 +20,9 @@ channel, one after the other once every worker runs the previous one. Measured:
   (``tensor.clone()``, new pages, as the staging file's are), both in GiB/s; goal: non-durable
   publication at least 50% of the copy's bandwidth. ``benchmarks/live_publication.py`` measures
   publication alone in more detail;
-- **aggregate PSS**: the workers' summed PSS of the store's mapped files (the revisions' bytes)
-  plus their slots, sampled every 0.25 s over the run, against two revisions plus the slots;
+- **aggregate memory**: the store pages the workers map (the revisions' bytes: the distinct
+  physical pages behind their mappings, and their summed PSS) plus their slots, sampled every
+  0.25 s over the run, against two revisions plus the slots (two per worker);
 - **failed passes** (goal: none);
 - **baseline**: the same workers restarted onto a new revision through hwrd (killed at the
   commit, started again: connect, acquire through the channel, restore, enable DLO, first pass),
@@ -40,6 +41,7 @@ import os
 import queue
 import signal
 import statistics
+import struct
 import subprocess
 import sys
 import threading
@@ -163,11 +165,43 @@ def wait_on(workers: list[Worker], key: str, timeout: float = 600.0) -> None:
         time.sleep(0.02)
 
 
+def mapped_frames(pid: int, under: Path) -> set[int]:
+    """Page frame numbers of the resident pages ``pid`` maps from files under ``under`` (root only:
+    ``/proc/PID/pagemap`` shows frame numbers to CAP_SYS_ADMIN; empty otherwise)."""
+    prefix = os.path.realpath(under) + "/"
+    frames: set[int] = set()
+    try:
+        with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/pagemap", "rb") as pagemap:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) < 6 or not fields[5].strip().startswith(prefix):
+                    continue
+                start, end = (int(v, 16) for v in fields[0].split("-"))
+                pagemap.seek(start // common.PAGE * 8)
+                raw = pagemap.read((end - start) // common.PAGE * 8)
+                for (entry,) in struct.iter_unpack("<Q", raw):
+                    if entry >> 63 and entry & _PFN_MASK:
+                        frames.add(entry & _PFN_MASK)
+    except OSError:
+        pass
+    return frames
+
+
+_PFN_MASK = (1 << 55) - 1
+
+
 class PssSampler:
-    """Samples the workers' summed PSS of the store's files every ``interval`` seconds."""
+    """Samples, every ``interval`` seconds, the store pages the workers map.
+
+    Two measures: the summed PSS of the workers' mappings of store files (what ``smaps`` says;
+    read process by process, so while a revision is released between two reads its pages count
+    twice, and the peak can overstate), and the distinct physical pages behind those mappings
+    (the union of their page frames: no page counts twice, however the reads interleave).
+    """
 
     def __init__(self, pids: list[int], root: Path, interval: float = 0.25) -> None:
-        self.samples: list[int] = []
+        self.pss: list[int] = []
+        self.distinct: list[int] = []
         self._stop = threading.Event()
         self._pids, self._root, self._interval = pids, root, interval
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -175,12 +209,17 @@ class PssSampler:
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
-            self.samples.append(sum(mapped_pss_kib(pid, self._root) for pid in self._pids))
+            self.pss.append(sum(mapped_pss_kib(pid, self._root) for pid in self._pids) * 1024)
+            frames: set[int] = set()
+            for pid in self._pids:
+                frames |= mapped_frames(pid, self._root)
+            self.distinct.append(len(frames) * common.PAGE)
 
-    def close(self) -> int:
+    def close(self) -> tuple[int, int]:
+        """The peaks: (summed PSS, distinct pages), in bytes."""
         self._stop.set()
         self._thread.join()
-        return max(self.samples, default=0) * 1024
+        return max(self.pss, default=0), max(self.distinct, default=0)
 
 
 def live_run(daemon: common.Daemon, client: Any, tmp: Path, tensors: dict[str, torch.Tensor], config: DemoConfig,
@@ -210,14 +249,14 @@ def live_run(daemon: common.Daemon, client: Any, tmp: Path, tensors: dict[str, t
         time.sleep(1.0)
         results = [w.stop() for w in workers]
     finally:
-        peak = sampler.close()
+        peaks = sampler.close()
         for w in workers:
             w.kill()
-    return summarize(results, commits, publish_s, copy_s, peak, nbytes(tensors))
+    return summarize(results, commits, publish_s, copy_s, peaks, nbytes(tensors))
 
 
 def summarize(results: list[dict[str, Any]], commits: dict[str, float], publish_s: list[float],
-              copy_s: list[float], peak_pss: int, revision_bytes: int) -> dict[str, Any]:
+              copy_s: list[float], peaks: tuple[int, int], revision_bytes: int) -> dict[str, Any]:
     latencies, switch_passes, other_passes = [], [], []
     for key, committed in commits.items():
         firsts = []
@@ -230,7 +269,7 @@ def summarize(results: list[dict[str, Any]], commits: dict[str, float], publish_
         for key, _, began, ended in result["passes"]:
             (switch_passes if previous is not None and key != previous else other_passes).append(ended - began)
             previous = key
-    slots = sum(r.get("slot_bytes", 0) for r in results)
+    slots = sum(2 * r.get("slot_bytes", 0) for r in results)  # two slots of slot_bytes each
     pass_s = statistics.median(other_passes)
     return {
         "commit_to_first_pass_s": latencies,
@@ -244,7 +283,8 @@ def summarize(results: list[dict[str, Any]], commits: dict[str, float], publish_
         "copy_s": copy_s,
         "publish_gib_s": revision_bytes / statistics.median(publish_s) / (1 << 30),
         "copy_gib_s": revision_bytes / statistics.median(copy_s) / (1 << 30),
-        "peak_weights_pss_bytes": peak_pss + slots,
+        "peak_weights_pss_bytes": peaks[0] + slots,
+        "peak_distinct_bytes": peaks[1] + slots,
         "slot_bytes": slots,
         "bound_bytes": 2 * revision_bytes + slots,
     }
@@ -324,10 +364,11 @@ def main() -> int:
                      f"{r['failed_passes']} / {r['passes']}",
                      f"{r['publish_gib_s']:.2f} / {r['copy_gib_s']:.2f} GiB/s "
                      f"({r['publish_gib_s'] / r['copy_gib_s']:.0%})",
-                     f"{r['peak_weights_pss_bytes'] / MIB:.0f} MiB (bound {r['bound_bytes'] / MIB:.0f})"])
+                     f"{r['peak_distinct_bytes'] / MIB:.0f} MiB (PSS {r['peak_weights_pss_bytes'] / MIB:.0f}; "
+                     f"bound {r['bound_bytes'] / MIB:.0f})"])
     print(common.md_table(["layout", "commit -> first pass, last worker", "goal (pass + 50 ms)",
                            "restart baseline", "pass", "switching pass", "failed passes",
-                           "non-durable publish / memcpy", "peak weights PSS + slots"], rows))
+                           "non-durable publish / memcpy", "peak store pages + slots"], rows))
     common.json_line(out, args.json_out)
     return 0
 
