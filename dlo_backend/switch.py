@@ -107,12 +107,12 @@ class RevisionSwitch:
             closed = self._closed
             same = key == self._current and self._pending is None
             same = same or (self._pending is not None and key == self._pending.key)
-            refused = key_digest(key) in self._refused
-        if closed or same or refused:
+            known_bad = key_digest(key) in self._refused
+        if closed or same or known_bad:
             lease.close()
             if closed:
                 raise InvalidRequest("the offload handle is closed; it takes no update")
-            if refused:
+            if known_bad:
                 error = RevisionMismatch(
                     f"revision {key} was refused by the AllGather group before", details={"key": key}
                 )
