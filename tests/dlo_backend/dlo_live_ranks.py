@@ -40,7 +40,8 @@ def switch_together(rank: int, world: int, rdzv: str, outdir: str, revisions: di
     model = TinyDiT(3, 2, seed=0)
     handle = apply_layerwise_offload(model, device="cpu", host_source=lease("r0"), use_allgather=True,
                                      dp_group=dist.group.WORLD, live_updates=True)
-    passes, errors = [], []
+    passes, errors, noted = [], [], []
+    seen: object = None
     mine = plan.get(str(rank), {})
     for index in range(12):
         if str(index) in mine:
@@ -55,8 +56,9 @@ def switch_together(rank: int, world: int, rdzv: str, outdir: str, revisions: di
         status = handle.revision
         name = keys[status.key]
         passes.append({"key": name, "equal": bool(torch.equal(out, wants[name]))})
-    last = handle.revision.last_error
+        if status.last_error is not None and status.last_error is not seen:
+            seen = status.last_error
+            noted.append([index, type(seen).__name__, dict(seen.details)])
     handle.close()
-    write_result(outdir, rank, {"passes": passes, "errors": errors,
-                                "last_error": None if last is None else [type(last).__name__, dict(last.details)]})
+    write_result(outdir, rank, {"passes": passes, "errors": errors, "noted": noted})
     dist.destroy_process_group()

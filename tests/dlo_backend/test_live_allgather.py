@@ -21,7 +21,7 @@ def test_ranks_switch_at_the_same_pass_and_one_rank_refusing_keeps_all_on_the_ol
         SafetensorsLease.write(path, state).close()
         files[name] = str(path)
     plan = {
-        "0": {"2": "r1", "6": "r2", "9": "r3"},  # rank 0 hears of each revision first
+        "0": {"2": "r1", "6": "r2", "8": "r2", "9": "r3"},  # rank 0 hears of each first (r2 twice)
         "1": {"4": "r1", "7": "bad2", "10": "r3"},  # rank 1 later; its copy of r2 breaks the contract
     }
     results = dlo_ranks.run_ranks(dlo_live_ranks.switch_together, 2, tmp_path, files, plan, deadline=150)
@@ -32,6 +32,8 @@ def test_ranks_switch_at_the_same_pass_and_one_rank_refusing_keeps_all_on_the_ol
     # r1 once both held it (pass 4); r2 never (rank 1 refused it); r3 once both held it (pass 10).
     assert keys[0] == ["r0"] * 4 + ["r1"] * 6 + ["r3"] * 2
     assert results[1]["errors"] == [[7, "RevisionMismatch"]]
-    assert results[0]["errors"] == []
-    kind, details = results[0]["last_error"]
-    assert kind == "RevisionMismatch" and details["refused_by"] == "1"
+    assert results[0]["errors"] == [[8, "RevisionMismatch"]]  # the group refused r2: refused on arrival
+    # Rank 0 learnt of rank 1's refusal at the boundary of pass 7, and refused r2 itself at pass 8.
+    (seven, kind, details), (eight, _, again) = results[0]["noted"]
+    assert (seven, kind, details["refused_by"]) == (7, "RevisionMismatch", "1")
+    assert eight == 8 and again["key"] == details["key"]
