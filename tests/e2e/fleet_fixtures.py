@@ -112,7 +112,8 @@ def staging_dirs(root: Path) -> list[str]:
 class SlowLink:
     """A TCP relay from 127.0.0.1:``port`` to the S3 server that moves at most ``rate`` bytes/s
     each way and counts the bytes: a slow network at the OS boundary, so a test can kill hwrd in
-    the middle of a transfer (``wait_bytes``) instead of racing a fast local one."""
+    the middle of a transfer (``wait_bytes``) instead of racing a fast local one, or stall it
+    (``pause``: connections stay open, nothing moves, until ``resume``)."""
 
     def __init__(self, target_port: int, rate: float) -> None:
         self.target_port = target_port
@@ -129,6 +130,8 @@ class SlowLink:
         import threading
 
         self._lock = threading.Lock()
+        self._moving = threading.Event()
+        self._moving.set()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -156,6 +159,9 @@ class SlowLink:
                 data = src.recv(64 * 1024)
                 if not data:
                     break
+                while not self._moving.wait(0.1):  # paused: hold the bytes, keep the connection
+                    if self._closed:
+                        return
                 dst.sendall(data)
                 moved += len(data)
                 with self._lock:
@@ -169,6 +175,12 @@ class SlowLink:
             with contextlib.suppress(OSError):
                 dst.shutdown(socket.SHUT_WR)
 
+    def pause(self) -> None:
+        self._moving.clear()
+
+    def resume(self) -> None:
+        self._moving.set()
+
     def wait_bytes(self, direction: str, nbytes: int, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         while self.sent[direction] < nbytes:
@@ -178,6 +190,7 @@ class SlowLink:
 
     def close(self) -> None:
         self._closed = True
+        self._moving.set()
         self._listener.close()
         with self._lock:
             for s in self._sockets:
