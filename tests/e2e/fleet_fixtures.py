@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from hwr.daemon.app.launcher import DaemonProcess
+from hwr.daemon.app.launcher import DaemonProcess, RunAs
 
 #: Credentials of the test server: the standard chain's environment variables, never hwrd flags.
 S3_ENV = {"AWS_ACCESS_KEY_ID": "fleet-test-access", "AWS_SECRET_ACCESS_KEY": "fleet-test-secret-value",
@@ -91,10 +91,19 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
         server.stop()
 
 
-def node(base: Path, name: str, remote: str, *extra: str, endpoint: str = "") -> DaemonProcess:
-    """An unstarted hwrd "node" with its own root and socket under ``base``, on ``remote``."""
+def node(base: Path, name: str, remote: str, *extra: str, endpoint: str = "",
+         user: RunAs | None = None) -> DaemonProcess:
+    """An unstarted hwrd "node" with its own root and socket under ``base``, on ``remote``; as
+    ``user`` (the unit's unprivileged user, ``daemon_proc.HWRD``) on directories laid out like
+    the unit's (``daemon_proc.make_daemon``)."""
     args = ["--remote", remote, *(("--remote-endpoint-url", endpoint) if endpoint else ()), *extra]
-    return DaemonProcess(base / f"{name}-store", base / f"{name}.sock", *args, env=S3_ENV)
+    if user is None:
+        return DaemonProcess(base / f"{name}-store", base / f"{name}.sock", *args, env=S3_ENV)
+    from daemon_proc import make_daemon
+
+    base.chmod(0o755)
+    (base / name).mkdir(exist_ok=True)
+    return make_daemon(base / name, *args, user=user, env=S3_ENV)
 
 
 def artifact_dirs(root: Path) -> list[str]:

@@ -5,6 +5,7 @@ the attacker is a separate process running as ``nobody`` that plants FIFOs, syml
 symlinked key directories there. Node A publishes (and pushes) the legitimate artifacts; node B
 pulls. Each attack must fail fast with a typed error for the attacked key only, while an
 innocent acquire of a legitimate key on the same node still pulls, and hwrd still stops cleanly.
+Every test runs with both nodes as root and as the unit's unprivileged user (``daemon_user``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from daemon_proc import RunAs
 
 from hwr.client import ArtifactIdentity, connect
 from hwr.client.errors import HwrError, ManifestCorrupt, RemoteUnavailable
@@ -52,7 +54,7 @@ def as_nobody(action: Callable[[], None]) -> None:
 
 
 @pytest.fixture
-def shared(short_tmp: Path) -> Iterator[dict[str, Any]]:
+def shared(short_tmp: Path, daemon_user: RunAs | None) -> Iterator[dict[str, Any]]:
     base = Path(tempfile.mkdtemp(prefix="hwr-remote-"))
     os.chmod(base, 0o755)
     remote = base / "shared"
@@ -63,7 +65,7 @@ def shared(short_tmp: Path) -> Iterator[dict[str, Any]]:
     (base / "elsewhere").mkdir()
     os.chown(base / "elsewhere", NOBODY, NOBODY)  # the attacker's own directory
     url = f"file://{remote}"
-    nodes = {name: node(short_tmp, name, url) for name in ("a", "b")}
+    nodes = {name: node(short_tmp, name, url, user=daemon_user) for name in ("a", "b")}
     yield {"base": base, "remote": remote, "url": url, **nodes}
     for proc in nodes.values():
         if proc.proc is not None and proc.proc.poll() is None:

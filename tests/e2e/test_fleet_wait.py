@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from daemon_proc import requested_user
 
 from hwr.client import connect
 from hwr.client.errors import ArtifactNotFound, HwrError, PermissionDeniedError, RemoteUnavailable
@@ -42,19 +44,21 @@ WORKER = Path(__file__).with_name("fleet_worker.py")
 
 
 @pytest.fixture
-def slow_fleet(s3_server: S3Server, short_tmp: Path) -> Iterator[dict[str, Any]]:
-    """Node A on the server directly; node B (not started) behind a slow link."""
+def slow_fleet(s3_server: S3Server, short_tmp: Path, request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+    """Node A on the server directly; node B (not started) behind a slow link, as the test's
+    ``daemon_user`` when it asks for one (root, or the unit's unprivileged user)."""
+    user = requested_user(request)
     bucket = s3_server.new_bucket()
     remote = f"s3://{bucket}/{PREFIX}"
     link = SlowLink(s3_server.port, RATE)
     started: list[Any] = []
 
     def start_b(*extra: str) -> Any:
-        proc = node(short_tmp, "b", remote, *extra, endpoint=link.endpoint)
+        proc = node(short_tmp, "b", remote, *extra, endpoint=link.endpoint, user=user)
         started.append(proc)
         return proc.start()
 
-    a = node(short_tmp, "a", remote, endpoint=s3_server.endpoint)
+    a = node(short_tmp, "a", remote, endpoint=s3_server.endpoint, user=user)
     started.append(a)
     env = {"bucket": bucket, "remote": remote, "s3": s3_server.client(), "link": link, "a": a.start(),
            "start_b": start_b, "server": s3_server, "base": short_tmp}
@@ -107,6 +111,7 @@ def test_a_required_acquire_waits_for_a_slow_pull_with_progress(slow_fleet: dict
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("daemon_user")
 @pytest.mark.timeout(180)
 def test_a_stalled_pull_fails_every_waiter_naming_the_remote(slow_fleet: dict[str, Any]) -> None:
     env = slow_fleet
@@ -164,10 +169,11 @@ def test_a_caller_that_does_not_wait_misses_at_once_and_the_pull_goes_on(slow_fl
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.usefixtures("daemon_user")
 def test_misses_of_an_absent_key_are_remembered(slow_fleet: dict[str, Any]) -> None:
     env = slow_fleet
     b = env["start_b"]()
-    absent = "ab" * 32
+    absent = secrets.token_hex(32)  # the server's log is shared by the session's tests
     log = env["server"].log
 
     def asked() -> int:
@@ -196,6 +202,7 @@ def as_nobody(socket: Path, key: str) -> dict[str, Any]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="the acquire-only caller runs as another uid (needs root)")
+@pytest.mark.usefixtures("daemon_user")
 @pytest.mark.timeout(180)
 def test_only_the_publish_role_starts_a_pull_but_anyone_may_wait_for_one(slow_fleet: dict[str, Any]) -> None:
     env = slow_fleet
@@ -212,7 +219,8 @@ def test_only_the_publish_role_starts_a_pull_but_anyone_may_wait_for_one(slow_fl
         joined = as_nobody(b.socket, key)  # ... which the acquire-only uid may wait for
         assert joined["ok"], joined
         assert joined["digests"] == {name: d["sha256"] for name, d in expected.items()}
-    other = as_nobody(b.socket, "cd" * 32)  # a key no pull fetches: refused without asking the remote
+    absent = secrets.token_hex(32)
+    other = as_nobody(b.socket, absent)  # a key no pull fetches: refused without asking the remote
     assert (other["code"], other["role"]) == (PermissionDeniedError.code, "publish"), other
-    assert "cd" * 32 not in env["server"].log.read_text(errors="replace")
+    assert absent not in env["server"].log.read_text(errors="replace")
     assert artifact_dirs(b.root) == [key]
