@@ -218,8 +218,8 @@ class ProducerDigests:
     did not have: the manifest it would produce describes bytes that a later ``verify`` or scrub
     re-hashes and, on mismatch, quarantines (tested). A daemon re-hash at commit would not catch
     more anyway: it reads the same page-cache pages the writer just wrote, so neither catches a
-    corruption on the way to the disk. Limits: a bug in the producer's hashing, or a page corrupted in memory between the
-    write and the commit, is caught only by ``verify``/scrub, not at commit; client
+    corruption on the way to the disk. Limits: a bug in the writer's hashing, or a page corrupted
+    in memory between the write and the commit, is caught only by ``verify``/scrub, not at commit; client
     publications (untrusted writers) never use this path. The headers, sizes and file set are
     still validated at commit as for any publication.
     """
