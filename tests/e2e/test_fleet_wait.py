@@ -41,6 +41,7 @@ RATE = 4 * MIB  # bytes/s through the slow link: the pull takes ~6 s
 STALL_S = 3
 NOBODY = 65534
 WORKER = Path(__file__).with_name("fleet_worker.py")
+HWRCTL = [sys.executable, "-c", "import sys; from hwr.daemon.ctl.cli import main; sys.exit(main())"]
 
 
 @pytest.fixture
@@ -86,13 +87,16 @@ def test_a_required_acquire_waits_for_a_slow_pull_with_progress(slow_fleet: dict
     reports: list[PullProgress] = []
     seen: list[dict[str, Any]] = []
 
-    def watch() -> None:  # what an operator sees meanwhile (hwrctl status --json)
+    def watch() -> None:  # what an operator sees meanwhile (hwrctl status --json, hwrctl leases)
         with connect(b.socket) as admin:
             deadline = time.monotonic() + 60
             while not seen and time.monotonic() < deadline:
                 pulls = admin.status()["remote"]["pulls"]
                 if pulls and pulls[0]["waiters"]:
                     seen.append(pulls[0])
+                    table = subprocess.run([*HWRCTL, "--socket", str(b.socket), "leases"], capture_output=True,
+                                           text=True, timeout=60, check=True).stdout
+                    seen.append({"table": table})
                 time.sleep(0.1)
 
     watcher = threading.Thread(target=watch)
@@ -107,6 +111,8 @@ def test_a_required_acquire_waits_for_a_slow_pull_with_progress(slow_fleet: dict
     done = [r.done_bytes for r in reports]
     assert done == sorted(done) and reports[-1].total_bytes >= SIZE, done
     assert seen and seen[0]["key"] == key and seen[0]["waiters"][0]["pid"] == os.getpid(), seen
+    waiting = [line for line in seen[1]["table"].splitlines() if "(waiting: pull" in line]
+    assert len(waiting) == 1 and key[:16] in waiting[0] and str(os.getpid()) in waiting[0], seen[1]
     assert artifact_dirs(b.root) == [key]
 
 
