@@ -26,6 +26,7 @@ from daemon_proc import requested_user
 
 from hwr.client import connect
 from hwr.client.errors import ArtifactNotFound, HwrError, PermissionDeniedError, RemoteUnavailable
+from hwr.protos.hwr.v1 import hwr_pb2 as pb
 
 from . import fleet_fixtures
 from .fleet_fixtures import S3Server, SlowLink, artifact_dirs, node, staging_dirs
@@ -169,6 +170,9 @@ def test_a_caller_that_does_not_wait_misses_at_once_and_the_pull_goes_on(slow_fl
         assert [p["key"] for p in client.status()["remote"]["pulls"]] == [key]  # left running
         with pytest.raises(ArtifactNotFound):  # a second caller that does not wait joins nothing
             client.acquire(key, timeout=30, wait_for_pull=False)
+        granted = client._call("Acquire", pb.AcquireRequest(artifact=pb.ArtifactRef(key=key)), 60)  # gRPC waits too
+        assert granted.key == key and granted.lease_id
+        assert client._call("Release", pb.ReleaseRequest(lease_id=granted.lease_id)).released
         with client.acquire(key, timeout=60) as lease:
             assert digests(lease.tensors) == expected
     assert env["link"].sent["down"] < 2 * SIZE  # one pull for all three acquires
