@@ -232,13 +232,12 @@ class FileRemote:
     def exists(self, name: str) -> bool:
         parents, file = self._split(name)
 
-        def look() -> bool:
+        def look() -> bool:  # only a regular object counts (a symlink or a FIFO is never read)
             try:
                 with self._directory(parents) as dfd:
-                    os.stat(file, dir_fd=dfd, follow_symlinks=False)
+                    return stat.S_ISREG(os.stat(file, dir_fd=dfd, follow_symlinks=False).st_mode)
             except (FileNotFoundError, _Refused):
                 return False
-            return True
 
         return bool(self._guarded(name, look))
 
