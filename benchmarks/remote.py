@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -292,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             _print_start(results["start"])
     finally:
         server.stop()
+        shutil.rmtree(base, ignore_errors=True)  # several GiB of checkpoints, stores and server data
     results["load_after"] = _load()
     print(f"\nload average after: {results['load_after']}")
     json_line(results, args.json_out)
