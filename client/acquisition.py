@@ -47,6 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from hwr.client.channels import check_channel_name
 from hwr.client.errors import DaemonUnavailable, DeadlineExceeded, HwrError, InvalidRequest
 from hwr.client.identity import ArtifactIdentity, is_key
 from hwr.client.manifest import Manifest
@@ -108,19 +109,26 @@ class Acquirer:
         self._open_leases: weakref.WeakKeyDictionary[Lease, tuple[tuple[int, int], ...]] = (
             weakref.WeakKeyDictionary())
         self._table_lock = threading.Lock()  # guards _open_leases (a leaf: see the module docstring)
+        #: channel -> the key it pointed to at this client's last acquire through it (a hint only:
+        #: the request then says which manifest this process holds).
+        self._channel_keys: dict[str, str] = {}
 
     def peer_acquire(self, key: str, identity: bytes | None = None, deadline: float | None = None, *,
-                     wait_for_pull: bool = True, on_pull: Callable[[PullProgress], None] | None = None,
+                     channel: str | None = None, wait_for_pull: bool = True,
+                     on_pull: Callable[[PullProgress], None] | None = None,
                      ) -> tuple[str, str, Manifest, list[int]]:
         """The peer channel's ``acquire`` of ``key`` (sent as ``identity``, its canonical bytes,
-        when given) within ``deadline`` (``time.monotonic()``; None: the connection's timeout;
+        when given; or of the key ``channel`` points to, then ``key`` is the one it pointed to
+        last, or "") within ``deadline`` (``time.monotonic()``; None: the connection's timeout;
         while hwrd reports a pull of the key, the deadline bounds each silence instead, see the
         module docstring): (lease id, key, manifest, descriptors)."""
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
             raise DeadlineExceeded("the acquire's deadline passed before hwrd was asked")
         request: dict[str, Any] = {"op": "acquire", "pull": "wait" if wait_for_pull else "fallback"}
-        if identity is not None:
+        if channel is not None:
+            request["channel"] = channel
+        elif identity is not None:
             request["identity"] = identity.decode()
         else:
             request["key"] = key
@@ -176,6 +184,10 @@ class Acquirer:
         lease_id, key, manifest, fds = self._connection.with_reconnect(
             lambda: self.peer_acquire(key, identity, deadline, wait_for_pull=wait_for_pull, on_pull=on_pull),
             deadline)
+        return self._lease(lease_id, key, manifest, fds, copy_on_write=copy_on_write, populate=populate)
+
+    def _lease(self, lease_id: str, key: str, manifest: Manifest, fds: list[int], *, copy_on_write: bool,
+               populate: bool) -> Lease:
         from hwr.client.lease import Lease
 
         # Lease owns the descriptors from here (closes them, and releases the lease on failure).
@@ -185,6 +197,19 @@ class Acquirer:
             self._open_leases[lease] = lease.file_ids
         self._connection.start_watcher(self.any_open)
         return lease
+
+    def acquire_channel(self, name: str, *, copy_on_write: bool = False, populate: bool = False,
+                        timeout: float | None = None) -> Lease:
+        """Lease the key channel ``name`` points to now (``Client.acquire_channel``)."""
+        check_channel_name(name)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        last = self._channel_keys.get(name, "")  # its manifest is likely the one hwrd would send
+        lease_id, key, manifest, fds = self._connection.with_reconnect(
+            lambda: self.peer_acquire(last, None, deadline, channel=name), deadline)
+        if len(self._channel_keys) > 256:
+            self._channel_keys.clear()
+        self._channel_keys[name] = key
+        return self._lease(lease_id, key, manifest, fds, copy_on_write=copy_on_write, populate=populate)
 
     def release(self, lease_id: str) -> None:
         """Release ``lease_id``; nothing once the connection is closed or in a forked child (the

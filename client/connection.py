@@ -152,6 +152,12 @@ class Connection:
         return not self._closed and os.getpid() == self._pid
 
     @property
+    def peer(self) -> socket.socket | None:
+        """The current peer socket (a snapshot: pass it back as ``reconnect(failed_peer=...)``
+        after a failure seen on the current session, so that several observers reconnect once)."""
+        return self._peer
+
+    @property
     def channel(self) -> grpc.Channel | None:
         """The gRPC channel, None until a call needed it (and again after a reconnect)."""
         return self._channel

@@ -81,8 +81,18 @@ def cmd_status(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
         f"sessions:     {s['sessions']}",
         f"publications: {s['publications']}",
         *_remote_lines(s.get("remote")),
+        *_channel_lines(s.get("channels") or []),
     ])
     return s, text
+
+
+def _channel_lines(channels: list[dict[str, Any]]) -> list[str]:
+    if not channels:
+        return []
+    rows = [[c["name"], c["key"][:16], c["generation"], "yes" if c["durable"] else "no", c["watchers"],
+             c["switches"]] for c in channels]
+    return ["channels:", *("  " + line for line in table(
+        ["NAME", "KEY", "GENERATION", "DURABLE", "WATCHERS", "SWITCHES"], rows).splitlines())]
 
 
 def _remote_lines(remote: dict[str, Any] | None) -> list[str]:
@@ -130,6 +140,8 @@ def cmd_show(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
         *(f"  {f['file_name']}  {human_bytes(f['size'])}  sha256 {f['sha256'][:16]}…" for f in info["files"]),
         f"tensors:    {len(info['tensors'])}",
         *([f"remote:     {info['remote_state']}"] if info.get("remote_state") else []),
+        *([f"channels:   {', '.join(info['channels'])}"] if info.get("channels") else []),
+        *(["durable:    no (gone at hwrd's next start)"] if info.get("non_durable") else []),
     ]
     return info, "\n".join(lines)
 
@@ -193,7 +205,8 @@ def cmd_completion(client: Client | None, args: argparse.Namespace) -> tuple[Any
 
 
 # modules that register more subcommands, imported by main()
-EXTENSIONS: tuple[str, ...] = ("hwr.daemon.ctl.checkpoints", "hwr.daemon.ctl.store_admin", "hwr.daemon.ctl.remote")
+EXTENSIONS: tuple[str, ...] = ("hwr.daemon.ctl.checkpoints", "hwr.daemon.ctl.store_admin", "hwr.daemon.ctl.remote",
+                               "hwr.daemon.ctl.channels")
 
 
 def build_parser() -> argparse.ArgumentParser:

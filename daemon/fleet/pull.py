@@ -7,7 +7,8 @@ Order for one key (one fetch at a time per key; every concurrent caller awaits t
     3. GET manifest.json; its SHA-256 must be the one READY.json names (a swapped manifest is
        refused), it must parse strictly and its identity must hash to the key asked for
     4. re-plan the payload layout from the manifest's tensors: it must give exactly the files
-       (names, sizes) the manifest lists, i.e. the layout this daemon itself writes
+       (names, sizes) the manifest lists, i.e. a layout this daemon itself writes (one file, or
+       the several files of a publication hashed while written: ``staging.overlap_file_bytes``)
     5. ``Publications.begin`` (one publisher per identity, admission, capacity reservation and
        LRU eviction exactly as for a client publication; a local publisher of the same key is
        joined instead), then each payload goes from the backend into a ``DownloadSink``
@@ -66,7 +67,7 @@ from hwr.client.manifest import MANIFEST_FILE, READY_FILE, Manifest, ReadyMarker
 from hwr.daemon.fleet.progress import PullProgress
 from hwr.daemon.fleet.remote import RemoteObjectInvalid, RemoteStore
 from hwr.daemon.fleet.sink import DownloadSink
-from hwr.daemon.store.staging import ProducerDigests, TensorSpec, plan_payloads
+from hwr.daemon.store.staging import ProducerDigests, TensorSpec, overlap_file_bytes, plan_payloads
 
 if TYPE_CHECKING:
     from hwr.daemon.service.publications import Publication, Publications
@@ -86,6 +87,7 @@ class RemotePlan:
     specs: tuple[TensorSpec, ...]
     files: tuple[tuple[str, int], ...]  # (name, size) in the manifest's order
     format_metadata: dict[str, Any]
+    overlap: bool = False  # laid out in several files (``staging.overlap_file_bytes``)
 
     @property
     def size_bytes(self) -> int:
@@ -117,16 +119,20 @@ def plan_from_documents(key: str, ready: bytes, manifest_bytes: bytes | None, re
         raise refuse("READY.json and manifest.json disagree on the content digest")
     specs = tuple(TensorSpec(t.name, t.dtype, tuple(t.shape), kind=t.kind, role=t.role)  # type: ignore[arg-type]
                   for t in manifest.tensors)
-    try:
-        plans = plan_payloads(list(specs))
-    except HwrError as exc:
-        raise refuse(f"its tensors cannot be laid out ({exc.message})") from None
-    where = {e.name: p.name for p in plans for e in p.entries}
-    if [(p.name, p.size) for p in plans] != [(f.name, f.size) for f in manifest.files] or any(
-            where.get(t.name) != t.file or t.storage_key != t.name for t in manifest.tensors):
-        raise refuse("its file layout is not the one hwrd writes")
+    total = sum(t.nbytes for t in manifest.tensors)
+    for overlap in (False, True):
+        try:
+            plans = plan_payloads(list(specs), overlap_file_bytes(total) if overlap else None)
+        except HwrError as exc:
+            raise refuse(f"its tensors cannot be laid out ({exc.message})") from None
+        where = {e.name: p.name for p in plans for e in p.entries}
+        if [(p.name, p.size) for p in plans] == [(f.name, f.size) for f in manifest.files] and all(
+                where.get(t.name) == t.file and t.storage_key == t.name for t in manifest.tensors):
+            break
+    else:
+        raise refuse("its file layout is not one hwrd writes")
     metadata = json.loads(manifest.format_metadata)
-    return RemotePlan(manifest, specs, tuple((f.name, f.size) for f in manifest.files), metadata)
+    return RemotePlan(manifest, specs, tuple((f.name, f.size) for f in manifest.files), metadata, overlap)
 
 
 class Puller:
@@ -295,7 +301,7 @@ class Puller:
         progress.enter("admission")
         begun = await self.publications.begin(None, plan.manifest.identity, list(plan.specs),
                                               wait_timeout=self.wait_timeout,
-                                              format_metadata=plan.format_metadata or None)
+                                              format_metadata=plan.format_metadata or None, overlap=plan.overlap)
         if begun.publication is None:  # present already, or a local publisher committed it first
             return await asyncio.to_thread(self.store.lookup, key), "already_present"
         pub = begun.publication

@@ -13,8 +13,10 @@ One SOCK_STREAM Unix socket at ``<socket>.peer``. Per connection:
    ====================  ======================================  ==================================
    ``hello``             ``client_name``, ``client_version``     ``session_id``, ``pid``, ``uid``,
                          (strings <= 128 chars)                  ``daemon_version`` (= OpenSession)
-   ``acquire``           ``key`` (64 hex) or ``identity``        ``lease_id``, ``lease_token``,
-                         (canonical identity JSON as a string);  ``key``, ``manifest_sha256``,
+   ``acquire``           ``key`` (64 hex), ``identity``          ``lease_id``, ``lease_token``,
+                         (canonical identity JSON as a string)   ``key``, ``manifest_sha256``,
+                         or ``channel`` (a name: the key it
+                         points to now);
                          optional ``have`` (a manifest sha256    ``manifest_bytes`` (N), ``count``;
                          the client holds: then N is 0)          descriptors + N raw manifest bytes
    ``release``           ``lease_id``                            ``released`` (bool)
@@ -23,6 +25,7 @@ One SOCK_STREAM Unix socket at ``<socket>.peer``. Per connection:
    ``publish_begin``     see ``hwr.daemon.peer.publish``          ``outcome``, ``key``, placements;
    ``publish_commit``    (the publication RPCs on this channel)   staging descriptors when staged
    ``publish_abort``
+   ``publish_file_done`` (a staging file handed over)
    ``ping``              -                                       -
    ====================  ======================================  ==================================
 
@@ -75,6 +78,7 @@ from hwr.daemon.system.peercred import AllowList, peer_allowed, read_peercred
 
 if TYPE_CHECKING:
     from hwr.daemon.peer.publish import PeerPublishing
+    from hwr.daemon.service.channels import Channels
     from hwr.daemon.service.leasing import Leasing
     from hwr.daemon.service.sessions import LeaseRecord
     from hwr.daemon.store.validation import ArtifactRecord
@@ -109,6 +113,7 @@ class PeerServer:
         leasing: Leasing | None = None,
         publishing: PeerPublishing | None = None,
         limits: PeerLimits | None = None,
+        channels: Channels | None = None,
     ) -> None:
         self.path = path
         self._registry = registry
@@ -116,6 +121,7 @@ class PeerServer:
         self._on_session_end = on_session_end
         self._leasing = leasing  # acquire/release/lease descriptors; None: refused
         self._publishing = publishing  # publish_* and staging descriptors; None: refused
+        self._channels = channels  # acquire through a channel; None: refused
         self._mode = mode
         self._sock = listen_sock
         self._task: asyncio.Task[None] | None = None
@@ -193,7 +199,7 @@ class PeerServer:
         op = req.get("op")
         try:
             if op == "acquire":
-                key = _acquire_key(req)
+                key = _acquire_key(req, self._channels)
                 now = self._leasing.acquire_now(session, key) if self._leasing is not None else None
                 if now is None:
                     return LATER
@@ -219,7 +225,7 @@ class PeerServer:
                     raise PermissionDeniedError(f"peer operation {op!r} is not served here")
                 reply, fds = await getattr(self._publishing, _PUBLISH_OPS[op])(session, req)
                 return reply, fds, b""
-            key = _acquire_key(req)
+            key = _acquire_key(req, self._channels)
             if self._leasing is None:
                 raise PermissionDeniedError("peer operation 'acquire' is not served here")
             pull = req.get("pull")
@@ -290,6 +296,10 @@ class PeerServer:
             if not isinstance(lease_id, str):
                 raise InvalidRequest("lease_id is required")
             return {"ok": True, "released": self._leasing.release(session, lease_id)}, []
+        if op == "publish_file_done":
+            if self._publishing is None:
+                raise PermissionDeniedError(f"peer operation {op!r} is not served here")
+            return self._publishing.file_done(session, req), []
         if op == "staging_fds":
             if self._publishing is None:
                 raise PermissionDeniedError(f"peer operation {op!r} is not served here")
@@ -298,9 +308,14 @@ class PeerServer:
         raise PermissionDeniedError(f"unknown peer operation {str(op)[:40]!r}")
 
 
-def _acquire_key(req: dict[str, Any]) -> str:
+def _acquire_key(req: dict[str, Any], channels: Channels | None) -> str:
     from hwr.daemon.service.leasing import key_of
 
+    channel = req.get("channel")
+    if channel is not None:  # the key it points to now (resolved in the same loop step as the lease)
+        if channels is None:
+            raise InvalidRequest("this hwrd serves no channels", details={"field": "channel"})
+        return channels.resolve(channel)
     key, identity = req.get("key"), req.get("identity")
     if identity is not None:
         if not isinstance(identity, str) or len(identity) > MAX_FRAME:

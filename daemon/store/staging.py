@@ -35,7 +35,31 @@ from hwr.daemon.store import fileio as store_io
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PayloadPlan", "ProducerDigests", "Staging", "TensorSpec", "plan_payloads", "write_tensor"]
+__all__ = [
+    "OVERLAP_MIN_FILE_BYTES",
+    "PayloadPlan",
+    "ProducerDigests",
+    "Staging",
+    "TensorSpec",
+    "overlap_file_bytes",
+    "plan_payloads",
+    "write_tensor",
+]
+
+#: Publications hashed while they are written (``overlap_file_bytes``) use files of at least this
+#: many tensor bytes (fewer, larger files for larger artifacts: at most about 16).
+OVERLAP_MIN_FILE_BYTES = 32 << 20
+_OVERLAP_FILES = 16
+
+
+def overlap_file_bytes(total: int) -> int | None:
+    """The ``max_file_bytes`` of a publication hashed while it is written (pure, a function of
+    its tensor bytes only, so every revision of one model gets the same layout and a remote
+    node can re-plan it): about 16 files of at least ``OVERLAP_MIN_FILE_BYTES``; None (one
+    file) when the artifact is smaller than two of them."""
+    if total < 2 * OVERLAP_MIN_FILE_BYTES:
+        return None
+    return max(OVERLAP_MIN_FILE_BYTES, -(-total // _OVERLAP_FILES))
 
 
 @dataclass(frozen=True)
