@@ -15,7 +15,8 @@ from safetensors.torch import save_file
 from hwr.client.errors import InvalidRequest, ProducerFailed, ProducerTimeout
 from hwr.client.safetensors_header import read_header
 from hwr.daemon.producers import base, make_producer
-from hwr.daemon.producers.base import SourceReader, SourceTensor, TensorSink, row_blocks
+from hwr.daemon.producers.base import SourceTensor, row_blocks
+from hwr.daemon.producers.blocks import SourceReader, TensorSink
 from hwr.daemon.producers.runner import run_job
 from hwr.daemon.producers.tp_slice import parse_plan
 
