@@ -1,10 +1,10 @@
 """hwrd never loads torch: every operation the daemon serves, on one real hwrd, then a look from outside.
 
 Producers run in processes of their own and import torch there; the daemon itself has no use for
-it (about 120 MiB mapped with the CPU wheel, 400 MiB and a 2 s stall of the event loop with a CUDA
-wheel). This test starts hwrd under ``import_recorder.py`` (an audit hook that writes every module
-the process loads to a file, which nothing in the process can take back) and drives every
-operation that exists against it:
+it, and loading it costs hwrd about 200 MiB of resident memory with the CPU wheel (more with a CUDA
+wheel) and seconds of a blocked event loop, during which no client is answered. This test starts
+hwrd under ``import_recorder.py`` (an audit hook that writes every module the process loads to a
+file, which nothing in the process can take back) and drives every operation that exists against it:
 
 - adoption of a vLLM-Omni root at start (``--adopt true``) and the fleet tier on a ``file://``
   remote (push after each publication, ``push``, ``pull``, a pull on a miss, ``remote ls``);
