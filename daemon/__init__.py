@@ -19,7 +19,8 @@ From the bottom up:
                  the read API in front of the store, capacity, eviction, pins, the lease journal,
                  scrub
 ``producers``    transforms from a checkpoint to final-layout artifacts, in isolated processes,
-                 published through the service's publications (prewarm)
+                 published through the service's publications (prewarm); only that process
+                 (``producers.worker``, ``producers.blocks``) imports torch, hwrd never does
 ``fleet``        the remote tier: pull on miss, push after publish
 ``peer`` ``rpc`` the two transports (Unix-socket peer channel with descriptor passing; gRPC),
                  siblings that never import each other
