@@ -247,6 +247,22 @@ def test_no_operation_of_hwrd_loads_torch(short_tmp: Path, spawn_daemon: Callabl
         hwrctl("allow", built[1])
         hwrctl("completion", "bash")
 
+        # Channels: revisions committed to one (durable, then not), a watch, an acquire through it.
+        rev1 = client.publish(ArtifactIdentity.simple("no-torch/rev1"), small, channel="no-torch")
+        with client.watch_channel("no-torch") as watch:
+            first = watch.wait(timeout=30)
+            assert first is not None and first.key == rev1
+            rev2 = client.publish(ArtifactIdentity.simple("no-torch/rev2"), {"w": small["w"] + 1},
+                                  channel="no-torch", durable=False)
+            second = watch.wait(timeout=30)
+            assert second is not None and second.key == rev2
+        with client.acquire_channel("no-torch") as lease:
+            assert lease.key == rev2
+        hwrctl("channel", "set", "no-torch", rev1[:12])
+        assert hwrctl("channel", "show", "no-torch")["key"] == rev1
+        assert [c["name"] for c in hwrctl("channel", "ls")] == ["no-torch"]
+        hwrctl("channel", "rm", "no-torch")
+
         # The fleet tier: every publication is pushed; pull back an evicted one, and pull on a miss.
         for key in (key_small, key_many):
             wait_for(lambda key=key: (shared / "artifacts" / key / "READY.json").exists(), f"the push of {key}")
