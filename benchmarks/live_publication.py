@@ -87,11 +87,19 @@ def publication_vs_memcpy(client: hc.Client, tensors: dict[str, torch.Tensor], *
         times.setdefault(path, []).append(seconds)
         log(f"  {path}: {seconds * 1e3:.0f} ms")
 
+    published: list[str] = []
+
     def publish(rep: int, path: str, durable: bool) -> None:
         identity = hc.ArtifactIdentity.simple(f"{model}/{path}/{rep}")
         started = time.perf_counter()
-        client.publish(identity, tensors, channel=channel, durable=durable)
+        published.append(client.publish(identity, tensors, channel=channel, durable=durable))
         record(path, time.perf_counter() - started)
+        for key in published[:-1]:  # superseded revisions go, as a long run's eviction would do it
+            try:
+                client.evict(key)
+                published.remove(key)
+            except hc.HwrError:  # the channel's durable fallback (or an operator-less client)
+                pass
 
     step = 0
     for rep in range(repeats):

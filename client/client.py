@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hwr.client.acquisition import Acquirer
+from hwr.client.acquisition import Acquirer, PullProgress
 from hwr.client.admin import AdminCalls
 from hwr.client.channel_calls import ChannelCalls
 from hwr.client.connection import Connection, ReattachReport
@@ -113,14 +113,23 @@ class Client(ChannelCalls, AdminCalls):
 
     # leases ---------------------------------------------------------------------------------
     def acquire(self, artifact: ArtifactIdentity | str, *, copy_on_write: bool = False,
-                populate: bool = False, timeout: float | None = None) -> Lease:
+                populate: bool = False, timeout: float | None = None, wait_for_pull: bool = True,
+                on_pull: Callable[[PullProgress], None] | None = None) -> Lease:
         """Lease an artifact by identity or 64-hex key; raises ``ArtifactNotFound`` on a miss.
 
         ``timeout`` (seconds) bounds the exchanges with hwrd (None: the connection's timeout,
         ``connect(timeout=)``); past it the acquire raises ``DeadlineExceeded`` and the
         connection is replaced (the stream is out of step). A reconnect in between (after a
-        daemon restart) is bounded by the connection's timeout, not by this one."""
-        return self._acquirer.acquire(artifact, copy_on_write=copy_on_write, populate=populate, timeout=timeout)
+        daemon restart) is bounded by the connection's timeout, not by this one.
+
+        With a remote tier, a key being pulled (or that this acquire starts pulling) is waited
+        for while the pull advances: hwrd reports progress (passed to ``on_pull``, a
+        ``PullProgress``; it must be quick) and ``timeout`` then bounds each silence of the
+        daemon, not the pull; a pull that stalls fails with ``RemoteUnavailable`` after hwrd's
+        ``remote_stall_timeout_s``, a refused one with its typed error. ``wait_for_pull=False``:
+        start the pull and raise ``ArtifactNotFound`` (``details["pulling"]``) at once."""
+        return self._acquirer.acquire(artifact, copy_on_write=copy_on_write, populate=populate, timeout=timeout,
+                                      wait_for_pull=wait_for_pull, on_pull=on_pull)
 
     def acquire_channel(self, name: str, *, copy_on_write: bool = False, populate: bool = False,
                         timeout: float | None = None) -> Lease:

@@ -185,8 +185,12 @@ class Publisher:
                 self._unwritten.setdefault(placement.file_index, set())
                 if placement.name not in self.reused:
                     self._unwritten[placement.file_index].add(placement.name)
-            for index in [i for i, names in self._unwritten.items() if not names]:
-                self._file_written(index)
+            try:
+                for index in [i for i, names in self._unwritten.items() if not names]:
+                    self._file_written(index)
+            except BaseException:
+                self.abort()
+                raise
 
     def write_order(self, names: Iterable[str]) -> list[str]:
         """``names`` in the order of their places in the staging files (file by file): writing in

@@ -127,7 +127,7 @@ class Daemon:
         self._checkpoints = checkpoints
         await asyncio.to_thread(checkpoints.open)
         leasing = Leasing(catalog, self.registry, journal=store_service.journal, checkpoints=checkpoints,
-                          on_acquire=self.metrics.observe_acquire)
+                          on_acquire=self.metrics.observe_acquire, settings=self)
         _prepare_socket_dir(self.socket_path)
         for path in self._owned_socket_paths():
             _claim_socket_path(path)

@@ -101,7 +101,16 @@ def _remote_lines(remote: dict[str, Any] | None) -> list[str]:
     state = "reachable" if remote["reachable"] else f"UNREACHABLE ({remote['error']})"
     return [f"remote:       {remote['url']} {state}, push {'on' if remote['push'] else 'off'}, "
             f"{remote['pending_pushes']} pending pushes, {human_bytes(remote['bytes_pulled'])} pulled, "
-            f"{human_bytes(remote['bytes_pushed'])} pushed"]
+            f"{human_bytes(remote['bytes_pushed'])} pushed",
+            *(f"pulling:      {p['key'][:16]} {p['phase']} {_share(p)}, {len(p['waiters'])} waiting "
+              f"(pids {', '.join(str(w['pid']) for w in p['waiters']) or '-'})" for p in remote.get("pulls", ()))]
+
+
+def _share(pull: dict[str, Any]) -> str:
+    done, total = pull["done_bytes"], pull["total_bytes"]
+    if not total:
+        return "-"
+    return f"{human_bytes(done)} of {human_bytes(total)} ({100 * done // total}%)"
 
 
 def cmd_ls(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
@@ -138,11 +147,16 @@ def cmd_show(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def cmd_leases(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
+    """Leases (the JSON array); the table also lists acquirers waiting for a pull (``status
+    --json`` has them under ``remote.pulls``)."""
     items = client.leases()
     rows = [[x["lease_id"], x["key"][:16], x["pid"], x["uid"], x["client_name"], ago(x["acquired_at"])]
             for x in items]
+    pulls = (client.status().get("remote") or {}).get("pulls", [])
+    rows += [[f"(waiting: pull {_share(p)})", p["key"][:16], w["pid"], w["uid"], w["client_name"], ago(w["since"])]
+             for p in pulls for w in p["waiters"]]
     text = table(["LEASE", "KEY", "PID", "UID", "CLIENT", "ACQUIRED"], rows)
-    return items, text if items else text + "\n(no leases)"
+    return items, text if rows else text + "\n(no leases)"
 
 
 COMMANDS: dict[str, tuple[Callable[[Client, argparse.Namespace], tuple[Any, str]], str]] = {

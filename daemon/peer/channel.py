@@ -29,6 +29,13 @@ One SOCK_STREAM Unix socket at ``<socket>.peer``. Per connection:
    ``ping``              -                                       -
    ====================  ======================================  ==================================
 
+   ``acquire`` with a remote tier: optional ``pull`` = ``"wait"`` (wait for a pull of the key
+   while it advances, with interim frames ``{"ok": true, "pending": "pull", "key", "remote",
+   "phase", "done_bytes", "total_bytes"}`` every ``progress_ms`` (100..60000, default 1000)
+   before the final reply; they carry no descriptors and no tail) or ``"fallback"`` (start the
+   pull, miss at once: ``LOCAL_MISS`` with ``details.pulling``). Without ``pull`` the acquire
+   waits too, silently (clients before this field).
+
    ``acquire``/``release`` are the same operations as the gRPC ``Acquire``/``Release`` RPCs (one
    implementation: ``hwr.daemon.service.leasing``), with typed errors as error frames
    ``{"ok": false, "code", "message", "details"}`` carrying the same code, message and details
@@ -204,9 +211,13 @@ class PeerServer:
         except Exception as exc:
             return _failure_frame(op, exc), [], b""
 
-    async def _handle_later(self, session: Session, req: dict[str, Any]) -> tuple[dict[str, Any], list[int], bytes]:
-        """A request that awaits (a publication op, or an ``acquire`` that must validate or wait
-        out an eviction round); every failure becomes an error frame (``_failure_frame``)."""
+    async def _handle_later(self, session: Session, req: dict[str, Any],
+                            notify: Callable[[dict[str, Any]], bool] | None = None,
+                            ) -> tuple[dict[str, Any], list[int], bytes]:
+        """A request that awaits (a publication op, or an ``acquire`` that must validate, wait out
+        an eviction round or wait for a pull); every failure becomes an error frame
+        (``_failure_frame``). ``notify(frame)`` sends an interim frame; False once the
+        connection is gone."""
         op = req.get("op")
         try:
             if op in _PUBLISH_OPS:
@@ -217,10 +228,37 @@ class PeerServer:
             key = _acquire_key(req, self._channels)
             if self._leasing is None:
                 raise PermissionDeniedError("peer operation 'acquire' is not served here")
-            record, lease = await self._leasing.acquire(session, key)
+            pull = req.get("pull")
+            if pull not in (None, "wait", "fallback"):
+                raise InvalidRequest("pull must be 'wait' or 'fallback'", details={"field": "pull"})
+            acquiring = asyncio.ensure_future(self._leasing.acquire(session, key, wait=pull != "fallback"))
+            if pull == "wait" and notify is not None:
+                await self._report_pull(acquiring, key, _progress_interval(req), notify)
+            record, lease = await acquiring
             return self._acquired(session, req, key, record, lease)
         except Exception as exc:
             return _failure_frame(op, exc), [], b""
+
+    async def _report_pull(self, acquiring: asyncio.Future[Any], key: str, interval: float,
+                           notify: Callable[[dict[str, Any]], bool]) -> None:
+        """Until ``acquiring`` is done: every ``interval``, an interim frame while a pull of
+        ``key`` runs. The connection gone, the acquire is cancelled (not the pull: other waiters
+        and the next start want it)."""
+        assert self._leasing is not None
+        while not acquiring.done():
+            await asyncio.wait({acquiring}, timeout=interval)
+            if acquiring.done():
+                return
+            progress = self._leasing.catalog.pulling(key)
+            if progress is None:
+                continue  # validating or waiting out an eviction round: short, no report
+            if not notify({"ok": True, "pending": "pull", "key": key, "remote": progress.remote,
+                           "phase": progress.phase, "done_bytes": progress.done_bytes,
+                           "total_bytes": progress.total_bytes}):
+                acquiring.cancel()
+                with contextlib.suppress(BaseException):
+                    await acquiring
+                raise DaemonUnavailable("the acquiring client went away")
 
     def _acquired(self, session: Session, req: dict[str, Any], key: str, record: ArtifactRecord,
                   lease: LeaseRecord) -> tuple[dict[str, Any], list[int], bytes]:
@@ -286,6 +324,13 @@ def _acquire_key(req: dict[str, Any], channels: Channels | None) -> str:
     if key is not None and not isinstance(key, str):
         raise InvalidRequest("key must be 64 lowercase hex digits", details={"field": "artifact.key"})
     return key_of(key=key)
+
+
+def _progress_interval(req: dict[str, Any]) -> float:
+    value = req.get("progress_ms", 1000)
+    if isinstance(value, bool) or not isinstance(value, int) or not 100 <= value <= 60000:
+        raise InvalidRequest("progress_ms must be an integer in [100, 60000]", details={"field": "progress_ms"})
+    return value / 1000
 
 
 def _str(req: dict[str, Any], name: str) -> str:

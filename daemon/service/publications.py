@@ -29,7 +29,7 @@ import concurrent.futures
 import enum
 import os
 import secrets
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -44,8 +44,9 @@ from hwr.client.errors import (
     PublicationFailed,
 )
 from hwr.client.identity import ArtifactIdentity
+from hwr.daemon.service import handover
 from hwr.daemon.service.sessions import Session
-from hwr.daemon.store.prehash import PreHashed, prehash
+from hwr.daemon.store.prehash import prehash
 from hwr.daemon.store.reuse import ReuseSource, open_reuse
 from hwr.daemon.store.staging import overlap_file_bytes
 from hwr.daemon.system.exclusive import open_sole
@@ -112,7 +113,7 @@ class Publication:
     durable: bool = True  # False: no fsync, removed at the next start (store.volatile)
     # Files handed over by the writer (``file_done``), by index: their hashing in flight or done
     # (``store.prehash``; a None result: the commit hashes that file itself).
-    prehashed: dict[int, asyncio.Future[PreHashed | None]] = field(default_factory=dict)
+    prehashed: dict[int, handover.Job] = field(default_factory=dict)
     reuse: ReuseSource | None = None  # the base whose tensors this publication takes (store.reuse)
 
 
@@ -351,21 +352,12 @@ class Publications:
         began = loop.time()
         # Files hashed while the rest was written: the commit takes their descriptors (and
         # closes them, whatever happens); one whose hashing failed is hashed by the commit.
-        prehashed: dict[str, PreHashed] = {}
-        futures, pub.prehashed = list(pub.prehashed.values()), {}
-        for taken, future in enumerate(futures):
-            try:
-                done = await asyncio.shield(future)
-            except Exception:  # its own failure: the commit hashes the file itself
-                continue
-            except BaseException:  # the commit was cancelled: it fails, nothing takes the rest
-                for result in prehashed.values():
-                    os.close(result.fd)
-                pub.prehashed = dict(enumerate(futures[taken:]))  # ``_finish`` closes them once done
-                self._finish(pub, PubState.FAILED)
-                raise
-            if done is not None:
-                prehashed[done.name] = done
+        jobs, pub.prehashed = list(pub.prehashed.values()), {}
+        try:
+            prehashed = await handover.collect(jobs)
+        except BaseException:  # cancelled: the publication fails (collect released the rest)
+            self._finish(pub, PubState.FAILED)
+            raise
 
         def checks_and_commit() -> tuple[bool, Any]:
             """One worker hop: the quick checks, then the commit. A failed check leaves the
@@ -477,10 +469,10 @@ class Publications:
     def _finish(self, pub: Publication, state: PubState) -> None:
         if pub.done.is_set():
             return
-        futures, pub.prehashed = pub.prehashed, {}
-        _close_when_done(futures.values())  # an abort or cancel: nothing takes their descriptors
+        jobs, pub.prehashed = list(pub.prehashed.values()), {}
+        handover.release(jobs)  # an abort or cancel: nothing takes their descriptors
         if pub.reuse is not None:  # once no hashing job reads the base any more
-            _after_all(futures.values(), pub.reuse.close)
+            handover.after_all(jobs, pub.reuse.close)
         if self.memfd_staging is not None:
             self.memfd_staging.discard(pub.publication_id)
         if self._gate is not None and pub.ticket is not None:
@@ -502,31 +494,3 @@ def _nbytes(spec: TensorSpec) -> int:
         count *= d
     return count * spec.info.itemsize
 
-
-def _after_all(futures: Iterable[asyncio.Future[PreHashed | None]], then: Callable[[], None]) -> None:
-    """``then()`` once every future is done (now, when none is pending)."""
-    pending = [f for f in futures if not f.done()]
-    if not pending:
-        then()
-        return
-    left = [len(pending)]
-
-    def one_done(_future: asyncio.Future[PreHashed | None]) -> None:
-        left[0] -= 1
-        if left[0] == 0:
-            then()
-
-    for future in pending:
-        future.add_done_callback(one_done)
-
-
-def _close_when_done(futures: Iterable[asyncio.Future[PreHashed | None]]) -> None:
-    """Close the descriptor of each prehash result once it is there (nothing will take it)."""
-    def close(future: asyncio.Future[PreHashed | None]) -> None:
-        if not future.cancelled() and future.exception() is None:
-            done = future.result()
-            if done is not None:
-                os.close(done.fd)
-
-    for future in futures:
-        future.add_done_callback(close)

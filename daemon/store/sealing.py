@@ -1,7 +1,8 @@
 """Sealing a staging: the part of a commit that makes its bytes final, before any rename.
 
 ``seal`` re-reads the payload headers and checks each file's allocation, hashes every file and
-tensor (or takes a daemon-owned producer's digests, ``ProducerDigests``), compares the writer's
+tensor (or takes the digests a daemon-owned writer computed while writing, ``ProducerDigests``:
+a prewarm producer, a pull from the remote tier), compares the writer's
 expected tensor hashes, writes ``manifest.json`` and ``READY.json``, makes the payloads 0444 and
 fsyncs everything: every write before any fsync, then the staging directory itself. The step
 names it reports (``hashed``, ``manifest_written``, ``marker_written``, ``payloads_fsynced``) are

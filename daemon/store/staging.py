@@ -232,15 +232,18 @@ class ProducerDigests:
     of its bytes. ``Store.commit(trusted_digests=...)`` then builds the manifest from them
     instead of re-reading and re-hashing every payload byte.
 
-    Trust argument: only ``hwr.daemon.producers`` (code of this package, run by the daemon as the
-    daemon's own uid, started from the daemon's interpreter, fed descriptors the daemon opened)
-    reports these; no client can. Such a producer can already write any bytes it likes into the
-    staging, so lying about their digests gives it nothing it did not have: the manifest it
-    would produce describes bytes that a later ``verify`` or scrub re-hashes and, on mismatch,
-    quarantines (tested). A daemon re-hash at commit would not catch more anyway: it reads the
-    same page-cache pages the producer just wrote, so neither catches a corruption on the way to
-    the disk. Limits: a bug in the producer's hashing, or a page corrupted in memory between the
-    write and the commit, is caught only by ``verify``/scrub, not at commit; client
+    Trust argument: only daemon-owned writers report these, never a client:
+    ``hwr.daemon.producers`` (code of this package, run by the daemon as the daemon's own uid,
+    started from the daemon's interpreter, fed descriptors the daemon opened) and the fleet
+    tier's pull (``hwr.daemon.fleet.sink``: the daemon's own threads hash the very buffers they
+    write into a staging only they hold; the remote's manifest digests are then compared with
+    these as ``expected``, so a remote's bytes are still checked). Such a writer can already
+    write any bytes it likes into the staging, so lying about their digests gives it nothing it
+    did not have: the manifest it would produce describes bytes that a later ``verify`` or scrub
+    re-hashes and, on mismatch, quarantines (tested). A daemon re-hash at commit would not catch
+    more anyway: it reads the same page-cache pages the writer just wrote, so neither catches a
+    corruption on the way to the disk. Limits: a bug in the writer's hashing, or a page corrupted
+    in memory between the write and the commit, is caught only by ``verify``/scrub, not at commit; client
     publications (untrusted writers) never use this path. The headers, sizes and file set are
     still validated at commit as for any publication.
     """

@@ -72,3 +72,21 @@ def test_the_layout_of_a_publication_hashed_while_written_is_a_function_of_its_s
     assert one_gib == 64 * MIB
     specs = [TensorSpec(f"blocks.{i}.w", torch.bfloat16, (32 * MIB // 2,)) for i in range(32)]
     assert len(plan_payloads(specs, one_gib)) == 16
+
+
+def test_a_remote_node_re_plans_the_layout_of_a_revision_hashed_while_written(tmp_path: Path) -> None:
+    from hwr.client.manifest import MANIFEST_FILE, READY_FILE
+    from hwr.daemon.fleet.pull import plan_from_documents
+
+    specs = [TensorSpec(f"blocks.{i}.w", torch.float32, (8 * MIB // 4,)) for i in range(10)]  # 80 MiB
+    with Store.open(tmp_path / "store") as store:
+        total = sum(8 * MIB for _ in specs)
+        staging = store.begin(ArtifactIdentity.simple("m/remote"), specs, max_file_bytes=overlap_file_bytes(total))
+        assert len(staging.plans) > 1
+        for spec in specs:
+            write_tensor(staging, spec.name, torch.ones(spec.shape))
+        record = store.commit(staging, durable=False)
+        directory = tmp_path / "store" / "artifacts" / record.key
+        plan = plan_from_documents(record.key, (directory / READY_FILE).read_bytes(),
+                                   (directory / MANIFEST_FILE).read_bytes(), "file:///remote")
+    assert plan.overlap and [name for name, _ in plan.files] == [f.name for f in record.manifest.files]

@@ -675,7 +675,7 @@ class GetStoreUsageResponse(_message.Message):
     def __init__(self, store_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., store_limit_bytes: _Optional[int] = ..., artifact_limit_bytes: _Optional[int] = ..., min_free_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., locked_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., artifacts: _Optional[_Iterable[_Union[ArtifactUsage, _Mapping]]] = ...) -> None: ...
 
 class RemoteStatus(_message.Message):
-    __slots__ = ("url", "reachable", "error", "push", "pending_pushes", "pulls_in_flight", "bytes_pulled", "bytes_pushed")
+    __slots__ = ("url", "reachable", "error", "push", "pending_pushes", "pulls_in_flight", "bytes_pulled", "bytes_pushed", "pulls")
     URL_FIELD_NUMBER: _ClassVar[int]
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -684,6 +684,7 @@ class RemoteStatus(_message.Message):
     PULLS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     BYTES_PULLED_FIELD_NUMBER: _ClassVar[int]
     BYTES_PUSHED_FIELD_NUMBER: _ClassVar[int]
+    PULLS_FIELD_NUMBER: _ClassVar[int]
     url: str
     reachable: bool
     error: str
@@ -692,7 +693,38 @@ class RemoteStatus(_message.Message):
     pulls_in_flight: int
     bytes_pulled: int
     bytes_pushed: int
-    def __init__(self, url: _Optional[str] = ..., reachable: _Optional[bool] = ..., error: _Optional[str] = ..., push: _Optional[bool] = ..., pending_pushes: _Optional[int] = ..., pulls_in_flight: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., bytes_pushed: _Optional[int] = ...) -> None: ...
+    pulls: _containers.RepeatedCompositeFieldContainer[RemotePull]
+    def __init__(self, url: _Optional[str] = ..., reachable: _Optional[bool] = ..., error: _Optional[str] = ..., push: _Optional[bool] = ..., pending_pushes: _Optional[int] = ..., pulls_in_flight: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., pulls: _Optional[_Iterable[_Union[RemotePull, _Mapping]]] = ...) -> None: ...
+
+class RemotePull(_message.Message):
+    __slots__ = ("key", "phase", "done_bytes", "total_bytes", "started_at", "waiters")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    DONE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    WAITERS_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    phase: str
+    done_bytes: int
+    total_bytes: int
+    started_at: float
+    waiters: _containers.RepeatedCompositeFieldContainer[PullWaiter]
+    def __init__(self, key: _Optional[str] = ..., phase: _Optional[str] = ..., done_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., started_at: _Optional[float] = ..., waiters: _Optional[_Iterable[_Union[PullWaiter, _Mapping]]] = ...) -> None: ...
+
+class PullWaiter(_message.Message):
+    __slots__ = ("session_id", "pid", "uid", "client_name", "since")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    pid: int
+    uid: int
+    client_name: str
+    since: float
+    def __init__(self, session_id: _Optional[str] = ..., pid: _Optional[int] = ..., uid: _Optional[int] = ..., client_name: _Optional[str] = ..., since: _Optional[float] = ...) -> None: ...
 
 class RemoteArtifact(_message.Message):
     __slots__ = ("key", "size_bytes", "complete", "local")
