@@ -74,11 +74,13 @@ def sections(size_mib: int, quick: bool, out: Path) -> dict[str, list[str]]:
                       "--passes", "2" if quick else "3"],
         "live_publication": [f"{b}/live_publication.py", "--size-mib", str(s), "--tensors", "64",
                              "--repeats", "2" if quick else "3"],
+        "live_update": [f"{b}/live_update.py", "--size-mib", str(s), "--workers", "4",
+                        "--revisions", "2" if quick else "4", "--restarts", "1" if quick else "2"],
     }
 
 
 JSON_OUT = {"warm_start", "peers", "scaling", "vllm_omni_store", "startup", "publish", "prewarm", "churn", "load",
-            "soak", "idle_penalty", "allgather", "remote", "live_publication"}
+            "soak", "idle_penalty", "allgather", "remote", "live_publication", "live_update"}
 
 
 def machine() -> dict[str, Any]:

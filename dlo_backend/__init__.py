@@ -15,15 +15,27 @@ policy), ``hooks`` (hook registry), ``slots`` (device slots), ``lanes`` (streams
 population ahead of compute), ``registration`` (``cudaHostRegister``; ``cudart``, the CUDA
 runtime calls behind it), ``arena`` (exact-size pinned host memory), ``watchdog`` (stuck gathers),
 ``group`` (AllGather group and manifest agreement), ``backend`` (transaction and runtime),
-``offload`` (public entry), ``errors``.
+``offload`` (public entry), ``errors``. Live updates: ``contract`` (what a revision must hold),
+``revision`` (one revision's host side), ``agreement`` (the ranks' per-pass verdict),
+``switch`` (pending updates and the pass boundary), ``live`` (the backend's switch),
+``follow`` (an hwrd channel as the source of updates).
 """
 
 from hwr.dlo_backend.backend import EnableStep, LayerwiseOffloadBackend, OffloadStats, State
-from hwr.dlo_backend.errors import CollectiveStateError, HostSourceMismatch, ManifestMismatch, OffloadError
+from hwr.dlo_backend.errors import (
+    CollectiveStateError,
+    HostSourceMismatch,
+    ManifestMismatch,
+    OffloadError,
+    RevisionMismatch,
+)
+from hwr.dlo_backend.follow import ChannelFollower
 from hwr.dlo_backend.offload import OffloadHandle, apply_layerwise_offload
 from hwr.dlo_backend.slots import SlotState
+from hwr.dlo_backend.switch import RevisionStatus
 
 __all__ = [
+    "ChannelFollower",
     "CollectiveStateError",
     "EnableStep",
     "HostSourceMismatch",
@@ -32,6 +44,8 @@ __all__ = [
     "OffloadError",
     "OffloadHandle",
     "OffloadStats",
+    "RevisionMismatch",
+    "RevisionStatus",
     "SlotState",
     "State",
     "apply_layerwise_offload",

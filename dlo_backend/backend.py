@@ -7,6 +7,8 @@ State table (enforced by ``enable``/``disable`` and the hooks)::
     NEW        | -> ENABLING                  | (no hooks)               | -> CLOSED (closes lease)
     ENABLING   | ok -> READY; error -> FAILED | (not reachable)          | (not reachable)
     READY      | InvalidRequest               | streams the block        | -> CLOSED (restores)
+               |                              | (live updates: switched  |
+               |                              |  at the model's forward) |
     POISONED   | InvalidRequest               | CollectiveStateError /   | -> CLOSED (no restore
                |                              | OffloadError             |    of streamed blocks)
     FAILED     | InvalidRequest               | (hooks removed)          | no-op
@@ -23,30 +25,12 @@ failure at PREFETCH or COMMIT (after the first gather was issued) cannot be agre
 failing rank raises ``CollectiveStateError`` and its peers fail at their next gather, within the
 group's timeout.
 
-Teardown order (``_teardown``, shared by failure rollback and ``disable``):
-
-1. drain the copy and communication lanes (every copy, or zero-copy page population, that may
-   read mapped memory finishes);
-2. remove the hooks and unbind the running block;
-3. restore weights: before COMMIT the original tensors are reattached; after it, rank-local
-   blocks get their originals (module source) or CPU copies of the lease views, and AllGather
-   blocks are gathered one last time into CPU tensors (a collective: call ``disable`` on every
-   rank) unless the backend is poisoned;
-4. release staging, device slots, shards and lanes; shut DLO's own communicator down;
-5. undo ``cudaHostRegister`` (if that fails the lease stays open: unmapping registered memory
-   is undefined behaviour);
-6. close the lease (and the carrier, in case enable failed before taking it).
+Teardown (failure rollback and ``disable``) runs in the order ``teardown`` documents.
 
 A failed collective leaves the group in an unknown state: the backend becomes POISONED and
 every further use raises ``CollectiveStateError`` (recreate the backend, reload the pipeline).
 NCCL reports failures asynchronously, so a gather that stays pending for 90% of the group's
 timeout is declared failed by ``watchdog.CollectiveWatchdog`` (which also aborts the group).
-
-CUDA memory rules the teardown keeps: before step 4 releases the slots, the compute lane is
-synchronized on every stream a forward ran on (the caching allocator would otherwise hand the
-slots' memory to the next allocation on their allocating stream while another stream still
-reads it); after it, the host arenas that shards and staging were carved from (``arena``) are
-unregistered and unmapped.
 
 Inference only: streamed weights are swapped in and out under the model, so do not backprop.
 """
@@ -56,7 +40,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -66,15 +50,18 @@ from torch import nn
 from hwr.client.carrier import HostLease, LeaseCarrier
 from hwr.client.errors import HwrError, InvalidRequest, LeaseClosed, Unsupported
 from hwr.dlo_backend import group as groups
+from hwr.dlo_backend import revision as revisions
 from hwr.dlo_backend.communicator import DloCommunicator, open_dlo_group
+from hwr.dlo_backend.contract import TensorContract, collect_rest
 from hwr.dlo_backend.discovery import find_block_stacks
 from hwr.dlo_backend.errors import CollectiveStateError, OffloadError
 from hwr.dlo_backend.hooks import HookRegistry
-from hwr.dlo_backend.lanes import CudaLane, CurrentStreamLane, InlineLane, Lane, LaneError, ThreadLane
+from hwr.dlo_backend.lanes import CudaLane, CurrentStreamLane, InlineLane, Lane, ThreadLane
 from hwr.dlo_backend.layout import BlockLayout, manifest_digest, plan_block
-from hwr.dlo_backend.registration import HostRegistration, register_regions
-from hwr.dlo_backend.sharding import build_shard
-from hwr.dlo_backend.shards import LeaseShards, PrivateShards, ShardSource, input_nbytes
+from hwr.dlo_backend.live import LiveUpdates
+from hwr.dlo_backend.registration import HostRegistration
+from hwr.dlo_backend.revision import Revision, RevisionContext, TransferKind
+from hwr.dlo_backend.shards import ShardSource
 from hwr.dlo_backend.slots import SlotPair, SlotState
 from hwr.dlo_backend.sources import (
     SUPPORTED_QUANTIZATION,
@@ -85,11 +72,14 @@ from hwr.dlo_backend.sources import (
     unsupported_reason,
 )
 from hwr.dlo_backend.stream import BlockStream
+from hwr.dlo_backend.switch import RevisionSwitch
+from hwr.dlo_backend.teardown import Teardown
 from hwr.dlo_backend.transfer import AllGatherTransfer, DirectTransfer, HostBindTransfer, StagedTransfer, Transfer
 from hwr.dlo_backend.watchdog import CollectiveWatchdog, abort_group, watchdog_timeout_s
 
 if TYPE_CHECKING:
     from hwr.dlo_backend.arena import HostArena
+    from hwr.dlo_backend.contract import ModelTensor
 
 __all__ = ["EnableStep", "LayerwiseOffloadBackend", "OffloadOptions", "OffloadStats", "State"]
 
@@ -136,6 +126,7 @@ class OffloadOptions:
     quantization: str | None = None
     cpu_zero_copy: bool = True
     allgather_host_copy: bool = False
+    live_updates: bool = False
 
 
 @dataclass(frozen=True)
@@ -153,8 +144,12 @@ class OffloadStats:
     shard_source: str = "none"
 
 
-class LayerwiseOffloadBackend:
-    """Streams a model's blocks through two device slots; ``enable`` once, ``disable`` once."""
+class LayerwiseOffloadBackend(LiveUpdates, Teardown):
+    """Streams a model's blocks through two device slots; ``enable`` once, ``disable`` once.
+
+    With ``live_updates``, ``update(lease)`` switches the host source between two passes
+    (``live.LiveUpdates``).
+    """
 
     def __init__(
         self, model: nn.Module, options: OffloadOptions, host_source: LeaseCarrier | HostLease | None = None
@@ -164,14 +159,18 @@ class LayerwiseOffloadBackend:
         self._host_source = host_source
         self._state = State.NEW
         self._step: EnableStep | None = None
-        self._lease: HostLease | None = None
+        self._revision: Revision | None = None  # the host source passes run on
+        self._retired: list[Revision] = []  # revisions closed but not released yet (registered)
         self._group: DloCommunicator | None = None
         self._world = 1
-        self._shard_source: ShardSource | None = None
         self._streamed: list[BlockSource] = []
         self._resident: list[BlockSource] = []
+        self._rest: list[ModelTensor] = []
         self._layouts: list[BlockLayout] = []
-        self._registration: HostRegistration | None = None
+        self._context: RevisionContext | None = None
+        self._contract: TensorContract | None = None
+        self._switch: RevisionSwitch | None = None
+        self._packer: ThreadLane | None = None
         self._lanes: list[Lane] = []
         self._compute: Lane = InlineLane()
         self._slots: SlotPair | None = None
@@ -181,9 +180,26 @@ class LayerwiseOffloadBackend:
         self._committed = False
         self._stream: BlockStream | None = None
         self._watchdog: CollectiveWatchdog | None = None
-        self._arenas: list[HostArena] = []
 
     # ----------------------------------------------------------------- observation
+    @property
+    def _lease(self) -> HostLease | None:
+        return None if self._revision is None else self._revision.lease
+
+    @property
+    def _registration(self) -> HostRegistration | None:
+        return None if self._revision is None else self._revision.registration
+
+    @property
+    def _shard_source(self) -> ShardSource | None:
+        return None if self._revision is None else self._revision.shards
+
+    @property
+    def _arenas(self) -> list[HostArena]:
+        """Host arenas (shards, staging) of the running revision and of those not released yet."""
+        held = ([] if self._revision is None else [self._revision]) + self._retired
+        return [arena for revision in held for arena in revision.arenas]
+
     @property
     def state(self) -> State:
         if self._state is State.READY and self._stream is not None and self._stream.poisoned:
@@ -244,7 +260,7 @@ class LayerwiseOffloadBackend:
     def _enable(self) -> None:
         opts = self.options
         self._enter(EnableStep.TAKE_LEASE)
-        self._lease = self._take_lease()
+        self._revision = Revision(self._take_lease())
         chosen = groups.select_group(
             use_allgather=opts.use_allgather, group=opts.group, dp_group=opts.dp_group, sp_group=opts.sp_group
         )
@@ -276,7 +292,10 @@ class LayerwiseOffloadBackend:
         if self._group is not None:
             self._enter(step)
             ok = error is None
-            digest = hashlib.sha256(step.value.encode() + (manifest_digest(self._layouts) if ok else b"")).digest()
+            # Live updates add a collective to every pass: ranks must agree on them too.
+            live = b"live" if self.options.live_updates else b""
+            manifest = manifest_digest(self._layouts) if ok else b""
+            digest = hashlib.sha256(step.value.encode() + live + manifest).digest()
             groups.exchange_manifest(self._group, digest, ok, self.options.device)
         if error is not None:
             raise error
@@ -289,44 +308,43 @@ class LayerwiseOffloadBackend:
         blocks = [block for stack in stacks for block in stack.blocks]
         self._enter(EnableStep.BIND_SOURCES)
         sources = collect_blocks(self.model, blocks)
-        if self._lease is not None:
-            bind_lease(sources, self._lease.tensors)
+        lease = self._lease
+        if lease is not None:
+            bind_lease(sources, lease.tensors)
         require_host_memory(sources)
         self._enter(EnableStep.VALIDATE)
         self._validate(sources)
         self._resident = sources[: opts.resident_layers]
         self._streamed = sources[opts.resident_layers :]
         self._layouts = [plan_block(src.name, src.metas(), self._world) for src in self._streamed]
+        if opts.live_updates:  # what every later revision must match (``contract``)
+            self._rest = collect_rest(self.model, blocks)
+            self._contract = TensorContract.of(sources, self._rest)
 
     def _build(self) -> None:
         """Local: shards, host registration, slots and lanes, hooks."""
         opts = self.options
+        revision = self._revision
+        assert revision is not None
+        self._context = RevisionContext(
+            device=opts.device,
+            layouts=tuple(self._layouts),
+            world=self._world,
+            rank=groups.group_rank(self._group) if self._group is not None else 0,
+            allgather=self._group is not None,
+            cpu_zero_copy=opts.cpu_zero_copy,
+            allgather_host_copy=opts.allgather_host_copy,
+            registration_limit_gib=opts.host_registration_limit_gib,
+        )
+        revision.hosts = [src.host for src in self._streamed]
+        revision.resident = [src.host for src in self._resident]
         self._enter(EnableStep.SHARD)
-        cuda = opts.device.type == "cuda"
-        if self._group is not None:
-            rank = groups.group_rank(self._group)
-            if self._lease is not None and not opts.allgather_host_copy:
-                # Read in place: each rank's pieces of every block stay views of the lease mapping.
-                self._shard_source = LeaseShards(self._layouts, [src.host for src in self._streamed], rank)
-            else:
-                arena = self._host_arena(g.shard_nbytes for layout in self._layouts for g in layout.groups)
-                shards = [
-                    build_shard(layout, src.host, rank, pin=cuda, arena=arena)
-                    for layout, src in zip(self._layouts, self._streamed, strict=True)
-                ]
-                self._shard_source = PrivateShards(shards, self._layouts)
+        revisions.shard(revision, self._context)
         self._enter(EnableStep.REGISTER_HOST)
-        if cuda and self._lease is not None:
-            device = _device_index(opts.device)
-            if self._group is None:
-                self._registration = register_regions(
-                    self._lease.mapped_regions, opts.host_registration_limit_gib, device=device
-                )
-            elif isinstance(self._shard_source, LeaseShards):
-                # Only this rank's own ranges: the other ranks' pages are never read here.
-                regions = self._shard_source.regions(self._lease.mapped_regions)
-                self._registration = register_regions(regions, opts.host_registration_limit_gib, device=device)
+        if opts.device.type == "cuda":
+            revisions.register_host(revision, self._context, _device_index(opts.device))
         self._enter(EnableStep.ALLOCATE)
+        revisions.stage(revision, self._context)
         self._allocate()
         self._enter(EnableStep.INSTALL_HOOKS)
         self._install()
@@ -374,44 +392,12 @@ class LayerwiseOffloadBackend:
         else:
             self._lanes = [ThreadLane("copy"), ThreadLane("comm")]
             self._compute = InlineLane()
-        copy_lane, comm_lane = self._lanes
-        hosts = [src.host for src in self._streamed]
-        bind = device.type == "cpu" and self._group is None and self.options.cpu_zero_copy
+        assert self._context is not None and self._revision is not None
+        kind, _ = revisions.transfer_kind(self._context, self._revision)
         # Bound host tensors need no slot bytes; every other transfer writes the largest block.
-        self._slots = SlotPair(0 if bind else max(layout.nbytes for layout in self._layouts), device)
-        if bind:
-            # The "device" is the host: copying a block into a slot would only duplicate bytes
-            # compute can read where they are. The ring, prefetch order and slot ownership stay.
-            self._transfer = HostBindTransfer(hosts, self._slots, copy_lane)
-        elif self._group is not None:
-            # Each rank holds only a shard, so even on a CPU device the block must be gathered.
-            assert self._shard_source is not None
-            registered = self._registration is not None and self._registration.complete
-            # Lease pieces the device cannot read asynchronously go through pinned staging.
-            staging = device.type == "cuda" and isinstance(self._shard_source, LeaseShards) and not registered
-            size = max(input_nbytes(layout) for layout in self._layouts)
-            self._transfer = AllGatherTransfer(
-                self._shard_source,
-                self._layouts,
-                self._slots,
-                copy_lane,
-                comm_lane,
-                self._group,
-                device,
-                inputs=2 if device.type == "cuda" else 1,
-                staging=staging,
-                arena=self._host_arena([size] * 2) if staging else None,
-            )
-        elif device.type == "cpu" or self._direct_readable():
-            self._transfer = DirectTransfer(hosts, self._layouts, self._slots, copy_lane)
-        else:
-            # The packer is drained first at teardown: it enqueues work on the copy lane.
-            packer = ThreadLane("pack")
-            self._lanes.insert(0, packer)
-            arena = self._host_arena([self._slots.nbytes] * 2)
-            self._transfer = StagedTransfer(
-                hosts, self._layouts, self._slots, copy_lane, pin=True, packer=packer, arena=arena
-            )
+        nbytes = 0 if kind is TransferKind.BIND else max(layout.nbytes for layout in self._layouts)
+        self._slots = SlotPair(nbytes, device)
+        self._transfer = self._make_transfer(self._revision)
         # The caching allocator handed the slot (and shard) buffers out on the current stream,
         # where blocks freed earlier may still be read by queued kernels: reuse is ordered only
         # on that stream. The lanes write these buffers first, so they start after it.
@@ -430,15 +416,48 @@ class LayerwiseOffloadBackend:
             watchdog=self._start_watchdog(),
         )
 
-    def _host_arena(self, sizes: Iterable[int]) -> HostArena:
-        """Exact-size host memory for buffers of ``sizes`` (shards or staging), pinned for a CUDA
-        device (see ``arena``)."""
-        from hwr.dlo_backend.arena import HostArena, arena_bytes
-
+    def _make_transfer(self, revision: Revision, reuse: Transfer | None = None) -> Transfer:
+        """The transfer that streams ``revision`` (``revision.transfer_kind``) over this backend's
+        lanes and slots; ``reuse``: the transfer it replaces, whose device buffers it keeps."""
+        assert self._context is not None and self._slots is not None
         device = self.options.device
-        arena = HostArena(arena_bytes(sizes), device=device if device.type == "cuda" else None)
-        self._arenas.append(arena)
-        return arena
+        copy_lane, comm_lane = self._lanes[-2:]
+        kind, _ = revisions.transfer_kind(self._context, revision)
+        arena = revision.staging
+        if kind is TransferKind.BIND:
+            # The "device" is the host: copying a block into a slot would only duplicate bytes
+            # compute can read where they are. The ring, prefetch order and slot ownership stay.
+            return HostBindTransfer(revision.hosts, self._slots, copy_lane)
+        if kind is TransferKind.ALLGATHER:
+            # Each rank holds only a shard, so even on a CPU device the block must be gathered.
+            assert revision.shards is not None and self._group is not None
+            return AllGatherTransfer(
+                revision.shards,
+                self._layouts,
+                self._slots,
+                copy_lane,
+                comm_lane,
+                self._group,
+                device,
+                inputs=2 if device.type == "cuda" else 1,
+                staging=arena is not None,
+                arena=arena,
+                buffers=reuse.inputs if isinstance(reuse, AllGatherTransfer) else None,
+            )
+        if kind is TransferKind.DIRECT:
+            return DirectTransfer(revision.hosts, self._layouts, self._slots, copy_lane)
+        # Host memory the device cannot read asynchronously goes through pinned staging.
+        packer = self._packer_lane()
+        return StagedTransfer(
+            revision.hosts, self._layouts, self._slots, copy_lane, pin=True, packer=packer, arena=arena
+        )
+
+    def _packer_lane(self) -> ThreadLane:
+        """The staged transfer's packing thread; drained first at teardown (it feeds the copy lane)."""
+        if self._packer is None:
+            self._packer = ThreadLane("pack")
+            self._lanes.insert(0, self._packer)
+        return self._packer
 
     def _start_watchdog(self) -> CollectiveWatchdog | None:
         """With a group: the watchdog that turns a gather no peer joins into a typed error."""
@@ -454,12 +473,6 @@ class LayerwiseOffloadBackend:
         failure = abort_group(self._group, self.options.device)
         if failure is not None:
             _log.warning("AllGather group not aborted: %s", failure)
-
-    def _direct_readable(self) -> bool:
-        """CUDA may copy asynchronously from the host sources (registered lease, pinned tensors)."""
-        if self._lease is not None:
-            return self._registration is not None and self._registration.complete
-        return all(t.is_pinned() for src in self._streamed for t in src.host)
 
     def _set(self, ref: Any, value: torch.Tensor) -> None:
         current = ref.current()
@@ -488,6 +501,8 @@ class LayerwiseOffloadBackend:
             for ref in source.refs:
                 self._set(ref, stream.placeholder(ref.original.dtype))
             self._hooks.attach(source.module, lambda i=index: stream.before(i), lambda i=index: stream.after(i))
+        if self.options.live_updates:
+            self._install_switch()
 
     def _commit(self) -> None:
         # From here on the original host tensors are no longer a rollback target; drop the ones
@@ -533,113 +548,6 @@ class LayerwiseOffloadBackend:
             return exc
         return OffloadError(f"enable failed at step {step!r}: {exc}", details={"step": step})
 
-    def _teardown(self) -> list[str]:
-        errors: list[str] = []
-        for lane in self._lanes:  # 1. drain: nothing may still read mapped memory or a slot
-            try:
-                lane.drain()
-            except LaneError as exc:
-                errors.append(f"drain: {exc}")
-                if self._stream is not None:
-                    self._stream.poisoned = True
-        if self._stream is not None:  # 2. running block unbound, hooks off
-            self._stream.unbind()
-        self._hooks.remove()
-        try:  # 3. restore weights
-            self._restore()
-        except Exception as exc:
-            errors.append(f"restore: {exc}")
-            if self._stream is not None:
-                self._stream.poisoned = True
-        for source in self._resident + self._streamed:
-            source.host = []  # lease views must not outlive the lease
-        if self._watchdog is not None:  # every gather (the gather-back's too) has been waited for
-            self._watchdog.close()
-            self._watchdog = None
-        try:  # 4. release, once compute (on every stream a forward used) stopped reading the slots
-            self._compute.drain()
-        except (LaneError, RuntimeError) as exc:
-            errors.append(f"drain compute: {exc}")
-        for lane in self._lanes:
-            lane.close()
-        if self._transfer is not None:
-            self._transfer.close()
-        if self._stream is not None:
-            self._stream.close()  # it held the transfer and the sources: views of the lease
-        if self._slots is not None:
-            self._slots.release()
-        if isinstance(self._shard_source, LeaseShards):
-            self._shard_source.close()
-        self._transfer, self._shard_source, self._lanes, self._installed = None, None, [], []
-        if self._group is not None:  # after the lanes: no gather may still use it
-            failure = self._group.close()
-            if failure is not None:
-                errors.append(failure)
-            self._group = None
-        lease_safe = True
-        if self._registration is not None:  # 5. unregister before unmapping
-            failures = self._registration.close()
-            if failures:
-                errors.extend(failures)
-                lease_safe = False
-                _log.error("host memory still registered; keeping lease open: %s", failures)
-            else:
-                self._registration = None
-        self._release_arenas(errors)  # shards and staging are gone: unregister, unmap
-        if lease_safe:  # 6. close the lease
-            self._close_lease()
-        return errors
-
-    def _release_arenas(self, errors: list[str]) -> None:
-        """Unregister and unmap the shard/staging arenas (their views and copies are gone)."""
-        kept: list[HostArena] = []
-        for arena in self._arenas:
-            failures = arena.close()
-            if failures:
-                errors.extend(failures)
-                kept.append(arena)  # still registered: never unmapped
-        self._arenas = kept
-
-    def _close_lease(self) -> None:
-        if self._lease is not None:
-            self._lease.close()
-        if isinstance(self._host_source, LeaseCarrier):
-            self._host_source.close()  # closes the lease only if enable failed before taking it
-
-    def _restore(self) -> None:
-        if not self._committed:
-            for source in self._installed:
-                for ref in source.refs:
-                    if ref.original.is_meta:
-                        ref.replace_object(ref.original)
-                    else:
-                        ref.current().data = ref.backing
-            return
-        for source in self._resident + (self._streamed if self._group is None else []):
-            for ref, host in zip(source.refs, source.host, strict=True):
-                self._set(ref, host if host is ref.backing else _host_copy(host))
-        if self._group is not None and self._stream is not None and not self._stream.poisoned:
-            self._gather_back(self._stream)
-
-    def _gather_back(self, stream: BlockStream) -> None:
-        """Rebuild every AllGather block into CPU tensors (a collective on every rank)."""
-        assert self._slots is not None
-        for block, source in enumerate(self._streamed):
-            stream.fill(block, 0)
-            stream.wait_ready(0)
-            layout = self._layouts[block]
-            for index, ref in enumerate(source.refs):
-                ref.current().data = _host_copy(self._slots.tensor_view(0, layout, index))
-            stream.mark_free(0)  # the next gather overwrites slot 0 only after these copies
-
-
 def _device_index(device: torch.device) -> int:
     """The CUDA ordinal of ``device`` (``cuda`` alone means the current device)."""
     return device.index if device.index is not None else torch.cuda.current_device()
-
-
-def _host_copy(value: torch.Tensor) -> torch.Tensor:
-    """A private CPU tensor with ``value``'s shape, stride and bytes."""
-    copy = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cpu")
-    copy.copy_(value)
-    return copy

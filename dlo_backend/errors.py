@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from hwr.client.errors import HwrError
 
-__all__ = ["CollectiveStateError", "HostSourceMismatch", "ManifestMismatch", "OffloadError"]
+__all__ = ["CollectiveStateError", "HostSourceMismatch", "ManifestMismatch", "OffloadError", "RevisionMismatch"]
 
 
 class OffloadError(HwrError, RuntimeError):
@@ -43,3 +43,15 @@ class HostSourceMismatch(HwrError, ValueError):
     """A host source (lease) lacks a block tensor or holds it with another shape/dtype/stride."""
 
     code = "DLO_HOST_SOURCE_MISMATCH"
+
+
+class RevisionMismatch(HostSourceMismatch):
+    """A live update was refused: the new revision does not match the model's tensor contract.
+
+    Raised by ``OffloadHandle.update`` when this rank's check fails (a tensor missing, or held
+    with another dtype, shape or stride), and recorded as the handle's ``revision.last_error``
+    when a peer rank of the AllGather group refused it (``details["refused_by"]``). Either way
+    the new lease is closed and every rank keeps running the revision it had.
+    """
+
+    code = "DLO_REVISION_MISMATCH"

@@ -1,8 +1,8 @@
 """The hook registry: mechanism only (install, remove), no policy and no transfer.
 
 ``HookRegistry.attach(module, pre, post)`` registers a forward pre-hook and a forward hook on
-``module`` and remembers both handles; ``remove()`` takes every hook off (idempotent, safe on
-a half-built registry), leaving ``forward`` exactly as it was.
+``module`` and remembers both handles (``attach_pre``: a pre-hook only); ``remove()`` takes every
+hook off (idempotent, safe on a half-built registry), leaving ``forward`` exactly as it was.
 """
 
 from __future__ import annotations
@@ -36,6 +36,14 @@ class HookRegistry:
 
         self._handles.append(module.register_forward_pre_hook(before))
         self._handles.append(module.register_forward_hook(after))
+
+    def attach_pre(self, module: nn.Module, pre: Callable[[], None]) -> None:
+        """Run ``pre()`` before every ``module(...)`` call (before the hooks registered so far)."""
+
+        def before(_module: nn.Module, _args: Any) -> None:
+            pre()
+
+        self._handles.append(module.register_forward_pre_hook(before, prepend=True))
 
     def remove(self) -> None:
         while self._handles:

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from hwr.client.carrier import HostLease, LeaseCarrier
+from hwr.client.errors import InvalidRequest
 from hwr.dlo_backend.backend import LayerwiseOffloadBackend, OffloadOptions, OffloadStats, State
+from hwr.dlo_backend.follow import ChannelClient, ChannelFollower
 from hwr.dlo_backend.slots import SlotState
+from hwr.dlo_backend.switch import RevisionStatus
 
 __all__ = ["OffloadHandle", "apply_layerwise_offload"]
 
@@ -21,10 +24,16 @@ class OffloadHandle:
     After ``close`` every hook is gone, the streamed weights are CPU tensors again (the
     originals, or private copies of lease views / gathered shards) and the lease is closed.
     With AllGather, ``close`` gathers the blocks one last time: call it on every rank.
+
+    Live updates (enabled with ``live_updates=True``): ``update(lease)`` runs a new revision
+    from the next pass boundary on (one call of the model's ``forward``), all ranks of an
+    AllGather group at the same pass; ``follow(client, channel)`` does that for every revision
+    an hwrd channel points to; ``revision`` says where the handle stands. See ``switch``.
     """
 
     def __init__(self, backend: LayerwiseOffloadBackend) -> None:
         self.backend = backend
+        self._follower: ChannelFollower | None = None
 
     @property
     def closed(self) -> bool:
@@ -37,7 +46,41 @@ class OffloadHandle:
     def slot_state(self) -> SlotState:
         return self.backend.slot_state()
 
+    @property
+    def revision(self) -> RevisionStatus:
+        """The revision passes run on (its lease key), switches, a pending update, the last refusal."""
+        return self.backend.revision_status()
+
+    def update(self, lease: HostLease | LeaseCarrier) -> None:
+        """Switch to ``lease``'s revision at the next pass boundary; the handle owns the lease.
+
+        The old revision's lease is released once no pass uses it. Raises ``RevisionMismatch``
+        (lease closed, nothing changed) when the revision does not match the model's tensor
+        contract; see ``LayerwiseOffloadBackend.update``.
+        """
+        self.backend.update(lease)
+
+    def follow(
+        self, client: ChannelClient, channel: str, *, acquire_options: Mapping[str, Any] | None = None
+    ) -> ChannelFollower:
+        """Follow hwrd channel ``channel`` through ``client`` (see ``follow``) until ``close``.
+
+        ``client`` stays the caller's (close it after the handle). ``acquire_options`` are
+        passed to ``client.acquire`` for every new revision (e.g. ``populate=True``).
+        """
+        if self._follower is not None and self._follower.running:
+            raise InvalidRequest(f"this handle already follows channel {self._follower.channel!r}")
+        if not self.backend.options.live_updates:
+            raise InvalidRequest(
+                "following a channel needs apply_layerwise_offload(..., live_updates=True)",
+                details={"field": "live_updates"},
+            )
+        self._follower = ChannelFollower(self.backend, client, channel, acquire_options=acquire_options)
+        return self._follower
+
     def close(self) -> None:
+        if self._follower is not None:  # first: no update may arrive while the backend closes
+            self._follower.close()
         self.backend.disable()
 
     def __enter__(self) -> OffloadHandle:
@@ -69,6 +112,7 @@ def apply_layerwise_offload(
     quantization: str | None = None,
     cpu_zero_copy: bool = True,
     allgather_host_copy: bool = False,
+    live_updates: bool = False,
 ) -> OffloadHandle:
     """Stream ``model``'s transformer blocks host -> ``device`` through two device slots.
 
@@ -102,6 +146,12 @@ def apply_layerwise_offload(
       outputs, no slot bytes. ``False`` copies through two slots exactly as on CUDA (needed by a
       model that writes into its weights: lease views are read-only). AllGather always gathers
       (each rank holds only a shard); CUDA always copies.
+    - ``live_updates``: the handle accepts ``update(lease)`` and ``follow(client, channel)``:
+      a new revision (it must match the model's tensor contract: every block and non-block
+      parameter and persistent buffer, same dtype, shape and stride) is taken at the next call
+      of the model's ``forward``. With AllGather the ranks agree at every pass (one small
+      all-gather on DLO's own communicator), so all of them switch at the same pass or none
+      does; every rank must pass the same value.
 
     Non-block modules are left untouched: put them on ``device`` yourself. Inference only.
     Raises (after a complete rollback: model usable, lease closed) ``InvalidRequest``,
@@ -121,6 +171,7 @@ def apply_layerwise_offload(
         quantization=quantization,
         cpu_zero_copy=cpu_zero_copy,
         allgather_host_copy=allgather_host_copy,
+        live_updates=live_updates,
     )
     backend = LayerwiseOffloadBackend(model, options, host_source)
     backend.enable()

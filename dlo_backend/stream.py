@@ -105,6 +105,17 @@ class BlockStream:
             if ready is not None:
                 self._watchdog.watch(ready, f"the gather of block {block}")
 
+    def restart(self, transfer: Transfer) -> None:
+        """Stream through ``transfer`` from now on (a live update, between two passes).
+
+        What the slots hold is forgotten (it came through the old transfer) and the head of the
+        ring is fetched again, into the slot ``ring.plan_step`` will look in, so the next pass
+        starts as after ``enable()``. The caller has drained the lanes and unbound the block.
+        """
+        self._transfer = transfer
+        self._slots.owner = [None, None]
+        self.fill(0, 0 if self._last_slot is None else 1 - self._last_slot)
+
     def poison(self, reason: str) -> None:
         """Refuse every later call with ``reason`` (the watchdog's verdict on a stuck gather)."""
         self.poison_reason = reason

@@ -217,7 +217,8 @@ class AllGatherTransfer(_SlotViews):
     host waits for a block's gather before it submits the next fill, so a second input would
     only cost memory). With ``staging``, a CUDA source that cannot be read asynchronously (the
     lease's pieces when registration failed) is packed on the host into one of two bounded
-    pinned staging buffers first, then copied with one H2D.
+    pinned staging buffers first, then copied with one H2D. ``buffers``: gather inputs to reuse
+    (those of the transfer this one replaces at a live update).
     """
 
     mode = "allgather"
@@ -235,13 +236,19 @@ class AllGatherTransfer(_SlotViews):
         inputs: int,
         staging: bool = False,
         arena: HostArena | None = None,
+        buffers: Sequence[torch.Tensor] | None = None,
     ) -> None:
         self.source, self._layouts, self._slots = source, layouts, slots
         self._copy, self._comm, self._group = copy_lane, comm_lane, group
         self._offsets = [shard_offsets(layout) for layout in layouts]
         self._sizes = [input_nbytes(layout) for layout in layouts]
         size = max(self._sizes)
-        self.inputs = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(inputs)]
+        if buffers is not None and len(buffers) == inputs and all(int(b.numel()) >= size for b in buffers):
+            # A live update keeps the replaced transfer's gather inputs: no device allocation at
+            # the switch, and the lanes' order already covers their last readers (drained).
+            self.inputs = list(buffers)
+        else:
+            self.inputs = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(inputs)]
         count = 2 if staging else 0
         if arena is not None:  # exact sizes, one registration (see ``arena``)
             self.staging = [arena.take(size, torch.uint8) for _ in range(count)]
