@@ -21,10 +21,10 @@ def test_sections_cover_every_benchmark_and_scale_with_the_size(tmp_path: Path) 
     small, big = run_all.sections(64, True, tmp_path), run_all.sections(1024, False, tmp_path)
     scripts = {p.name for p in (REPO / "benchmarks").glob("*.py")}
     covered = {Path(argv[0]).name for argv in small.values() if argv[0].endswith(".py")}
-    # every benchmark script except the harness itself, its helpers, the report and the GPU-only
-    # serve run and check
-    assert scripts - covered == {"run_all.py", "common.py", "report.py", "summary.py", "gpu_vllm_serve.py",
-                                 "gpu_check.py", "gpu_check_cases.py", "gpu_check_sections.py"}
+    # every benchmark script except the harness itself, its helpers (the S3 servers remote.py
+    # starts among them), the report and the GPU-only serve run and check
+    assert scripts - covered == {"run_all.py", "common.py", "report.py", "summary.py", "s3_servers.py",
+                                 "gpu_vllm_serve.py", "gpu_check.py", "gpu_check_cases.py", "gpu_check_sections.py"}
     assert small["demo"][:2] == ["-m", "hwr.demo"]
     assert "--size-mib" in small["peers"] and small["peers"][small["peers"].index("--size-mib") + 1] == "64"
     assert big["scaling"][big["scaling"].index("--size-mib") + 1] == "1024"
