@@ -66,7 +66,8 @@ class Topology:
 class Start:
     """One worker start: runtime ``mode`` (``disabled``/``preferred``/``required``), the hwrd
     socket (None: ``HWR_SOCKET`` unset; a path where no daemon listens: "daemon down"), host
-    registration (``omni_accelerator.REGISTRATION_MODES``), DLO forwards after the straight one."""
+    registration (``omni_accelerator.REGISTRATION_MODES``), DLO forwards after the straight one,
+    and DLO AllGather for this start only (``allgather``; None: the topology's)."""
 
     name: str
     mode: str = "preferred"
@@ -75,6 +76,7 @@ class Start:
     forwards: int = 2
     straight: bool = True
     input_seed: int = 1
+    allgather: bool | None = None
 
 
 @dataclass

@@ -150,21 +150,26 @@ class Worker:
         load_omni_general_plugins()
         import hwr.dlo_backend.vllm_plugin as plugin
 
-        self._init_distributed(self.od_config(self.spec["starts"][0]))
+        od_config = self.od_config(self.spec["starts"][0])
+        self._init_distributed(od_config)
+        if self.spec.get("write_checkpoint") and self.pipeline.complete_checkpoint is not None:
+            self.pipeline.complete_checkpoint(checkpoint, int(self.spec.get("checkpoint_seed", 0)), od_config)
         return {"plugin": plugin.state()}
 
     def od_config(self, start: dict[str, Any]) -> Any:
         from vllm_omni.diffusion.data import DiffusionParallelConfig, OmniDiffusionConfig
 
         topology = self.spec["topology"]
+        allgather = topology["use_allgather"] if start.get("allgather") is None else start["allgather"]
         parallel = DiffusionParallelConfig(
             data_parallel_size=topology["data_parallel_size"],
             sequence_parallel_size=topology["sequence_parallel_size"],
             ulysses_degree=topology["ulysses_degree"], ring_degree=topology["ring_degree"])
         kwargs: dict[str, Any] = {
-            "model": self.spec["checkpoint"], "model_class_name": self.pipeline.model_class_name,
+            "model": str(Path(self.spec["checkpoint"]) / self.pipeline.model_subpath),
+            "model_class_name": self.pipeline.model_class_name,
             "num_gpus": topology["world_size"], "parallel_config": parallel, "enforce_eager": True,
-            "enable_distributed_layerwise_offload": True, "dlo_use_allgather": topology["use_allgather"],
+            "enable_distributed_layerwise_offload": True, "dlo_use_allgather": allgather,
             "pin_cpu_memory": start["registration"] != "unpinned",
             "host_weight_runtime_mode": start["mode"], "host_weight_runtime_root": self.spec["runtime_root"],
             "master_port": self.spec["master_port"], **dict(self.pipeline.extra_config),
@@ -224,7 +229,7 @@ class Worker:
         from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
         from vllm_omni.diffusion.offloader import enable_offload_backend
 
-        inputs = self.pipeline.dit_inputs(int(start["input_seed"]))
+        inputs = self.pipeline.dit_inputs(int(start["input_seed"])) if start["straight"] or start["forwards"] else {}
         loader = DiffusersPipelineLoader(LoadConfig(), od_config=od_config)
         began = time.perf_counter()
         loaded = loader.load_model(load_device="cpu", load_format="default", device=self.device)
@@ -238,10 +243,15 @@ class Worker:
         dit = getattr(loaded, self.pipeline.dit_attr)
         record["dit_homes"] = tensor_homes(dit, self.pipeline.dit_attr)
         record["leases_during"] = hwrctl_leases(start["socket"])
-        if start["straight"]:
-            with torch.no_grad():
-                record["straight"] = self._save(index, "straight", self.pipeline.run_dit(dit, inputs))
-        pipeline, backend = enable_offload_backend(od_config, loaded, device=self.device)
+        try:
+            if start["straight"]:
+                with torch.no_grad():
+                    record["straight"] = self._save(index, "straight", self.pipeline.run_dit(dit, inputs))
+            pipeline, backend = enable_offload_backend(od_config, loaded, device=self.device)
+        except BaseException:
+            if carrier is not None:
+                carrier.close()  # the loader's lease, when DLO never took it (as the runner's failure path)
+            raise
         record["offload"] = {"backend": type(backend).__name__, "fresh_model": pipeline is not loaded,
                              "carrier_taken": None if carrier is None else carrier.taken, "outputs": []}
         try:
