@@ -503,15 +503,20 @@ class LayerwiseOffloadBackend:
         return OffloadError(f"{message}; recreate the backend and reload the pipeline")
 
     # --------------------------------------------------------------------- teardown
-    def disable(self) -> None:
-        """Remove every hook, restore weights, release everything, close the lease; idempotent."""
+    def disable(self, *, restore: bool = True) -> None:
+        """Remove every hook, restore weights, release everything, close the lease; idempotent.
+
+        ``restore=False`` (process shutdown) skips step 3 for streamed blocks: no gather-back (no
+        collective, so a rank whose peers are gone still tears down) and no host copies; their
+        tensors stay empty placeholders and the model is unusable afterwards.
+        """
         if self._state in (State.CLOSED, State.FAILED):
             return
         if self._state is State.NEW:
             self._close_lease()
             self._state = State.CLOSED
             return
-        errors = self._teardown()
+        errors = self._teardown(restore=restore)
         self._state = State.CLOSED
         if errors:
             _log.error("offload teardown finished with errors: %s", "; ".join(errors))
@@ -533,7 +538,7 @@ class LayerwiseOffloadBackend:
             return exc
         return OffloadError(f"enable failed at step {step!r}: {exc}", details={"step": step})
 
-    def _teardown(self) -> list[str]:
+    def _teardown(self, *, restore: bool = True) -> list[str]:
         errors: list[str] = []
         for lane in self._lanes:  # 1. drain: nothing may still read mapped memory or a slot
             try:
@@ -545,8 +550,9 @@ class LayerwiseOffloadBackend:
         if self._stream is not None:  # 2. running block unbound, hooks off
             self._stream.unbind()
         self._hooks.remove()
-        try:  # 3. restore weights
-            self._restore()
+        try:  # 3. restore weights (a rollback before COMMIT always reattaches the originals)
+            if restore or not self._committed:
+                self._restore()
         except Exception as exc:
             errors.append(f"restore: {exc}")
             if self._stream is not None:
