@@ -15,7 +15,6 @@ daemon cannot revoke the pages if the file is modified in place later (it refuse
 
 from __future__ import annotations
 
-import mmap
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -57,11 +56,11 @@ class CheckpointLease(MappedLease):
                 raise ManifestCorrupt(f"checkpoint file {name!r} has the wrong size", details={"file": name})
             self.file_ids[name] = (st.st_dev, st.st_ino)
             header = read_header(fd, require_alignment=False)
-            mapped, region = self._attach(fd, size, name, copy_on_write=False, populate=populate)
+            buffer, region = self._attach(fd, size, name, copy_on_write=False, populate=populate)
             for entry in header.entries:
                 if entry.name in self._tensors:
                     raise ManifestCorrupt(f"tensor {entry.name!r} appears in two files", details={"file": name})
-                self._tensors[entry.name] = _view(mapped, header.data_offset, entry)
+                self._tensors[entry.name] = _view(buffer, header.data_offset, entry)
             return region
 
         self._map_files(fds, len(self.files), map_one)
@@ -71,7 +70,7 @@ class CheckpointLease(MappedLease):
         return sum(size for _name, size in self.files)
 
 
-def _view(mapped: mmap.mmap, data_offset: int, entry: object) -> torch.Tensor:
+def _view(buffer: memoryview, data_offset: int, entry: object) -> torch.Tensor:
     info = DTYPES[entry.dtype]  # type: ignore[attr-defined]
     shape = entry.shape  # type: ignore[attr-defined]
     numel = entry.nbytes // info.itemsize  # type: ignore[attr-defined]
@@ -82,9 +81,9 @@ def _view(mapped: mmap.mmap, data_offset: int, entry: object) -> torch.Tensor:
         # The read-only mapping protects the pages; torch only warns that it cannot.
         warnings.filterwarnings("ignore", message=".*not writable.*", category=UserWarning)
         if offset % info.itemsize:
-            raw = torch.frombuffer(memoryview(mapped), dtype=torch.uint8, count=entry.nbytes, offset=offset)  # type: ignore[attr-defined]
+            raw = torch.frombuffer(buffer, dtype=torch.uint8, count=entry.nbytes, offset=offset)  # type: ignore[attr-defined]
             return raw.clone().view(info.torch_dtype).reshape(shape)
-        # Through a memoryview: the storage holds a buffer export, so the mapping cannot be
-        # closed under a live view (frombuffer(mapped) alone keeps no export).
-        flat = torch.frombuffer(memoryview(mapped), dtype=info.torch_dtype, count=numel, offset=offset)
+        # On the file's memoryview: the storage keeps it (and its export of the mapping) alive,
+        # so the mapping cannot be closed under a live view; each tensor gets its own storage.
+        flat = torch.frombuffer(buffer, dtype=info.torch_dtype, count=numel, offset=offset)
     return flat.reshape(shape)

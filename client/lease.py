@@ -6,16 +6,24 @@ closes the descriptor, re-parses every safetensors header from the mapping's fil
 against the manifest the daemon sent, then exposes zero-copy tensor views.
 
 Per-process cache (the acquire hot path): the header check's result, a *view plan* (per tensor:
-dtype, shape, stride, element offset), is kept per (device, inode, size, mtime, ctime) of the
-payload file and the manifest object it was checked against. Payloads are immutable files, and a
-write, truncate, chmod or replacement changes one of those ``fstat`` fields, so a hit proves the
-header bytes are the ones checked. Views are then built from one ``uint8`` base per file: one
-typed view of the whole file per dtype and one ``as_strided`` per tensor.
+dtype, element count, byte offset, shape, stride), is kept per (device, inode, size, mtime,
+ctime) of the payload file and the manifest object it was checked against. Payloads are
+immutable files, and a write, truncate, chmod or replacement changes one of those ``fstat``
+fields, so a hit proves the header bytes are the ones checked.
+
+Views: every tensor gets its own storage over exactly its bytes of the mapping
+(``torch.frombuffer`` over one ``memoryview`` of the file at the tensor's offset, then one
+``as_strided``), never a slice of one storage spanning the file. Consumers rely on this:
+vLLM-Omni's final-layout restorer refuses two tensors whose ``(untyped_storage().data_ptr(),
+nbytes)`` are equal ("aliases"), and a storage per tensor also bounds what a consumer that walks
+``untyped_storage()`` can reach to that tensor's own bytes. The cost is about half a microsecond
+per tensor more than a slice of a shared storage (``benchmarks/lease_views.py``).
 
 Contract:
-- ``tensors``: name -> CPU tensor aliasing shared page-cache pages (no copy). With the default
-  read-only mapping, writing into one faults (SIGSEGV) instead of corrupting other workers'
-  weights; ask for ``copy_on_write=True`` to get private, writable pages instead.
+- ``tensors``: name -> CPU tensor aliasing shared page-cache pages (no copy), each backed by its
+  own storage of exactly its bytes (``storage_offset() == 0``). With the default read-only
+  mapping, writing into one faults (SIGSEGV) instead of corrupting other workers' weights; ask
+  for ``copy_on_write=True`` to get private, writable pages instead.
 - ``mapped_regions``: one page-aligned region per payload file, for ``cudaHostRegister`` (empty once closed).
 - ``close()`` is idempotent and thread-safe: it tells the daemon (only from the process that
   acquired the lease: a forked child never releases its parent's lease) and drops the lease's
@@ -95,12 +103,14 @@ class MappedLease:
         self._view = MappingProxyType(self._tensors)
 
     def _attach(self, fd: int, size: int, name: str, *, copy_on_write: bool,
-                populate: bool) -> tuple[mmap.mmap, MappedRegion]:
+                populate: bool) -> tuple[memoryview, MappedRegion]:
+        """Map one file; return the memoryview that every tensor view of it must be built on."""
         mapped = _map(fd, size, copy_on_write=copy_on_write, populate=populate)
         self._maps.append(mapped)
-        base = _base_view(mapped)
+        buffer = memoryview(mapped)
+        base = _base_view(buffer)
         self._bases.append(base)
-        return mapped, MappedRegion(name, base.data_ptr(), -(-size // PAGE) * PAGE, not copy_on_write)
+        return buffer, MappedRegion(name, base.data_ptr(), -(-size // PAGE) * PAGE, not copy_on_write)
 
     @property
     def key(self) -> str:
@@ -206,9 +216,9 @@ class Lease(MappedLease):
                 raise ManifestCorrupt(f"payload {file_record.name!r} has the wrong size",
                                       details={"file": file_record.name})
             plan = _view_plan(fd, st, manifest, file_record)
-            mapped, region = self._attach(fd, size, file_record.name, copy_on_write=copy_on_write,
+            buffer, region = self._attach(fd, size, file_record.name, copy_on_write=copy_on_write,
                                           populate=populate)
-            self._tensors.update(_views(plan, self._bases[-1], mapped))
+            self._tensors.update(_views(plan, buffer))
             file_ids.append((st.st_dev, st.st_ino))
             return region
 
@@ -222,12 +232,11 @@ class Lease(MappedLease):
 
 
 class _Plan(NamedTuple):
-    """How to view one checked payload file: per dtype, (name, shape, stride, element offset);
-    zero-byte tensors (fresh empties); and unaligned tensors (byte offset, nbytes: slow path)."""
+    """How to view one checked payload file: per tensor with bytes, (name, dtype, element count,
+    byte offset in the file, shape, stride); zero-byte tensors get fresh empties."""
 
-    groups: tuple[tuple[torch.dtype, int, tuple[tuple[str, tuple[int, ...], tuple[int, ...], int], ...]], ...]
+    views: tuple[tuple[str, torch.dtype, int, int, tuple[int, ...], tuple[int, ...]], ...]
     empty: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
-    unaligned: tuple[tuple[str, torch.dtype, int, tuple[int, ...], tuple[int, ...], int, int], ...]
 
 
 _PLANS: dict[tuple[int, int, int, int, int], tuple[Manifest, object, _Plan]] = {}
@@ -242,24 +251,19 @@ def _view_plan(fd: int, st: os.stat_result, manifest: Manifest, file_record: obj
         return cached[2]
     header = read_header(fd)
     pairs = validate_payload_header(header, manifest, file_record)  # type: ignore[arg-type]
-    groups: dict[torch.dtype, tuple[int, list[tuple[str, tuple[int, ...], tuple[int, ...], int]]]] = {}
-    empty, unaligned = [], []
+    views, empty = [], []
     for record, entry in pairs:
         info = dtype_by_torch_name(record.dtype)
-        dtype, itemsize = info.torch_dtype, info.itemsize
         offset = header.data_offset + entry.begin
         shape, stride = tuple(record.shape), tuple(record.stride)
         if record.nbytes == 0:
-            empty.append((record.name, shape, dtype))
+            empty.append((record.name, shape, info.torch_dtype))
         elif offset + record.nbytes > st.st_size:
             raise ManifestCorrupt(f"tensor {record.name!r} lies outside its payload file",
                                   details={"tensor": record.name})
-        elif offset % itemsize:
-            unaligned.append((record.name, dtype, itemsize, shape, stride, offset, record.nbytes))
         else:
-            groups.setdefault(dtype, (itemsize, []))[1].append((record.name, shape, stride, offset // itemsize))
-    plan = _Plan(tuple((dtype, itemsize, tuple(items)) for dtype, (itemsize, items) in groups.items()),
-                 tuple(empty), tuple(unaligned))
+            views.append((record.name, info.torch_dtype, record.nbytes // info.itemsize, offset, shape, stride))
+    plan = _Plan(tuple(views), tuple(empty))
     with _PLANS_LOCK:
         if len(_PLANS) > 4096:
             _PLANS.clear()
@@ -267,24 +271,20 @@ def _view_plan(fd: int, st: os.stat_result, manifest: Manifest, file_record: obj
     return plan
 
 
-def _views(plan: _Plan, base: torch.Tensor, mapped: mmap.mmap) -> dict[str, torch.Tensor]:
-    """Tensors aliasing ``base`` (the uint8 view of the whole mapped file) per the plan: one
-    typed view of the file per dtype, then one ``as_strided`` per tensor (torch bounds-checks
-    each against the storage)."""
+def _views(plan: _Plan, buffer: memoryview) -> dict[str, torch.Tensor]:
+    """One tensor per plan entry, each over its own storage of exactly its bytes of ``buffer``
+    (the memoryview of the mapped file; each storage keeps a reference to it, so the mapping
+    cannot be closed under a live tensor). ``as_strided`` is bounds-checked by torch against that
+    storage, so a plan can never reach a neighbour's bytes."""
     out: dict[str, torch.Tensor] = {}
-    total = base.numel()
-    for dtype, itemsize, items in plan.groups:
-        strided = (base[: total - total % itemsize].view(dtype) if itemsize > 1 else base.view(dtype)).as_strided
-        for name, shape, stride, offset in items:
-            out[name] = strided(shape, stride, offset)
+    frombuffer = torch.frombuffer
+    with warnings.catch_warnings():
+        # The read-only mapping protects the pages; torch only warns that it cannot.
+        warnings.filterwarnings("ignore", message=".*not writable.*", category=UserWarning)
+        for name, dtype, count, offset, shape, stride in plan.views:
+            out[name] = frombuffer(buffer, dtype=dtype, count=count, offset=offset).as_strided(shape, stride)
     for name, shape, dtype in plan.empty:
         out[name] = torch.empty(shape, dtype=dtype)
-    for name, dtype, itemsize, shape, stride, offset, nbytes in plan.unaligned:
-        # Not produced by hwr's writer (read_header checks alignment): the slow, safe path.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*not writable.*", category=UserWarning)
-            flat = torch.frombuffer(memoryview(mapped), dtype=dtype, count=nbytes // itemsize, offset=offset)
-        out[name] = flat.as_strided(shape, stride)
     return out
 
 
@@ -303,10 +303,11 @@ def _map(fd: int, size: int, *, copy_on_write: bool, populate: bool) -> mmap.mma
     return mmap.mmap(fd, size, flags=flags, prot=prot)
 
 
-def _base_view(mapped: mmap.mmap) -> torch.Tensor:
+def _base_view(buffer: memoryview) -> torch.Tensor:
+    """A uint8 view of a whole mapped file (its address is the file's mapped region)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*not writable.*", category=UserWarning)
         # Through a memoryview: the tensor's storage then holds a buffer export of the mmap, so
-        # ``mmap.close()`` refuses (BufferError) while any view derived from this base lives.
+        # ``mmap.close()`` refuses (BufferError) while any view built on ``buffer`` lives.
         # (``frombuffer(mapped)`` itself keeps only a reference: close() would unmap under views.)
-        return torch.frombuffer(memoryview(mapped), dtype=torch.uint8)
+        return torch.frombuffer(buffer, dtype=torch.uint8)
