@@ -241,3 +241,125 @@ def publish(socket: str, root: str, ident_json: str, sp: bool) -> None:
     weights = {n: p.detach().clone() for n, p in canonical.state_dict().items()}
     report = runtime(Path(root)).publish_after_load(ident, producer=TensorProducer(ident, weights))
     assert report.outcome is PostLoadPublicationOutcome.PUBLISHED, report
+
+
+class RemapPipeline(nn.Module):
+    """A pipeline loaded by direct checkpoint mmap: canonical keys lack the ``transformer.``
+    namespace of the model, and ``_remap_ckpt_key`` maps them (as Cosmos3 and MAGI-2 do)."""
+
+    _dit_modules = ["transformer"]
+    _encoder_modules: list[str] = []
+    _vae_modules: list[str] = []
+    _resident_modules: list[str] = []
+
+    def __init__(self, checkpoint_dir: str, sp: bool = False) -> None:
+        super().__init__()
+        from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
+
+        self.transformer = TinyDiT(sp=sp)
+        self.weights_sources = [DiffusersPipelineLoader.ComponentSource(
+            model_or_path=checkpoint_dir, subfolder="transformer", revision=None, prefix="transformer.")]
+
+    @staticmethod
+    def _remap_ckpt_key(key: str) -> str | None:
+        key = key.removeprefix("transformer.")
+        return f"transformer.{key.removeprefix('model.')}" if key.startswith("model.") else None
+
+
+def write_checkpoint(checkpoint_dir: str, seed: int) -> dict[str, torch.Tensor]:
+    """The canonical checkpoint (keys under ``model.``), split over two files like real ones.
+
+    hwrd registers one content once (under its first path), so each test writes its own seed."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(seed)
+    state = {f"model.{k}": v.contiguous() for k, v in TinyDiT().state_dict().items()}
+    names = sorted(state)
+    folder = Path(checkpoint_dir, "transformer")
+    folder.mkdir(parents=True, exist_ok=True)
+    half = len(names) // 2
+    save_file({n: state[n] for n in names[:half]}, folder / "model-00001-of-00002.safetensors")
+    save_file({n: state[n] for n in names[half:]}, folder / "model-00002-of-00002.safetensors")
+    return state
+
+
+def checkpoint_plan(rank: int, world: int, rdzv: str, outdir: str, socket: str, checkpoint_dir: str, dp: int,
+                    mode: str) -> None:
+    """DLO of a direct checkpoint mmap plan whose files come from hwrd checkpoint leases."""
+    from safetensors.torch import load_file
+
+    setup(rank, world, rdzv, dp, 1)
+    os.environ["HWR_SOCKET"] = socket
+    import vllm_omni.diffusion.model_loader.host_weight_plan as planning
+    from vllm_omni.diffusion.offloader import enable_offload_backend
+    from vllm_omni.diffusion.offloader.startup import OffloadStartupState, attach_offload_startup_state
+
+    import hwr.client
+    from hwr.dlo_backend.vllm_plugin.offload import HwrdOffloadBackend
+
+    # vLLM-Omni's planner looks up model-specific adapters by importing the Cosmos3, MAGI-2 and
+    # MiniMax-H3 modules, and Cosmos3's imports torchvision, which has no CPU build on PyPI. The
+    # answer for this pipeline (none of the three) is given directly; the rest of the planner
+    # (source map, remap, coverage, custom-loader and metadata checks) runs as it is.
+    planning.get_direct_mmap_adapter = lambda pipeline: None
+    folder = Path(checkpoint_dir, "transformer")
+    reference = TinyDiT().eval()
+    state = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        state.update({k.removeprefix("model."): v for k, v in load_file(file).items()})
+    reference.load_state_dict(state)
+    x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(200 + (rank if dp > 1 else 0)))
+    with torch.no_grad():
+        want = reference(x)
+    pipeline = RemapPipeline(checkpoint_dir).eval()
+    planned = planning.build_checkpoint_mmap_plan(
+        pipeline, dit_modules=(("transformer", pipeline.transformer),), sources=pipeline.weights_sources,
+        model_path=checkpoint_dir, tensor_parallel_size=1, use_hsdp=False, online_quantization=False)
+    result: dict[str, Any] = {"plan": planned.plan.backing_kind if planned.plan else planned.fallback_reason}
+    attach_offload_startup_state(pipeline, OffloadStartupState(host_weight_plan=planned.plan))
+    dist.barrier()
+    before = anonymous_kib()
+    try:
+        pipeline, backend = enable_offload_backend(od_config(checkpoint_dir, dp, 1, mode), pipeline,
+                                                   device=torch.device("cpu"))
+    except Exception as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        write_result(outdir, rank, result)
+        return
+    with torch.no_grad():
+        outs = [pipeline.transformer(x) for _ in range(2)]
+    handles = getattr(backend, "_hwr_handles", [])
+    for handle in handles:
+        for lane in handle.backend._lanes:
+            lane.drain()
+    grown = (anonymous_kib() - before) * 1024
+    stats = handles[0].stats if handles else None
+    leases = backend._checkpoint_leases if isinstance(backend, HwrdOffloadBackend) else None
+    bound = leases is not None and all(
+        any(p.data_ptr() == v.data_ptr() for v in leases.tensors.values())
+        for p in (pipeline.transformer.proj_in.weight, pipeline.transformer.proj_out.weight))
+    try:
+        with hwr.client.connect(socket, timeout=5) as c:
+            held = [e for e in c.leases() if e["key"].startswith("checkpoint:")]
+    except hwr.client.errors.HwrError:
+        held = []
+    result.update({
+        "backend": type(backend).__name__, "equal": [bool(torch.equal(o, want)) for o in outs],
+        "from_hwrd": leases is not None, "non_block_views_of_lease": bound,
+        "hwr_rings": len(handles), "shard_source": stats.shard_source if stats else "none",
+        "private_growth_bytes": grown, "slot_bytes": 2 * stats.slot_bytes if stats else 0,
+        "block_bytes": stats.block_bytes // max(1, stats.streamed_blocks) if stats else 0,
+        "leases_while_running": len(held), "lease_pids": sorted({e["pid"] for e in held}), "pid": os.getpid(),
+    })
+    backend.disable()
+    with torch.no_grad():
+        result["equal_after_disable"] = bool(torch.equal(pipeline.transformer(x), want))
+    result["closed"] = leases is None or leases.closed
+    dist.barrier()
+    try:
+        with hwr.client.connect(socket, timeout=5) as c:
+            result["leases_after"] = len([e for e in c.leases() if e["key"].startswith("checkpoint:")])
+    except hwr.client.errors.HwrError:
+        result["leases_after"] = -1
+    write_result(outdir, rank, result)
+    dist.destroy_process_group()
