@@ -250,6 +250,11 @@ class Worker:
                 for forward in range(int(start["forwards"])):
                     record["offload"]["outputs"].append(
                         self._save(index, f"offload-{forward}", self.pipeline.run_dit(dit, inputs)))
+            # DiT rings streamed by hwr.dlo_backend (AllGather from an hwrd lease): where shards come from.
+            record["offload"]["hwr_rings"] = [
+                {"world": h.stats.world, "shard_source": h.stats.shard_source,
+                 "host_shard_bytes": h.stats.host_shard_bytes, "block_bytes": h.stats.block_bytes}
+                for h in getattr(backend, "_hwr_handles", [])]
         finally:
             if backend is not None:
                 backend.shutdown()
