@@ -6,12 +6,16 @@ wraps that function. The original builds the backend; when it is vLLM-Omni's
 ``DistributedLayerwiseOffloadBackend`` and hwrd is configured, ``choose`` decides:
 
     mode disabled / no hwrd target                       -> KEEP (vLLM-Omni's backend)
-    host_weight_runtime plan, DiT rank-local             -> KEEP (it streams the lease itself)
-    host_weight_runtime plan, DiT AllGather (group > 1)  -> HWRD (hwr rings read the lease in place)
-    checkpoint_mmap plan (either transport)              -> HWRD (checkpoint leases from hwrd)
     no plan, mode required                               -> FAIL: the DiT was loaded canonically,
                                                             nothing came through hwrd
-    no plan, mode preferred                              -> KEEP (a cold start; the loader publishes)
+    DiT AllGather (group > 1), any plan or none          -> HWRD: every rank of the group must run
+                                                            the same backend, whose rings agree
+                                                            on one transport (a cold start's ranks
+                                                            race the publication: one may hit
+                                                            while another loaded canonically)
+    checkpoint_mmap plan (rank-local)                    -> HWRD (checkpoint leases from hwrd)
+    otherwise (rank-local)                               -> KEEP (it streams a lease itself; a cold
+                                                            start's loader publishes)
 
 ``install_factory``/``uninstall_factory`` are idempotent; the original is kept in ``__wrapped__``.
 """
@@ -43,12 +47,10 @@ def choose(*, mode: str, configured: bool, backing: str | None, allgather_group:
     """The backend for one startup (see the module table); pure."""
     if mode == "disabled" or not configured:
         return Choice.KEEP
-    if backing == "checkpoint_mmap":
+    if backing is None and mode == "required":
+        return Choice.FAIL
+    if allgather_group > 1 or backing == "checkpoint_mmap":
         return Choice.HWRD
-    if backing == "host_weight_runtime":
-        return Choice.HWRD if allgather_group > 1 else Choice.KEEP
-    if backing is None:
-        return Choice.FAIL if mode == "required" else Choice.KEEP
     return Choice.KEEP
 
 

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed
 from torch import nn
 from vllm_omni.diffusion.offloader.config import DIT_COMPONENT
 from vllm_omni.diffusion.offloader.distributed_layerwise_backend import DistributedLayerwiseOffloadBackend
@@ -131,16 +132,26 @@ class HwrdOffloadBackend(DistributedLayerwiseOffloadBackend):
         if component != DIT_COMPONENT or not use_dit_mmap or size <= 1 or pipeline is None:
             return super()._install_hook_group(blocks, component, use_dit_mmap=use_dit_mmap)
         source = self._hwrd_source()
-        if source is None:
-            return super()._install_hook_group(blocks, component, use_dit_mmap=use_dit_mmap)
         paths = block_paths(pipeline, list(blocks))
+        if not self._all_ranks(source is not None and paths is not None, group):
+            if source is not None:
+                source.close()
+                if paths is None:
+                    self._unsupported("DLO AllGather of this DiT ring", "its blocks are not whole module lists")
+                else:
+                    log.warning("DLO AllGather: not every rank of the group streams this DiT from hwrd (a rank "
+                                "loaded it canonically: a cold start's ranks race its publication); vLLM-Omni's "
+                                "own AllGather is used on every rank for this start")
+                # Its hooks shard from the restored views into private memory (its rank-local mmap
+                # mode refuses a group); the lease is then released at the end of enable.
+                self._using_rank_local_mmap = False
+            return super()._install_hook_group(blocks, component, use_dit_mmap=use_dit_mmap)
+        assert source is not None and paths is not None
         try:
-            if paths is None:
-                raise _NotServed("a DiT ring that is not whole module lists")
             handle = apply_layerwise_offload(
                 pipeline, device=self.device, blocks_attr=paths, host_source=source, use_allgather=True,
                 group=group, host_registration_limit_gib=self.config.dlo_host_registration_limit_gib)
-        except (_NotServed, HwrError) as exc:
+        except HwrError as exc:
             source.close()
             if isinstance(exc, CollectiveStateError):
                 raise  # gathers were issued: the group's state is unknown, nothing to fall back to
@@ -156,14 +167,36 @@ class HwrdOffloadBackend(DistributedLayerwiseOffloadBackend):
                  ", ".join(paths), source.key[:12], size)
         return []
 
+    def _all_ranks(self, mine: bool, group: Any) -> bool:
+        """Whether ``mine`` holds on every rank of the DLO group (``group``; None: this rank alone).
+
+        A collective issued by every rank at the same point of enable, on the caller's thread:
+        the DiT rings' transports (and a checkpoint plan's source) must be the same on every rank,
+        or their gathers would never meet.
+        """
+        if group is None:
+            return mine
+        flag = torch.tensor([1 if mine else 0], dtype=torch.int32,
+                            device=self.device if self.device.type == "cuda" else "cpu")
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
+        return bool(flag.item())
+
     def _load_weights_via_mmap(self, pipeline: nn.Module, dits: Any, plan: Any) -> None:
-        leases = None
+        leases, why = None, ("", "")
         try:
             leases = lease_checkpoint_plan(plan, self.hwrd_target)
         except HwrError as exc:
-            self._unsupported("the checkpoint of this direct mmap plan", exc.message)
+            why = ("the checkpoint of this direct mmap plan", exc.message)
         except ValueError as exc:  # a loader transform: views cannot carry it
-            self._unsupported("this direct checkpoint mmap plan", str(exc))
+            why = ("this direct checkpoint mmap plan", str(exc))
+        group, size, _rank = self._component_transport(DIT_COMPONENT)
+        # Every rank takes the same source, decided before anything can fail on one rank alone.
+        if not self._all_ranks(leases is not None, group if size > 1 else None):
+            if leases is not None:
+                leases.close()
+                leases = None
+                why = ("the checkpoint of this direct mmap plan", "another rank of the group could not lease it")
+            self._unsupported(*why)
         if leases is None:
             return super()._load_weights_via_mmap(pipeline, dits, plan)
         self._checkpoint_leases = leases
@@ -198,7 +231,3 @@ class HwrdOffloadBackend(DistributedLayerwiseOffloadBackend):
                 "Distributed layerwise offload skipped AllGather weight restoration; "
                 "recreate the backend and reload the pipeline before retrying")
         super()._disable(restore_allgather_weights=restore_allgather_weights)
-
-
-class _NotServed(Exception):
-    """A ring hwr cannot take (internal; becomes the unsupported-option warning or failure)."""

@@ -62,7 +62,9 @@ def test_backend_choice() -> None:
     assert choose(mode="required", configured=True, backing="host_weight_runtime", allgather_group=1) is Choice.KEEP
     assert choose(mode="preferred", configured=True, backing="checkpoint_mmap", allgather_group=1) is Choice.HWRD
     assert choose(mode="required", configured=True, backing=None, allgather_group=4) is Choice.FAIL
-    assert choose(mode="preferred", configured=True, backing=None, allgather_group=4) is Choice.KEEP
+    # A cold AllGather start: its ranks must all run the backend whose rings agree on a transport.
+    assert choose(mode="preferred", configured=True, backing=None, allgather_group=4) is Choice.HWRD
+    assert choose(mode="preferred", configured=True, backing=None, allgather_group=1) is Choice.KEEP
     assert choose(mode="required", configured=False, backing="checkpoint_mmap", allgather_group=2) is Choice.KEEP
     assert choose(mode="disabled", configured=True, backing="checkpoint_mmap", allgather_group=2) is Choice.KEEP
 

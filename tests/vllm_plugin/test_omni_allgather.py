@@ -57,9 +57,14 @@ def runs(vo_hwrd, tmp_path_factory: pytest.TempPathFactory) -> Runs:
 
 
 def test_cold_allgather_starts_load_canonically_and_publish(runs: Runs) -> None:
-    for rank in runs.cold:
-        start = rank["cold"].expect_ok()
-        assert start.outcome == "canonical_fallback" and start.plan is None, start.raw
+    starts = [rank["cold"].expect_ok() for rank in runs.cold]
+    # The ranks race the publication: the first loads canonically and publishes; another may
+    # already find it. Their DiT rings then agree on vLLM-Omni's own AllGather for this start.
+    outcomes = [start.outcome for start in starts]
+    assert "canonical_fallback" in outcomes and set(outcomes) <= {"canonical_fallback", "local_hit"}, outcomes
+    for start in starts:
+        assert start.raw["offload"]["backend"] == "HwrdOffloadBackend", start.raw["offload"]
+        assert start.raw["offload"]["hwr_rings"] == [], start.raw["offload"]  # not every rank had a lease
         assert start.offloaded == [start.straight, start.straight]
 
 
