@@ -111,7 +111,7 @@ def _omni_config(value: str) -> bytes:
     if not value:
         return b""
     text = value
-    if not value.lstrip().startswith("{"):
+    if value.lstrip()[:1] not in ("{", "["):  # inline JSON, else a file name
         try:
             text = Path(value).read_text()
         except OSError as exc:
