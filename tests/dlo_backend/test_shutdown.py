@@ -34,3 +34,28 @@ def test_a_default_disable_still_restores_host_copies(tmp_path: Path) -> None:
     assert lease.closed
     with torch.no_grad():
         assert torch.equal(model(x), want)
+
+
+class _WeightWithLoader(torch.nn.Parameter):
+    """A parameter subclass that only adds Python behaviour (like vLLM's ModelWeightParameter)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class _Wrapper(torch.Tensor):
+    """A dispatch-level wrapper: its bytes are not its storage's (like DTensor or quantized tensors)."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return func(*args, **(kwargs or {}))
+
+
+def test_plain_parameter_subclasses_stream_and_dispatch_wrappers_are_refused() -> None:
+    from hwr.dlo_backend.sources import unsupported_reason
+
+    loader_param = torch.Tensor._make_subclass(_WeightWithLoader, torch.zeros(2, 2), False)
+    assert unsupported_reason(loader_param, allgather=True) is None
+    wrapper = torch.Tensor._make_subclass(_Wrapper, torch.zeros(2, 2), False)
+    assert "tensor subclass _Wrapper" in (unsupported_reason(wrapper, allgather=True) or "")
