@@ -255,7 +255,8 @@ class Worker:
             # DiT rings streamed by hwr.dlo_backend (AllGather from an hwrd lease): where shards come from.
             record["offload"]["hwr_rings"] = [
                 {"world": h.stats.world, "shard_source": h.stats.shard_source,
-                 "host_shard_bytes": h.stats.host_shard_bytes, "block_bytes": h.stats.block_bytes}
+                 "host_shard_bytes": h.stats.host_shard_bytes, "block_bytes": h.stats.block_bytes,
+                 "slot_bytes": h.stats.slot_bytes}
                 for h in getattr(backend, "_hwr_handles", [])]
         finally:
             if backend is not None:
