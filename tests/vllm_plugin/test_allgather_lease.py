@@ -7,8 +7,9 @@ plugin, the backend factory returns ``HwrdOffloadBackend`` and the DiT ring gath
 from every rank's pieces of the shared mapping: no private shard. What is faked is written in
 ``omni_ag_ranks``'s docstring (the accelerator boundary only).
 
-Matrix: DP 2 and SP 2 (DP 1, blocks all-reduce on the SP group inside forward) here; DP 4 adds
-two more processes of the same code and runs in the Flux2-Klein acceptance test only.
+Matrix (CI time): SP 2 with DP 1 only, blocks all-reduce on the SP group inside forward (the DLO
+gathers run beside the model's own collectives), with the private-memory bound. DP 2 and DP 4
+run through vLLM-Omni's own loader on FLUX.2-klein (``test_omni_allgather``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def _publish(tmp: Path, socket: str, root: Path, ident_json: str, sp: bool) -> N
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("dp", "sp"), [(2, 1), (1, 2)], ids=["dp2", "sp2"])
+@pytest.mark.parametrize(("dp", "sp"), [(1, 2)], ids=["sp2"])
 def test_allgather_reads_each_rank_s_pieces_from_the_hwrd_lease(vo_hwrd, short_tmp: Path, dp: int, sp: int,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     # Ranks return freed blocks to the OS (a fixed glibc mmap threshold), so the probe measures
