@@ -72,13 +72,15 @@ def sections(size_mib: int, quick: bool, out: Path) -> dict[str, list[str]]:
                     "--hidden", "4096", "--tokens", "256", "--reps", "3"],
         "allgather": [f"{b}/allgather.py", "--size-mib", str(s), "--dp", "1,2" if quick else "1,2,4",
                       "--passes", "2" if quick else "3"],
+        "live_publication": [f"{b}/live_publication.py", "--size-mib", str(s), "--tensors", "64",
+                             "--repeats", "2" if quick else "3"],
         "vllm_omni_dlo": [f"{b}/vllm_omni_dlo.py", "--size-gib", f"{max(0.5, s / 1024):g}",
                           "--dp", "1,2" if quick else "1,2,4"],
     }
 
 
 JSON_OUT = {"warm_start", "peers", "scaling", "vllm_omni_store", "startup", "publish", "prewarm", "churn", "load",
-            "soak", "idle_penalty", "allgather", "remote", "vllm_omni_dlo"}
+            "soak", "idle_penalty", "allgather", "remote", "live_publication", "vllm_omni_dlo"}
 
 
 def machine() -> dict[str, Any]:

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from daemon_proc import DaemonProcess, allowed, finish_daemon
+from daemon_proc import HWRD, DaemonProcess, RunAs, allowed, finish_daemon, make_daemon, requested_user
 
 # Every property test runs without a per-example deadline: on a loaded 2-core CI machine one
 # example of real work (a file written and mapped, a config parsed, a layout planned) can take
@@ -36,11 +36,29 @@ def short_tmp() -> Iterator[Path]:
         yield Path(d)
 
 
+@pytest.fixture(params=["root", "unprivileged"])
+def daemon_user(request: pytest.FixtureRequest) -> RunAs | None:
+    """Who the test's daemons run as: root, or the unit's unprivileged user (``daemon_proc.HWRD``).
+    A test (or module) that requests it runs twice; ``spawn_daemon``, ``spawn`` and ``hwrd``
+    follow it."""
+    return HWRD if request.param == "unprivileged" else None
+
+
 @pytest.fixture
 def hwrd(short_tmp: Path, request: pytest.FixtureRequest) -> Iterator[DaemonProcess]:
     """A fresh daemon per test; the test fails on its bad exit or a logged traceback."""
-    root = short_tmp / "store"
-    daemon = DaemonProcess(root, short_tmp / "hwrd.sock")
+    daemon = make_daemon(short_tmp, user=requested_user(request))
+    daemon.start()
+    try:
+        yield daemon
+    finally:
+        finish_daemon(daemon, allowed(request))
+
+
+@pytest.fixture
+def unprivileged_hwrd(short_tmp: Path, request: pytest.FixtureRequest) -> Iterator[DaemonProcess]:
+    """A fresh daemon per test running as the unit's unprivileged user (``daemon_proc.HWRD``)."""
+    daemon = make_daemon(short_tmp, user=HWRD)
     daemon.start()
     try:
         yield daemon

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from daemon_proc import DaemonProcess, allowed, finish_daemon
+from daemon_proc import DaemonProcess, allowed, finish_daemon, make_daemon, requested_user
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -36,12 +36,14 @@ def shared_hwrd() -> Iterator[DaemonProcess]:
 
 @pytest.fixture
 def spawn_daemon(short_tmp: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., DaemonProcess]]:
-    """Start hwrd processes (``root``/``socket`` default to ``short_tmp``); all stopped at teardown."""
+    """Start hwrd processes (``root``/``socket`` default to ``short_tmp``); all stopped at teardown.
+    They run as the test's ``daemon_user`` when it asks for one (``daemon_proc.make_daemon``)."""
     started: list[DaemonProcess] = []
+    user = requested_user(request)
 
     def spawn(*extra: str, root: Path | None = None, sock: Path | None = None,
               daemon: DaemonProcess | None = None) -> DaemonProcess:
-        proc = daemon or DaemonProcess(root or short_tmp / "store", sock or short_tmp / "hwrd.sock", *extra)
+        proc = daemon or make_daemon(short_tmp, *extra, user=user, root=root, sock=sock)
         started.append(proc)
         return proc.start()
 

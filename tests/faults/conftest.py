@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from daemon_proc import DaemonProcess, allowed, finish_daemon
+from daemon_proc import DaemonProcess, allowed, finish_daemon, make_daemon, requested_user
 
 from .faultkit import OUTCOMES, Outcome
 from .tmpfs import SmallTmpfs, TmpfsDaemon
@@ -65,15 +65,17 @@ def fault_tmp() -> Iterator[Path]:
 @pytest.fixture
 def spawn(fault_tmp: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., DaemonProcess]]:
     """Start hwrd processes on ``fault_tmp`` (optionally with a fault control file); stopped after,
-    failing the test on a non-zero exit or a logged traceback (``daemon_proc.finish_daemon``)."""
+    failing the test on a non-zero exit or a logged traceback (``daemon_proc.finish_daemon``).
+    They run as the test's ``daemon_user`` when it asks for one (``daemon_proc.make_daemon``)."""
     started: list[DaemonProcess] = []
+    user = requested_user(request)
 
     def start(*extra: str, root: Path | None = None, faults: Path | None = None,
               daemon: DaemonProcess | None = None, tmpfs: SmallTmpfs | None = None) -> DaemonProcess:
         env = {"HWR_TEST_FAULTS": str(faults)} if faults is not None else None
         if daemon is None and tmpfs is not None:  # the store on the tmpfs, the daemon in its namespaces
             daemon = TmpfsDaemon(tmpfs, fault_tmp / "hwrd.sock", *extra, env=env)
-        proc = daemon or DaemonProcess(root or fault_tmp / "store", fault_tmp / "hwrd.sock", *extra, env=env)
+        proc = daemon or make_daemon(fault_tmp, *extra, user=user, root=root, env=env)
         if proc not in started:
             started.append(proc)
         return proc.start(timeout=60)
