@@ -13,11 +13,12 @@ fields, so a hit proves the header bytes are the ones checked.
 
 Views: every tensor gets its own storage over exactly its bytes of the mapping
 (``torch.frombuffer`` over one ``memoryview`` of the file at the tensor's offset, then one
-``as_strided``), never a slice of one storage spanning the file. Consumers rely on this:
-vLLM-Omni's final-layout restorer refuses two tensors whose ``(untyped_storage().data_ptr(),
-nbytes)`` are equal ("aliases"), and a storage per tensor also bounds what a consumer that walks
-``untyped_storage()`` can reach to that tensor's own bytes. The cost is about half a microsecond
-per tensor more than a slice of a shared storage (``benchmarks/lease_views.py``).
+``as_strided`` unless the tensor is 1-D), never a slice of one storage spanning the file.
+Consumers rely on this: vLLM-Omni's final-layout restorer refuses two tensors whose
+``(untyped_storage().data_ptr(), nbytes)`` are equal ("aliases"), and a storage per tensor also
+bounds what a consumer that walks ``untyped_storage()`` can reach to that tensor's own bytes.
+The cost, against slices of one shared storage: one more torch call (about a microsecond) per
+tensor of two or more dimensions (``benchmarks/lease_views.py``).
 
 Contract:
 - ``tensors``: name -> CPU tensor aliasing shared page-cache pages (no copy), each backed by its
@@ -233,9 +234,10 @@ class Lease(MappedLease):
 
 class _Plan(NamedTuple):
     """How to view one checked payload file: per tensor with bytes, (name, dtype, element count,
-    byte offset in the file, shape, stride); zero-byte tensors get fresh empties."""
+    byte offset in the file, shape and stride, or None for a 1-D tensor, which ``frombuffer``
+    already returns in its final shape); zero-byte tensors get fresh empties."""
 
-    views: tuple[tuple[str, torch.dtype, int, int, tuple[int, ...], tuple[int, ...]], ...]
+    views: tuple[tuple[str, torch.dtype, int, int, tuple[tuple[int, ...], tuple[int, ...]] | None], ...]
     empty: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
 
 
@@ -262,7 +264,9 @@ def _view_plan(fd: int, st: os.stat_result, manifest: Manifest, file_record: obj
             raise ManifestCorrupt(f"tensor {record.name!r} lies outside its payload file",
                                   details={"tensor": record.name})
         else:
-            views.append((record.name, info.torch_dtype, record.nbytes // info.itemsize, offset, shape, stride))
+            # A 1-D tensor needs no as_strided (about a microsecond each, half of a DiT's tensors).
+            layout = None if len(shape) == 1 else (shape, stride)
+            views.append((record.name, info.torch_dtype, record.nbytes // info.itemsize, offset, layout))
     plan = _Plan(tuple(views), tuple(empty))
     with _PLANS_LOCK:
         if len(_PLANS) > 4096:
@@ -281,8 +285,9 @@ def _views(plan: _Plan, buffer: memoryview) -> dict[str, torch.Tensor]:
     with warnings.catch_warnings():
         # The read-only mapping protects the pages; torch only warns that it cannot.
         warnings.filterwarnings("ignore", message=".*not writable.*", category=UserWarning)
-        for name, dtype, count, offset, shape, stride in plan.views:
-            out[name] = frombuffer(buffer, dtype=dtype, count=count, offset=offset).as_strided(shape, stride)
+        for name, dtype, count, offset, layout in plan.views:
+            flat = frombuffer(buffer, dtype=dtype, count=count, offset=offset)
+            out[name] = flat if layout is None else flat.as_strided(*layout)
     for name, shape, dtype in plan.empty:
         out[name] = torch.empty(shape, dtype=dtype)
     return out

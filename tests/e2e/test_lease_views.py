@@ -28,6 +28,7 @@ def _tensors() -> dict[str, torch.Tensor]:
         "b.index": torch.arange(-7, 6, dtype=torch.int8),
         "c.empty": torch.empty(0, 4),
         "d.table": torch.randn(4, 3, 2, generator=g).double(),
+        "e.step": torch.tensor(3.5),  # 0-dim
     }
 
 

@@ -66,7 +66,8 @@ class Topology:
 class Start:
     """One worker start: runtime ``mode`` (``disabled``/``preferred``/``required``), the hwrd
     socket (None: ``HWR_SOCKET`` unset; a path where no daemon listens: "daemon down"), host
-    registration (``omni_accelerator.REGISTRATION_MODES``), DLO forwards after the straight one."""
+    registration (``omni_accelerator.REGISTRATION_MODES``), DLO forwards after the straight one,
+    and DLO AllGather for this start only (``allgather``; None: the topology's)."""
 
     name: str
     mode: str = "preferred"
@@ -75,6 +76,7 @@ class Start:
     forwards: int = 2
     straight: bool = True
     input_seed: int = 1
+    allgather: bool | None = None
 
 
 @dataclass
@@ -161,7 +163,7 @@ def run(pipeline: str, *, checkpoint: Path, runtime_root: Path, out: Path, start
         rank_out.mkdir(parents=True, exist_ok=True)
         spec = {"pipeline": pipeline, "checkpoint": str(checkpoint), "runtime_root": str(runtime_root),
                 "out": str(rank_out), "rank": rank, "master_port": port, "topology": asdict(topology),
-                "write_checkpoint": write_checkpoint and rank == 0,
+                "write_checkpoint": write_checkpoint and rank == 0, "await_checkpoint": write_checkpoint,
                 "starts": [asdict(_seed(s, rank, topology)) for s in starts], "spawned_at": time.time()}
         spec_path = rank_out / "spec.json"
         spec_path.write_text(json.dumps(spec, indent=1))

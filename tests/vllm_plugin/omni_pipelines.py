@@ -37,6 +37,11 @@ class PipelineSpec:
     run_dit: Callable[[torch.nn.Module, dict[str, Any]], torch.Tensor]
     dit_attr: str = "transformer"
     extra_config: tuple[tuple[str, Any], ...] = ()
+    #: Writes the parts of the checkpoint only vLLM-Omni's own classes can lay out, in the worker
+    #: after its distributed setup (before the first start): (root, seed, OmniDiffusionConfig).
+    complete_checkpoint: Callable[[Path, int, Any], None] | None = None
+    #: The ``model`` argument, relative to the checkpoint root (some pipelines read a subfolder).
+    model_subpath: str = ""
 
 
 # --- FLUX.2-klein -----------------------------------------------------------------------------
@@ -111,3 +116,146 @@ PIPELINES: dict[str, PipelineSpec] = {
     "flux2-klein": PipelineSpec("flux2-klein", "Flux2KleinPipeline", _write_flux2_klein, _flux2_inputs,
                                 _flux2_forward),
 }
+
+
+# --- MiniMax-H3 (FL2VA partition, no local text encoder) -----------------------------------------
+# Latent widths are the real ones: vLLM-Omni's packed-row builders fix them (96 video, 32 audio).
+_H3_ARCH = {"num_layers": 2, "token_refiner_num_layers": 2, "hidden_size": 32, "num_attention_heads": 2,
+            "attention_head_dim": 16, "ffn_hidden_size": 64, "latents_dim": 24, "audio_latents_dim": 32,
+            "patch_size": [1, 2, 2], "text_dim": 32, "timestep_input_dim": 16, "time_embed_hidden_size": 32,
+            "time_embed_dim": 16, "adaln_out_features": 18 * 32, "final_adaln_out_features": 64,
+            "rope_inv_freq_len": 2}
+
+# MiniMax-H3's VAEs are modeling code shipped inside its checkpoint (``auto_map.AutoModel``, loaded
+# with --trust-remote-code); neither vLLM-Omni nor diffusers/transformers carry it. A tiny
+# checkpoint therefore ships tiny VAE code of its own: the parts vLLM-Omni's adapters look up
+# (``model.encoder`` ...), no decoder (the harness never decodes).
+_H3_VAE_PARALLEL = '''
+_STATE = {}
+
+
+def get_parallel_state():
+    return _STATE
+'''
+_H3_VAE_CODE = '''
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+from .parallel import get_parallel_state  # noqa: F401  (vLLM-Omni reads the package's parallel state)
+
+
+class TinyH3VAEConfig(PretrainedConfig):
+    model_type = "hwr_tiny_h3_vae"
+
+    def __init__(self, parts=("encoder",), channels=4, **kwargs):
+        super().__init__(**kwargs)
+        self.parts = list(parts)
+        self.channels = channels
+
+
+class TinyH3VAE(PreTrainedModel):
+    config_class = TinyH3VAEConfig
+    base_model_prefix = "model"
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = nn.Module()
+        for name in config.parts:
+            setattr(self.model, name, nn.Linear(config.channels, config.channels))
+        self.post_init()
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight)
+            nn.init.zeros_(module.bias)
+'''
+
+
+def _import_folder_module(folder: Path, name: str) -> Any:
+    """Import ``folder/name.py`` as a module of a package named after the folder."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(folder.parent))
+    try:
+        (folder / "__init__.py").touch()
+        return importlib.import_module(f"{folder.name}.{name}")
+    finally:
+        sys.path.remove(str(folder.parent))
+        (folder / "__init__.py").unlink()
+
+
+def _write_minimax_h3(root: Path, seed: int) -> None:
+    partition = root / "FL2VA"
+    for name, parts, extra in (("video_vae", ("encoder", "quant_conv", "post_quant_conv"), {}),
+                               ("audio_vae", ("encoder", "pre_block", "mean_proj"), {"sample_rate": 16000})):
+        folder = partition / name
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "modeling_tiny_h3_vae.py").write_text(_H3_VAE_CODE)
+        (folder / "parallel.py").write_text(_H3_VAE_PARALLEL)
+        module = _import_folder_module(folder, "modeling_tiny_h3_vae")
+        torch.manual_seed(seed)
+        config = module.TinyH3VAEConfig(
+            parts=parts, channels=4, latent_channels=4, latents_mean=[0.0] * 4, latents_std=[1.0] * 4,
+            auto_map={"AutoConfig": "modeling_tiny_h3_vae.TinyH3VAEConfig",
+                      "AutoModel": "modeling_tiny_h3_vae.TinyH3VAE"}, **extra)
+        module.TinyH3VAE(config).save_pretrained(folder)
+    (partition / "transformer").mkdir(parents=True, exist_ok=True)
+    (partition / "transformer" / "config.json").write_text(json.dumps({"_class_name": "MiniMaxH3DiTModel",
+                                                                        **_H3_ARCH}, indent=1))
+    (partition / "model_index.json").write_text(json.dumps({
+        "_class_name": "MiniMaxH3Pipeline", "_diffusers_version": "0.40.0",
+        "_minimax_h3": {"partition": "fl2va", "tasks": ["t2va", "fl2va"]}}, indent=1))
+
+
+def _complete_minimax_h3(root: Path, seed: int, od_config: Any) -> None:
+    """The DiT's native checkpoint: vLLM-Omni's ``MiniMaxH3DiTModel`` at the tiny size, random."""
+    from safetensors.torch import save_file
+    from vllm_omni.diffusion.models.minimax_h3.minimax_h3_transformer import MiniMaxH3DiTModel
+
+    target = root / "FL2VA" / "transformer" / "diffusion_pytorch_model.safetensors"
+    if target.exists():
+        return
+    g = torch.Generator().manual_seed(seed)
+    with torch.device("cpu"):
+        dit = MiniMaxH3DiTModel(od_config)
+    state = {}
+    for name, tensor in dit.state_dict().items():
+        if name == "rope.inv_freq":  # the checkpoint's RoPE frequencies (theta 10000), as the model computes them
+            half = tensor.numel()
+            state[name] = 1.0 / (10000.0 ** (torch.arange(0, 2 * half, 2, dtype=torch.float32) / (2 * half)))
+        elif tensor.is_floating_point():
+            state[name] = (torch.randn(tensor.shape, generator=g) * 0.1).to(tensor.dtype)
+        else:
+            state[name] = tensor.detach().clone()
+    save_file(state, str(target))
+
+
+def _h3_inputs(seed: int) -> dict[str, Any]:
+    """One T2VA denoise step's DiT kwargs, built by vLLM-Omni's own packing (one request)."""
+    from vllm_omni.diffusion.models.minimax_h3.denoise_loop import MiniMaxH3DenoiseBranch
+    from vllm_omni.diffusion.models.minimax_h3.packed_sequence import minimax_h3_packed_sequence
+
+    g = torch.Generator().manual_seed(seed)
+    text_len, latent_t, latent_h, latent_w, audio_t = 4, 1, 4, 4, 2
+    packed = minimax_h3_packed_sequence(text_len=text_len, latent_t=latent_t, latent_h=latent_h, latent_w=latent_w,
+                                        audio_t=audio_t, include_keyframe_cond=False)
+    branch = MiniMaxH3DenoiseBranch(packed=packed, text_embeddings=torch.randn(text_len, _H3_ARCH["text_dim"],
+                                                                                generator=g).to(torch.bfloat16),
+                                    token_tags=packed["token_tags"].clone(), device=torch.device("cpu"))
+    return branch.forward_kwargs(
+        video_rows=torch.randn(int(packed["img_pos"].numel()), 96, generator=g),
+        audio_rows=torch.randn(int(packed["audio_pos"].numel()), 32, generator=g),
+        t_video=0.75, t_audio=0.75, imgvid_cond_timestep=0.0, audio_ref_cond_timestep=0.0)
+
+
+def _h3_forward(dit: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+    video, audio = dit(**inputs)
+    return torch.cat([video.float().reshape(-1), audio.float().reshape(-1)])
+
+
+PIPELINES["minimax-h3"] = PipelineSpec(
+    "minimax-h3", "MiniMaxH3Pipeline", _write_minimax_h3, _h3_inputs, _h3_forward,
+    extra_config=(("model_loaded", {"transformer": True, "vae": True, "text_encoder": False, "vae_encoder": True}),
+                  ("trust_remote_code", True), ("task_type", "t2va")),
+    complete_checkpoint=_complete_minimax_h3, model_subpath="FL2VA")

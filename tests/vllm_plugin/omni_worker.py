@@ -3,10 +3,10 @@
 What it does is what a ``vllm serve MODEL --omni`` diffusion worker does below the engine, with
 vLLM-Omni's own code at every step, for each *start* of its spec in turn:
 
-1. once per process: write the pipeline's tiny checkpoint when asked, install the accelerator
-   boundary (``omni_accelerator``), load vLLM-Omni's general plugins
-   (``vllm_omni.plugins.load_omni_general_plugins``: hwr's entry point among them), then
-   ``init_distributed_environment`` + ``initialize_model_parallel`` over gloo as
+1. once per process: write the pipeline's tiny checkpoint when asked (rank 0; the other ranks
+   wait for it), install the accelerator boundary (``omni_accelerator``), load vLLM-Omni's
+   general plugins (``vllm_omni.plugins.load_omni_general_plugins``: hwr's entry point among
+   them), then ``init_distributed_environment`` + ``initialize_model_parallel`` over gloo as
    ``DiffusionWorker.init_device`` does (``create_diffusion_vllm_config``, forward context);
 2. per start: ``HWR_SOCKET`` as the start says (unset, or a path; a dead path is "daemon down"),
    an ``OmniDiffusionConfig`` built with ``from_kwargs`` + ``enrich_config`` (as the engine
@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,8 @@ sys.path.insert(0, str(HERE))
 import omni_accelerator  # noqa: E402
 from omni_pipelines import PIPELINES, PipelineSpec  # noqa: E402
 
+WRITTEN, COMPLETED = ".harness-written", ".harness-completed"  # checkpoint phases done (markers)
+CHECKPOINT_WAIT_S = 900.0
 LOGGERS = ("vllm_omni.diffusion.model_loader", "vllm_omni.diffusion.offloader", "vllm_omni.host_weight_runtime",
            "hwr")
 
@@ -139,8 +141,8 @@ class Worker:
     # once per process ---------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
         checkpoint = Path(self.spec["checkpoint"])
-        if self.spec.get("write_checkpoint") and not (checkpoint / "model_index.json").exists():
-            self.pipeline.write_checkpoint(checkpoint, int(self.spec.get("checkpoint_seed", 0)))
+        seed = int(self.spec.get("checkpoint_seed", 0))
+        self._checkpoint_phase(checkpoint / WRITTEN, lambda: self.pipeline.write_checkpoint(checkpoint, seed))
         topology = self.spec["topology"]
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.spec["master_port"]),
                           RANK=str(self.rank), LOCAL_RANK=str(self.rank), WORLD_SIZE=str(topology["world_size"]))
@@ -150,21 +152,43 @@ class Worker:
         load_omni_general_plugins()
         import hwr.dlo_backend.vllm_plugin as plugin
 
-        self._init_distributed(self.od_config(self.spec["starts"][0]))
+        od_config = self.od_config(self.spec["starts"][0])
+        self._init_distributed(od_config)
+        complete = self.pipeline.complete_checkpoint
+        if complete is not None:
+            self._checkpoint_phase(checkpoint / COMPLETED, lambda: complete(checkpoint, seed, od_config))
         return {"plugin": plugin.state()}
+
+    def _checkpoint_phase(self, marker: Path, write: Callable[[], None]) -> None:
+        """Rank 0 of a run that writes the checkpoint writes this phase once (``marker`` records
+        it); the other ranks of that run wait for the marker, so no rank reads a half-written
+        checkpoint."""
+        if self.spec.get("write_checkpoint"):
+            if not marker.exists():
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                write()
+                marker.touch()
+        elif self.spec.get("await_checkpoint"):
+            deadline = time.monotonic() + CHECKPOINT_WAIT_S
+            while not marker.exists():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"rank 0 did not write {marker} within {CHECKPOINT_WAIT_S:.0f} s")
+                time.sleep(0.2)
 
     def od_config(self, start: dict[str, Any]) -> Any:
         from vllm_omni.diffusion.data import DiffusionParallelConfig, OmniDiffusionConfig
 
         topology = self.spec["topology"]
+        allgather = topology["use_allgather"] if start.get("allgather") is None else start["allgather"]
         parallel = DiffusionParallelConfig(
             data_parallel_size=topology["data_parallel_size"],
             sequence_parallel_size=topology["sequence_parallel_size"],
             ulysses_degree=topology["ulysses_degree"], ring_degree=topology["ring_degree"])
         kwargs: dict[str, Any] = {
-            "model": self.spec["checkpoint"], "model_class_name": self.pipeline.model_class_name,
+            "model": str(Path(self.spec["checkpoint"]) / self.pipeline.model_subpath),
+            "model_class_name": self.pipeline.model_class_name,
             "num_gpus": topology["world_size"], "parallel_config": parallel, "enforce_eager": True,
-            "enable_distributed_layerwise_offload": True, "dlo_use_allgather": topology["use_allgather"],
+            "enable_distributed_layerwise_offload": True, "dlo_use_allgather": allgather,
             "pin_cpu_memory": start["registration"] != "unpinned",
             "host_weight_runtime_mode": start["mode"], "host_weight_runtime_root": self.spec["runtime_root"],
             "master_port": self.spec["master_port"], **dict(self.pipeline.extra_config),
@@ -224,7 +248,7 @@ class Worker:
         from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
         from vllm_omni.diffusion.offloader import enable_offload_backend
 
-        inputs = self.pipeline.dit_inputs(int(start["input_seed"]))
+        inputs = self.pipeline.dit_inputs(int(start["input_seed"])) if start["straight"] or start["forwards"] else {}
         loader = DiffusersPipelineLoader(LoadConfig(), od_config=od_config)
         began = time.perf_counter()
         loaded = loader.load_model(load_device="cpu", load_format="default", device=self.device)
@@ -238,10 +262,15 @@ class Worker:
         dit = getattr(loaded, self.pipeline.dit_attr)
         record["dit_homes"] = tensor_homes(dit, self.pipeline.dit_attr)
         record["leases_during"] = hwrctl_leases(start["socket"])
-        if start["straight"]:
-            with torch.no_grad():
-                record["straight"] = self._save(index, "straight", self.pipeline.run_dit(dit, inputs))
-        pipeline, backend = enable_offload_backend(od_config, loaded, device=self.device)
+        try:
+            if start["straight"]:
+                with torch.no_grad():
+                    record["straight"] = self._save(index, "straight", self.pipeline.run_dit(dit, inputs))
+            pipeline, backend = enable_offload_backend(od_config, loaded, device=self.device)
+        except BaseException:
+            if carrier is not None:
+                carrier.close()  # the loader's lease, when DLO never took it (as the runner's failure path)
+            raise
         record["offload"] = {"backend": type(backend).__name__, "fresh_model": pipeline is not loaded,
                              "carrier_taken": None if carrier is None else carrier.taken, "outputs": []}
         try:
