@@ -24,6 +24,16 @@ the cold start once with the plugin disabled (``HWR_VLLM_PLUGIN=0``, vLLM-Omni's
 the runtime root), then start hwrd with ``--adopt true --root <runtime root>``.
 
     python benchmarks/gpu_vllm_serve.py --model black-forest-labs/FLUX.2-klein-4B [--dry-run]
+    python benchmarks/gpu_vllm_serve.py --recipe allgather --dp 2 --model black-forest-labs/FLUX.2-klein-4B
+    python benchmarks/gpu_vllm_serve.py --recipe checkpoint-mmap --dp 2 --model /models/Cosmos3-Nano
+
+Recipes (``--recipe``): ``rank-local`` (the steps above), ``allgather`` (the same with
+``--dlo-use-allgather`` over ``--dp`` ranks, or the SP group with ``--dp 1 --ulysses N``; the warm
+run logs ``streams from hwrd``: each rank gathers its own pieces of the lease), and
+``checkpoint-mmap`` (a DiT vLLM-Omni loads by direct checkpoint mmap, e.g. Cosmos3: the model
+directory is registered with ``hwrctl checkpoints add`` first and both runs log ``direct
+checkpoint mmap from hwrd checkpoint lease``; there is no cold/warm difference in what is read,
+only in the page cache).
 
 ``--dry-run`` prints every command and the marker, then exits. Output: a markdown table, then
 one JSON line.
@@ -50,15 +60,41 @@ from typing import Any
 HWR_LOG_MARKERS = (
     "Host Weight Runtime",  # vLLM-Omni's HWR lines (resolution, ineligible, publication failures)
     "DLO consuming final-layout Host Weight Runtime lease",  # a warm start
+    "streams from hwrd",  # an AllGather ring reading the lease in place
+    "checkpoint lease",  # a direct checkpoint mmap plan served by hwrd
     "hwrd",  # the plugin's lines ("resolves through hwrd at ...")
 )
 
 
+#: ``--recipe``: how DLO runs and where the DiT's host weights come from through hwrd.
+#: rank-local: every rank streams the final-layout lease (restore-contract DiTs: FLUX.2-klein,
+#: MiniMax-H3); allgather: the same lease, each rank gathering its own pieces of every block from
+#: the shared mapping over the DP group (``--dp``) or, with ``--dp 1``, the SP group
+#: (``--ulysses``); checkpoint-mmap: a DiT vLLM-Omni loads by direct checkpoint mmap (Cosmos3,
+#: MAGI-2), its files leased from hwrd (registered first with ``hwrctl checkpoints add``), AllGather.
+RECIPES = ("rank-local", "allgather", "checkpoint-mmap")
+WARM_MARKERS = {
+    "rank-local": "DLO consuming final-layout Host Weight Runtime lease",
+    "allgather": "streams from hwrd",  # hwr's rings: "DLO AllGather of ... streams from hwrd (...)"
+    "checkpoint-mmap": "direct checkpoint mmap from hwrd checkpoint lease",
+}
+
+
 def serve_command(args: argparse.Namespace) -> list[str]:
+    transfer = ["--dlo-no-use-allgather"] if args.recipe == "rank-local" else ["--dlo-use-allgather"]
+    parallel = []
+    if args.recipe != "rank-local":
+        parallel = ["--data-parallel-size", str(args.dp)] if args.dp > 1 else ["--ulysses-degree", str(args.ulysses)]
     return [args.vllm, "serve", args.model, "--omni", "--port", str(args.port),
-            "--enable-distributed-layerwise-offload", "--dlo-no-use-allgather",
+            "--enable-distributed-layerwise-offload", *transfer, *parallel,
             "--host-weight-runtime-mode", args.mode, "--host-weight-runtime-root", str(args.runtime_root),
             *shlex.split(args.extra_serve_args)]
+
+
+def register_command(args: argparse.Namespace) -> list[str]:
+    """checkpoint-mmap: register the model directory so hwrd can lease its files."""
+    return [sys.executable, "-m", "hwr.daemon.ctl.cli", "--socket", str(args.socket), "checkpoints", "add",
+            str(args.model)]
 
 
 def hwrd_command(args: argparse.Namespace) -> list[str]:
@@ -128,7 +164,7 @@ def one_run(name: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any
     text = log_path.read_text(errors="replace")
     result["hwr_log"] = [line.strip()[-300:] for line in text.splitlines()
                          if any(m in line for m in HWR_LOG_MARKERS)][-20:]
-    result["warm_lease_consumed"] = "DLO consuming final-layout Host Weight Runtime lease" in text
+    result["warm_lease_consumed"] = WARM_MARKERS[args.recipe] in text
     result["publication_failed"] = "post-load publication failed" in text
     result["hwrd_artifacts"] = hwrctl_ls(args.socket)
     return result
@@ -141,6 +177,11 @@ def main() -> int:
     ap.add_argument("--vllm", default="vllm", help="the vllm executable")
     ap.add_argument("--port", type=int, default=8091)
     ap.add_argument("--mode", default="preferred", choices=("preferred", "required"))
+    ap.add_argument("--recipe", default="rank-local", choices=RECIPES,
+                    help="rank-local | allgather (--dp N, or --dp 1 --ulysses N) | checkpoint-mmap "
+                         "(a Cosmos3/MAGI-2 directory as --model)")
+    ap.add_argument("--dp", type=int, default=2, help="data-parallel size (allgather, checkpoint-mmap)")
+    ap.add_argument("--ulysses", type=int, default=2, help="SP degree when --dp 1 (allgather, checkpoint-mmap)")
     ap.add_argument("--work-dir", type=Path, default=Path("/var/tmp/hwr-gpu-serve"))
     ap.add_argument("--socket", type=Path, help="use this running hwrd instead of starting one")
     ap.add_argument("--prompt", default="a lighthouse on a cliff at dawn, photorealistic")
@@ -163,6 +204,8 @@ def main() -> int:
         if own_daemon:
             print("# 1. hwrd\n" + shlex.join(hwrd_command(args)))
         print(f"# 2. marker {args.runtime_root / 'hwrd.json'}\n{json.dumps(marker)}")
+        if args.recipe == "checkpoint-mmap":
+            print("# 2b. register the checkpoint\n" + shlex.join(register_command(args)))
         print("# 3./4. cold run, then warm run (same command)\n" + shlex.join(serve_command(args)))
         body = shlex.quote(json.dumps(request_body(args)))
         print(f"# request (after GET /health answers 200)\ncurl -s http://127.0.0.1:{args.port}/v1/images/generations "
@@ -184,6 +227,8 @@ def main() -> int:
                 raise RuntimeError(f"hwrd did not start; see {args.work_dir / 'hwrd.log'}")
             time.sleep(0.2)
     try:
+        if args.recipe == "checkpoint-mmap":
+            subprocess.run(register_command(args), check=True, timeout=3600)
         runs = [one_run("cold", args, args.work_dir), one_run("warm", args, args.work_dir)]
     finally:
         if daemon is not None:
@@ -195,7 +240,7 @@ def main() -> int:
     for r in runs:
         print(f"| {r['run']} | {r.get('startup_s')} s | {r.get('request_s')} s | {r['warm_lease_consumed']} | "
               f"{r['publication_failed']} | {len(r['hwrd_artifacts'])} | {r.get('image_sha256', '-')[:16]} |")
-    summary = {"model": args.model, "mode": args.mode, "runs": runs,
+    summary = {"model": args.model, "mode": args.mode, "recipe": args.recipe, "runs": runs,
                "same_image": cold.get("image_sha256") == warm.get("image_sha256"),
                "warm_speedup": round(cold["startup_s"] / warm["startup_s"], 3) if warm.get("startup_s") else None}
     line = json.dumps(summary, separators=(",", ":"), sort_keys=True)

@@ -114,10 +114,13 @@ class AdminCalls:
                 keep_fp32: Sequence[str] = (),
                 tp_size: int = 0, tp_plan: bytes = b"", tp_ranks: Sequence[int] = (),
                 timeout_s: float = 0.0, wait_timeout_s: float = 0.0,
-                on_progress: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+                on_progress: Callable[[dict[str, Any]], None] | None = None,
+                producer_config: bytes = b"") -> list[dict[str, Any]]:
         """Build artifacts from a registered checkpoint in the daemon; returns one dict per rank
         (``key``, ``tp_rank``, ``outcome``, ``size_bytes``, ``content_sha256``, ...).
 
+        ``producer_config``: for ``vllm-omni``, the JSON object of vLLM-Omni config fields of the
+        serving worker (``hwr.daemon.producers.vllm_omni``).
         ``checkpoint`` is an id, a unique id prefix, or a registered path (resolved as by
         ``checkpoint_ref``: a relative path is taken from this process's working directory).
         Blocks until the build ends (no gRPC deadline: the daemon's producer timeout bounds it).
@@ -130,7 +133,8 @@ class AdminCalls:
         request = pb.PrewarmRequest(
             checkpoint=ref, producer=producer, dtype=dtype, keep_fp32=list(keep_fp32),
             tp_size=tp_size, tp_plan=tp_plan, tp_ranks=list(tp_ranks),
-            timeout_ms=int(timeout_s * 1000), wait_timeout_ms=int(wait_timeout_s * 1000))
+            timeout_ms=int(timeout_s * 1000), wait_timeout_ms=int(wait_timeout_s * 1000),
+            producer_config=producer_config)
         call = connection.stub.Prewarm(request, metadata=connection.metadata)
         result: list[dict[str, Any]] = []
         try:

@@ -45,11 +45,16 @@ class CheckpointLease(MappedLease):
     ) -> None:
         super().__init__(lease_id=lease_id, key=checkpoint_id, release=release)
         self.files = tuple(files)
+        #: (device, inode) of each leased file by name: a worker that opened the same path with its
+        #: own rights compares them to know it was handed exactly that file.
+        self.file_ids: dict[str, tuple[int, int]] = {}
 
         def map_one(index: int, fd: int) -> MappedRegion:
             name, size = self.files[index]
-            if os.fstat(fd).st_size != size:
+            st = os.fstat(fd)
+            if st.st_size != size:
                 raise ManifestCorrupt(f"checkpoint file {name!r} has the wrong size", details={"file": name})
+            self.file_ids[name] = (st.st_dev, st.st_ino)
             header = read_header(fd, require_alignment=False)
             buffer, region = self._attach(fd, size, name, copy_on_write=False, populate=populate)
             for entry in header.entries:

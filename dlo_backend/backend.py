@@ -518,15 +518,20 @@ class LayerwiseOffloadBackend(LiveUpdates, Teardown):
         return OffloadError(f"{message}; recreate the backend and reload the pipeline")
 
     # --------------------------------------------------------------------- teardown
-    def disable(self) -> None:
-        """Remove every hook, restore weights, release everything, close the lease; idempotent."""
+    def disable(self, *, restore: bool = True) -> None:
+        """Remove every hook, restore weights, release everything, close the lease; idempotent.
+
+        ``restore=False`` (process shutdown) skips step 3 for streamed blocks: no gather-back (no
+        collective, so a rank whose peers are gone still tears down) and no host copies; their
+        tensors stay empty placeholders and the model is unusable afterwards.
+        """
         if self._state in (State.CLOSED, State.FAILED):
             return
         if self._state is State.NEW:
             self._close_lease()
             self._state = State.CLOSED
             return
-        errors = self._teardown()
+        errors = self._teardown(restore=restore)
         self._state = State.CLOSED
         if errors:
             _log.error("offload teardown finished with errors: %s", "; ".join(errors))

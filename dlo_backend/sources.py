@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from hwr.client.errors import InvalidRequest, Unsupported
 from hwr.dlo_backend.errors import HostSourceMismatch
@@ -91,9 +92,19 @@ class BlockSource:
         )
 
 
+def plain_storage(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s bytes are its storage's: a plain tensor or parameter, or a subclass that
+    only adds Python behaviour (vLLM's ``ModelWeightParameter`` carries a weight loader), not a
+    dispatch-level wrapper (``DTensor``, quantized wrapper tensors) whose storage is something else."""
+    cls = type(tensor)
+    if cls in (torch.Tensor, nn.Parameter):
+        return True
+    return cls.__torch_dispatch__ is torch.Tensor.__torch_dispatch__ and not is_traceable_wrapper_subclass(tensor)
+
+
 def unsupported_reason(tensor: torch.Tensor, *, allgather: bool) -> str | None:
     """Why ``tensor`` cannot be streamed (``None`` when it can)."""
-    if type(tensor) not in (torch.Tensor, nn.Parameter):
+    if not plain_storage(tensor):
         return f"tensor subclass {type(tensor).__name__} (quantized or distributed tensors are not streamed)"
     if tensor.layout != torch.strided:
         return f"layout {tensor.layout}"

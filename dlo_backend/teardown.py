@@ -8,7 +8,8 @@ Teardown order (``Teardown._teardown``):
 3. restore weights: before COMMIT the original tensors are reattached; after it, rank-local
    blocks get their originals (module source) or CPU copies of the lease views, and AllGather
    blocks are gathered one last time into CPU tensors (a collective: call ``disable`` on every
-   rank) unless the backend is poisoned;
+   rank) unless the backend is poisoned; ``disable(restore=False)`` (process shutdown) skips this
+   step for committed streamed blocks (no gather-back, no host copies: the model is unusable after);
 4. release staging, device slots, shards and lanes; shut DLO's own communicator down;
 5. undo ``cudaHostRegister`` (if that fails the lease stays open: unmapping registered memory
    is undefined behaviour);
@@ -82,7 +83,7 @@ class Teardown:
 
         def _set(self, ref: Any, value: torch.Tensor) -> None: ...
 
-    def _teardown(self) -> list[str]:
+    def _teardown(self, *, restore: bool = True) -> list[str]:
         errors: list[str] = []
         for lane in self._lanes:  # 1. drain: nothing may still read mapped memory or a slot
             try:
@@ -94,8 +95,9 @@ class Teardown:
         if self._stream is not None:  # 2. running block unbound, hooks off
             self._stream.unbind()
         self._hooks.remove()
-        try:  # 3. restore weights
-            self._restore()
+        try:  # 3. restore weights (a rollback before COMMIT always reattaches the originals)
+            if restore or not self._committed:
+                self._restore()
         except Exception as exc:
             errors.append(f"restore: {exc}")
             if self._stream is not None:

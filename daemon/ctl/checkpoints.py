@@ -6,7 +6,8 @@
 - ``hwrctl checkpoints add PATH [--json]``: register a directory (or HF snapshot), or one
   ``.safetensors`` file as a one-file checkpoint, on the daemon's host; prints its id.
 - ``hwrctl prewarm CHECKPOINT --producer NAME [--dtype bf16] [--keep-fp32 PATTERN]...
-  [--tp-size N --tp-plan FILE [--tp-rank R]...] [--timeout S] [--json]``: build artifacts in the
+  [--tp-size N --tp-plan FILE [--tp-rank R]...] [--omni-config JSON|FILE] [--timeout S] [--json]``:
+  build artifacts in the
   daemon with a progress bar on stderr. CHECKPOINT is an id, a unique id prefix, or a registered
   path, relative ones taken from the current directory (``checkpoint_ref``). ``--json`` prints
   ``{"checkpoint", "producer", "keys", "artifacts"}``. Ctrl-C cancels the build (the daemon kills
@@ -16,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +59,10 @@ def cmd_checkpoints(client: Client, args: argparse.Namespace) -> tuple[Any, str]
 def _prewarm_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="checkpoint id (or unique prefix) or registered path (a relative one is "
                    "taken from the current directory; name a hex-named directory as ./NAME)")
-    p.add_argument("--producer", required=True, help="cast, tp-slice or fp8-per-tensor")
+    p.add_argument("--producer", required=True, help="cast, tp-slice, fp8-per-tensor or vllm-omni")
+    p.add_argument("--omni-config", default="", metavar="JSON|FILE",
+                   help="vllm-omni: the serving worker's vLLM-Omni config fields as a JSON object (model, "
+                        "model_class_name, dtype, ...) or a file holding one")
     p.add_argument("--dtype", default="", help="bf16 or fp16 (cast default bf16)")
     p.add_argument("--keep-fp32", action="append", default=[], metavar="PATTERN",
                    help="tensors (fnmatch) the cast keeps in fp32; repeatable")
@@ -79,6 +84,9 @@ def cmd_prewarm(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
             raise InvalidRequest(f"cannot read the TP plan {args.tp_plan}: {exc.strerror}") from None
     if args.tp_size < 0 or any(r < 0 for r in args.tp_rank):
         raise InvalidRequest("--tp-size and --tp-rank must not be negative")
+    omni_config = _omni_config(args.omni_config)
+    if omni_config and args.producer != "vllm-omni":
+        raise InvalidRequest("--omni-config applies to --producer vllm-omni only")
     # One bar, restarted on a new line for each TP rank (the daemon builds them one after another).
     with ProgressBar("rank 0", unit="bytes") as bar:
         def on_progress(p: dict[str, Any]) -> None:
@@ -88,7 +96,7 @@ def cmd_prewarm(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
             artifacts = client.prewarm(
                 args.checkpoint, args.producer, dtype=args.dtype, keep_fp32=args.keep_fp32,
                 tp_size=args.tp_size, tp_plan=plan, tp_ranks=args.tp_rank, timeout_s=args.build_timeout,
-                on_progress=on_progress)
+                on_progress=on_progress, producer_config=omni_config)
         except KeyboardInterrupt:  # the bar's line is ended on the way out, before the error line
             raise BuildCancelled("cancelled: the daemon kills the producer and discards its staging") from None
     document = {"checkpoint": args.checkpoint, "producer": args.producer,
@@ -96,3 +104,22 @@ def cmd_prewarm(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
     rows = [[a["tp_rank"], a["key"][:16], a["outcome"], human_bytes(a["size_bytes"]),
              f"{a['build_seconds']:.1f}s", human_bytes(a["producer_peak_rss_bytes"])] for a in artifacts]
     return document, table(["RANK", "KEY", "OUTCOME", "SIZE", "TIME", "PEAK RSS"], rows)
+
+
+def _omni_config(value: str) -> bytes:
+    """``--omni-config``: a JSON object given inline, or the path of a file holding one."""
+    if not value:
+        return b""
+    text = value
+    if value.lstrip()[:1] not in ("{", "["):  # inline JSON, else a file name
+        try:
+            text = Path(value).read_text()
+        except OSError as exc:
+            raise InvalidRequest(f"cannot read --omni-config {value}: {exc.strerror}") from None
+    try:
+        parsed = json.loads(text)
+    except ValueError as exc:
+        raise InvalidRequest(f"--omni-config is not JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise InvalidRequest("--omni-config must be a JSON object")
+    return json.dumps(parsed, sort_keys=True).encode()

@@ -150,9 +150,9 @@ def _send_job(sock: socket.socket, job: dict[str, Any], fds: Sequence[int]) -> N
     sock.sendall(payload)
 
 
-async def _spawn(pass_fds: Sequence[int]) -> _Process:
+async def _spawn(pass_fds: Sequence[int], program: str | None = None) -> _Process:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, *_WORKER,
+        sys.executable, *(_WORKER if program is None else ("-m", program)),
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         pass_fds=tuple(pass_fds), start_new_session=True, limit=1 << 20,
     )
@@ -166,15 +166,20 @@ async def run_job(
     timeout: float,
     on_progress: Callable[[dict[str, Any]], None] | None = None,
     then_spare: bool = False,
+    program: str | None = None,
 ) -> dict[str, Any]:
-    """Run ``job`` (see the module docstring); ``then_spare``: start the next job's spare now."""
-    worker = _take_spare(len(pass_fds))
+    """Run ``job`` (see the module docstring); ``then_spare``: start the next job's spare now.
+
+    ``program``: another producer module speaking the same protocol (``python -m PROGRAM``, job
+    on stdin, events on stdout), always in a fresh process: spares run the standard worker.
+    """
+    worker = None if program is not None else _take_spare(len(pass_fds))
     if then_spare:
         ensure_spare()
     if worker is not None and not await _hand_over(worker, job, pass_fds):
         worker = None
     if worker is None:
-        worker = await _spawn(pass_fds)
+        worker = await _spawn(pass_fds, program)
     proc, stderr_tail, stderr_task = worker.proc, worker.stderr_tail, worker.stderr_task
     final: dict[str, Any] | None = None
     try:

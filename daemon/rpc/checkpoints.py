@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from hwr.daemon.producers.build import BuiltArtifact
 
 __all__ = ["CheckpointsMixin"]
+VLLM_OMNI = "vllm-omni"  # hwr.daemon.producers.vllm_omni.PRODUCER (that package is imported lazily)
 _OUTCOMES = {"built": pb.PREWARM_OUTCOME_BUILT, "already_present": pb.PREWARM_OUTCOME_ALREADY_PRESENT,
              "joined": pb.PREWARM_OUTCOME_JOINED}
 
@@ -85,8 +86,11 @@ class CheckpointsMixin(Handlers):
         task: asyncio.Task[list[BuiltArtifact]] | None = None
         try:
             self._authorize(context, OPERATOR, "prewarm")
-            ckpt, producer, ranks = _prewarm_args(self.c.checkpoints, request)
-            task = asyncio.get_running_loop().create_task(self._prewarm(request, ckpt, producer, ranks, queue))
+            if request.producer == VLLM_OMNI:
+                task = asyncio.get_running_loop().create_task(self._prewarm_vllm_omni(request, queue))
+            else:
+                ckpt, producer, ranks = _prewarm_args(self.c.checkpoints, request)
+                task = asyncio.get_running_loop().create_task(self._prewarm(request, ckpt, producer, ranks, queue))
             while True:
                 getter = asyncio.ensure_future(queue.get())
                 done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
@@ -110,6 +114,33 @@ class CheckpointsMixin(Handlers):
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
+
+    async def _prewarm_vllm_omni(self, request: pb.PrewarmRequest,
+                                 queue: asyncio.Queue[pb.PrewarmResponse]) -> list[BuiltArtifact]:
+        """``--producer vllm-omni``: vLLM-Omni's own cold start into this daemon (``producers.vllm_omni``)."""
+        from hwr.daemon.producers.vllm_omni import build_vllm_omni, parse_config
+
+        if not request.checkpoint or len(request.checkpoint) > 4096:
+            raise InvalidRequest("checkpoint is required", details={"field": "checkpoint"})
+        if request.tp_size > 1 or request.tp_plan or request.tp_ranks or request.keep_fp32:
+            raise InvalidRequest("tp and keep_fp32 options do not apply to the vllm-omni producer",
+                                 details={"field": "producer"})
+        config = parse_config(bytes(request.producer_config))
+        if request.dtype:
+            config.setdefault("dtype", request.dtype)
+        ckpt = self.c.checkpoints.get(request.checkpoint)
+        settings = self.c.settings.config
+        timeout = request.timeout_ms / 1000.0 if request.timeout_ms else settings.producer_timeout_s
+
+        def progress(event: dict[str, Any]) -> None:
+            queue.put_nowait(pb.PrewarmResponse(progress=pb.PrewarmProgress(
+                tp_rank=0, done_bytes=int(event.get("done", 0)), total_bytes=int(event.get("total", 0)),
+                tensor=str(event.get("tensor", ""))[:1024])))
+
+        built = await build_vllm_omni(checkpoints=self.c.checkpoints, store=self.c.store, ckpt=ckpt, config=config,
+                                      socket=str(settings.socket), timeout=max(0.001, timeout),
+                                      on_progress=progress)
+        return [built]
 
     async def _prewarm(self, request: pb.PrewarmRequest, ckpt: Checkpoint, producer: Producer, ranks: list[int],
                        queue: asyncio.Queue[pb.PrewarmResponse]) -> list[BuiltArtifact]:

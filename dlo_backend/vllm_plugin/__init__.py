@@ -11,12 +11,47 @@ before any model loads. ``register()``:
   logs one warning and changes nothing, leaving vLLM-Omni's own store in place;
 - then wraps ``HostWeightRuntime.from_config`` (``interception``) so that, when hwrd is
   configured (``config``: ``HWR_SOCKET`` or ``<runtime root>/hwrd.json``), the runtime's store
-  is ``store.HwrdHostWeightStore``.
+  is ``store.HwrdHostWeightStore``;
+
+- and wraps two more vLLM-Omni entry points (same install, same idempotence): the loader's
+  eligibility gate (``gate``) and the DLO backend factory (``factory``), which together make
+  ``preferred|required`` apply to the paths vLLM-Omni 0.30 never resolves through the runtime.
+
+Design of the DLO side (why hwrd does not replace vLLM-Omni's whole DLO backend)
+-------------------------------------------------------------------------------
+vLLM-Omni's ``DistributedLayerwiseOffloadBackend`` does far more for a pipeline than stream
+blocks: it resolves the model's offload plan, places non-block DiT modules, runs text-encoder
+rings, stages on-demand and resident modules, exposes the residency controller, takes the
+loader's carrier once and tears all of it down in a fixed order. Re-implementing that against
+private, version-specific code would fork it. What costs a node memory is narrower: with
+AllGather every rank copies its shard of every block into private pinned memory at enable
+(page cache + shards: vLLM-Omni's own figure is 244.5 GiB peak PSS for a 61.7 GiB artifact at
+DP 2), and AllGather never asks the runtime at all. So the plugin substitutes
+``hwr.dlo_backend`` for exactly the DiT block rings whose source is hwrd, inside a subclass of
+vLLM-Omni's backend (``offload.HwrdOffloadBackend``), and leaves every other part in place:
+
+- ``gate``: with hwrd configured, AllGather no longer skips the runtime; restore-contract DiTs
+  are resolved exactly as on the rank-local path (lookup, restore, carrier), DiTs loaded by
+  direct checkpoint mmap (``_remap_ckpt_key``) take the checkpoint path, anything else is
+  refused by name (``required`` fails the start, ``preferred`` warns once).
+- ``factory``: the backend vLLM-Omni's ``enable_offload_backend`` creates becomes
+  ``HwrdOffloadBackend`` when its plan is hwrd-backed and the DiT gathers over more than one
+  rank, or when the plan is a checkpoint plan; ``required`` with no hwrd-backed plan fails.
+- ``offload``: the hwrd-backed AllGather rings run on ``hwr.dlo_backend`` (each rank copies only
+  its own pieces of each block from the shared mapping into a bounded gather input; DLO's own
+  communicator; CUDA: registered own ranges or bounded pinned staging); the lease stays
+  vLLM-Omni's to close, after the rings.
+- ``checkpoints``: a checkpoint plan's files come from hwrd checkpoint leases, checked against
+  the files the worker itself may open.
+
+Cold starts stay vLLM-Omni's canonical path; its post-load publication goes to hwrd (``store``).
 
 Modules: ``config`` (where hwrd is), ``compat`` (version/attribute check), ``interception``
-(the classmethod wrapper), ``store`` (the HostWeightStore over hwrd), ``writer`` (producer
-output collected for an hwrd publication). ``HWR_VLLM_PLUGIN=0`` disables the plugin.
-If ``VLLM_PLUGINS`` is set, it must name ``hwr`` for vLLM-Omni to load this plugin.
+(the classmethod wrapper, and the installer of the others), ``store`` (the HostWeightStore over
+hwrd), ``writer`` (producer output collected for an hwrd publication), ``gate``, ``factory``,
+``offload``, ``checkpoints``, ``borrowed`` (a lease view lent to ``hwr.dlo_backend``).
+``HWR_VLLM_PLUGIN=0`` disables the plugin. If ``VLLM_PLUGINS`` is set, it must name ``hwr`` for
+vLLM-Omni to load this plugin.
 """
 
 from __future__ import annotations

@@ -5,9 +5,14 @@ The plugin replaces the store behind ``HostWeightRuntime.from_config`` and build
 0.30. ``check()`` verifies each of them before anything is patched; a single mismatch disables
 the plugin (the caller logs the report once) instead of failing a serving process halfway.
 
-Contract: ``check()`` never raises; it imports ``vllm_omni.host_weight_runtime`` (torch, no GPU)
-and returns a ``CompatReport``. Limits: it checks names and signatures, not behaviour; the test
-suite covers behaviour for the supported versions.
+Beyond the runtime's names it checks (``dlo_problems``) every loader and DLO symbol the loader
+gate, the backend factory and the backend subclass wrap, override or read: signatures with the
+parameters passed, dataclass fields, and the private attributes vLLM-Omni's backend constructor
+must still set.
+
+Contract: ``check()`` never raises; it imports ``vllm_omni.host_weight_runtime`` and the diffusion
+loader and offloader (torch, no GPU) and returns a ``CompatReport``. Limits: it checks names and
+signatures, not behaviour; the test suite covers behaviour for the supported versions.
 """
 
 from __future__ import annotations
@@ -108,7 +113,98 @@ def check() -> CompatReport:
     manifest = found.get("WeightManifest")
     if manifest is not None and not callable(getattr(manifest, "from_dict", None)):
         problems.append("WeightManifest.from_dict is missing")
+    problems.extend(dlo_problems())
     return CompatReport(not problems, version, tuple(problems))
+
+
+# The loader gate, the DLO backend factory and the backend subclass (``gate``, ``factory``,
+# ``offload``, ``checkpoints``): every function they wrap or override with the parameters they
+# pass, every attribute they read, and every private attribute the subclass relies on
+# vLLM-Omni's ``__init__`` to set.
+_LOADER = "vllm_omni.diffusion.model_loader.host_weight_loader"
+_PLAN = "vllm_omni.diffusion.model_loader.host_weight_plan"
+_OFFLOADER = "vllm_omni.diffusion.offloader"
+_BACKEND = "vllm_omni.diffusion.offloader.distributed_layerwise_backend"
+_DLO_SIGNATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    (_LOADER, "HWRLoaderMixin._hwr_eligibility_mode", ("model", "modules", "dist_offload", "use_allgather",
+                                                       "load_format")),
+    (_OFFLOADER, "get_offload_backend", ("od_config", "device", "host_weight_plan")),
+    (_OFFLOADER, "enable_offload_backend", ("od_config", "pipeline", "device")),
+    (_BACKEND, "DistributedLayerwiseOffloadBackend.__init__", ("config", "device", "host_weight_plan")),
+    (_BACKEND, "DistributedLayerwiseOffloadBackend._enable", ("pipeline",)),
+    (_BACKEND, "DistributedLayerwiseOffloadBackend._install_hook_group", ("blocks", "component", "use_dit_mmap")),
+    (_BACKEND, "DistributedLayerwiseOffloadBackend._component_transport", ("component",)),
+    (_BACKEND, "DistributedLayerwiseOffloadBackend._load_weights_via_mmap", ("pipeline", "dits", "plan")),
+    (_BACKEND, "DistributedLayerwiseOffloadBackend._release_mmap_handles", ()),
+    (_BACKEND, "DistributedLayerwiseOffloadBackend._disable", ("restore_allgather_weights",)),
+    (_BACKEND, "DistributedLayerwiseOffloadBackend.disable", ()),
+    (_BACKEND, "DistributedLayerwiseOffloadBackend.shutdown", ()),
+)
+_DLO_ATTRIBUTES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("vllm_omni.diffusion.offloader.base", "OffloadConfig",
+     ("dp_size", "dlo_host_registration_limit_gib", "pin_cpu_memory", "uses_allgather")),
+    ("vllm_omni.diffusion.offloader.config", "DIT_COMPONENT", ()),
+    (_PLAN, "HostWeightPlan", ("backing_kind", "bindings", "lease_carrier")),
+    (_PLAN, "TensorBinding", ("checkpoint_key", "file_path", "transform")),
+    ("vllm_omni.host_weight_runtime", "HostWeightLease", ("closed", "close")),
+    ("vllm_omni.diffusion.model_loader.diffusers_loader", "DiffusersPipelineLoader",
+     ("load_model", "take_host_weight_plan")),
+)
+# Set by HostWeightLease.__init__ (instance attributes) and read by the backend subclass.
+_LEASE_STATE = ("identity", "tensors", "mapped_regions")
+# Set by DistributedLayerwiseOffloadBackend.__init__ and read or set by the subclass.
+_BACKEND_STATE = ("config", "device", "enabled", "dp_group", "host_weight_plan", "_host_weight_lease",
+                  "_using_rank_local_mmap", "_mmap_transforms_by_tensor_id", "_poisoned_reason")
+
+
+def _resolve(module: str, qualname: str) -> Any:
+    node: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _global_names(code: Any) -> set[str]:
+    """Names a function's code (and the code of functions nested in it) looks up."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _global_names(const)
+    return names
+
+
+def dlo_problems() -> list[str]:
+    """Problems with the loader and DLO symbols the plugin touches (empty when all are there)."""
+    problems: list[str] = []
+    for module, qualname, params in _DLO_SIGNATURES:
+        try:
+            have = set(inspect.signature(_resolve(module, qualname)).parameters)
+        except Exception as exc:  # import error, missing name, no signature: all mean "do nothing"
+            problems.append(f"{module}.{qualname} is unavailable ({type(exc).__name__})")
+            continue
+        problems.extend(f"{qualname} lacks parameter {p!r}" for p in params if p not in have)
+    for module, qualname, attrs in _DLO_ATTRIBUTES:
+        try:
+            obj = _resolve(module, qualname)
+        except Exception as exc:
+            problems.append(f"{module}.{qualname} is unavailable ({type(exc).__name__})")
+            continue
+        names = {f.name for f in fields(obj)} if is_dataclass(obj) else set()
+        problems.extend(f"{qualname}.{a} is missing" for a in attrs if not hasattr(obj, a) and a not in names)
+    try:
+        backend = _resolve(_BACKEND, "DistributedLayerwiseOffloadBackend")
+        assigned = set(backend.__init__.__code__.co_names) | set(
+            _resolve("vllm_omni.diffusion.offloader.base", "OffloadBackend").__init__.__code__.co_names)
+        problems.extend(f"DistributedLayerwiseOffloadBackend no longer sets {a}" for a in _BACKEND_STATE
+                        if a not in assigned)
+        lease_init = _resolve("vllm_omni.host_weight_runtime", "HostWeightLease").__init__.__code__.co_names
+        problems.extend(f"HostWeightLease no longer sets {a}" for a in _LEASE_STATE if a not in lease_init)
+        enable = _resolve(_OFFLOADER, "enable_offload_backend")
+        if "get_offload_backend" not in _global_names(enable.__code__):
+            problems.append("enable_offload_backend no longer looks get_offload_backend up at call time")
+    except Exception as exc:
+        problems.append(f"the DLO backend cannot be inspected ({type(exc).__name__})")
+    return problems
 
 
 def _signature_problems(cls: Any, cls_name: str, attr: str, params: tuple[str, ...]) -> list[str]:

@@ -50,7 +50,17 @@ def installed() -> bool:
 
 
 def install() -> bool:
-    """Wrap ``HostWeightRuntime.from_config``; False when it was already wrapped."""
+    """Install every hook (the store, the loader gate, the DLO backend factory); False when the
+    store hook was already installed. See ``gate`` and ``factory`` for the other two."""
+    from hwr.dlo_backend.vllm_plugin.factory import install_factory
+    from hwr.dlo_backend.vllm_plugin.gate import install_gate
+
+    install_gate()
+    install_factory()
+    return _install_store()
+
+
+def _install_store() -> bool:
     cls = _runtime_cls()
     with _lock:
         original = cls.__dict__["from_config"].__func__
@@ -68,7 +78,12 @@ def install() -> bool:
 
 
 def uninstall() -> bool:
-    """Restore the original ``from_config``; False when it was not wrapped."""
+    """Restore every original; False when the store hook was not installed."""
+    from hwr.dlo_backend.vllm_plugin.factory import uninstall_factory
+    from hwr.dlo_backend.vllm_plugin.gate import uninstall_gate
+
+    uninstall_gate()
+    uninstall_factory()
     cls = _runtime_cls()
     with _lock:
         current = cls.__dict__["from_config"].__func__

@@ -25,6 +25,13 @@ worker process only, with what a CUDA platform does when the work itself is plai
   allocations (``torch.empty(..., pin_memory=True)``, ``Tensor.pin_memory()``) are ordinary CPU
   memory: a CPU build of torch has no pinned allocator.
 
+- **One import-environment answer** (not the accelerator, but the CPU machine's package set):
+  vLLM-Omni's direct-checkpoint-mmap planner looks model-specific adapters up by importing the
+  Cosmos3, MAGI-2 and MiniMax-H3 modules, and Cosmos3's import chain needs torchvision, which has
+  no CPU build on PyPI. ``get_direct_mmap_adapter`` is answered for the pipelines the harness
+  drives, which are none of those three: ``None``, what the function returns for them on a GPU
+  machine. The planner itself runs (and declines FLUX.2-klein: custom weight loaders).
+
 Nothing else is faked: vLLM-Omni's loader, restorer, model classes, DLO backend, plugin loading,
 distributed setup (gloo) and hwrd are the real ones.
 """
@@ -72,6 +79,9 @@ def install() -> None:
     SDPAImpl.forward = SDPAImpl.forward_cuda  # type: ignore[method-assign]
     LinearBase.skip_weight_relayout = True
     LinearBase.cpu_linear = staticmethod(torch.nn.functional.linear)
+    import vllm_omni.diffusion.model_loader.host_weight_plan as planning
+
+    planning.get_direct_mmap_adapter = lambda pipeline: None  # see the module docstring
 
 
 @dataclass

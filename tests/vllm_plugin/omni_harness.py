@@ -164,7 +164,7 @@ def run(pipeline: str, *, checkpoint: Path, runtime_root: Path, out: Path, start
         spec = {"pipeline": pipeline, "checkpoint": str(checkpoint), "runtime_root": str(runtime_root),
                 "out": str(rank_out), "rank": rank, "master_port": port, "topology": asdict(topology),
                 "write_checkpoint": write_checkpoint and rank == 0, "await_checkpoint": write_checkpoint,
-                "starts": [asdict(_seed(s, rank, topology)) for s in starts]}
+                "starts": [asdict(_seed(s, rank, topology)) for s in starts], "spawned_at": time.time()}
         spec_path = rank_out / "spec.json"
         spec_path.write_text(json.dumps(spec, indent=1))
         log = rank_out / "worker.log"

@@ -15,6 +15,7 @@ only).
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,9 @@ _FLUX2_DIT = {"patch_size": 1, "in_channels": 16, "num_layers": 2, "num_single_l
               "attention_head_dim": 16, "num_attention_heads": 2, "joint_attention_dim": 32,
               "timestep_guidance_channels": 16, "mlp_ratio": 2.0, "axes_dims_rope": (4, 4, 4, 4),
               "guidance_embeds": False}
+# Benchmarks scale the DiT up (benchmarks/vllm_omni_dlo.py): a JSON object of Flux2Transformer2DModel
+# arguments that replace the tiny ones above, in the process that writes and the ones that load.
+_FLUX2_DIT.update(json.loads(os.environ.get("HWR_BENCH_FLUX2_DIT", "{}")))
 _FLUX2_IMAGE_TOKENS, _FLUX2_TEXT_TOKENS = 16, 8
 
 

@@ -279,10 +279,33 @@ class Worker:
                 for forward in range(int(start["forwards"])):
                     record["offload"]["outputs"].append(
                         self._save(index, f"offload-{forward}", self.pipeline.run_dit(dit, inputs)))
+                    if forward == 0 and os.environ.get("HWR_BENCH_MEASURE"):
+                        record["first_forward"] = self._measure()
+            # DiT rings streamed by hwr.dlo_backend (AllGather from an hwrd lease): where shards come from.
+            record["offload"]["hwr_rings"] = [
+                {"world": h.stats.world, "shard_source": h.stats.shard_source,
+                 "host_shard_bytes": h.stats.host_shard_bytes, "block_bytes": h.stats.block_bytes,
+                 "slot_bytes": h.stats.slot_bytes}
+                for h in getattr(backend, "_hwr_handles", [])]
         finally:
             if backend is not None:
                 backend.shutdown()
         record["offload"]["carrier_closed"] = None if carrier is None else carrier.closed
+
+    def _measure(self) -> dict[str, Any]:
+        """Benchmarks only: seconds from process start, then PSS and Private_Dirty once every rank
+        has run its first forward (a barrier on each side: the ranks' PSS shares are taken while
+        all of them map what they share)."""
+        at = time.time() - float(self.spec.get("spawned_at", time.time()))
+        torch.distributed.barrier()
+        memory = {}
+        with open("/proc/self/smaps_rollup") as rollup:
+            for line in rollup:
+                key, _, rest = line.partition(":")
+                if key in ("Pss", "Private_Dirty", "Anonymous", "Rss"):
+                    memory[key] = int(rest.split()[0]) * 1024
+        torch.distributed.barrier()
+        return {"seconds_from_start": at, **memory}
 
     def _save(self, index: int, label: str, output: torch.Tensor) -> dict[str, Any]:
         path = self.out / f"start{index}-{label}.pt"

@@ -429,7 +429,7 @@ class ListCheckpointsResponse(_message.Message):
     def __init__(self, checkpoints: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ...) -> None: ...
 
 class PrewarmRequest(_message.Message):
-    __slots__ = ("checkpoint", "producer", "dtype", "keep_fp32", "tp_size", "tp_plan", "tp_ranks", "timeout_ms", "wait_timeout_ms")
+    __slots__ = ("checkpoint", "producer", "dtype", "keep_fp32", "tp_size", "tp_plan", "tp_ranks", "timeout_ms", "wait_timeout_ms", "producer_config")
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     PRODUCER_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -439,6 +439,7 @@ class PrewarmRequest(_message.Message):
     TP_RANKS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     WAIT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_CONFIG_FIELD_NUMBER: _ClassVar[int]
     checkpoint: str
     producer: str
     dtype: str
@@ -448,7 +449,8 @@ class PrewarmRequest(_message.Message):
     tp_ranks: _containers.RepeatedScalarFieldContainer[int]
     timeout_ms: int
     wait_timeout_ms: int
-    def __init__(self, checkpoint: _Optional[str] = ..., producer: _Optional[str] = ..., dtype: _Optional[str] = ..., keep_fp32: _Optional[_Iterable[str]] = ..., tp_size: _Optional[int] = ..., tp_plan: _Optional[bytes] = ..., tp_ranks: _Optional[_Iterable[int]] = ..., timeout_ms: _Optional[int] = ..., wait_timeout_ms: _Optional[int] = ...) -> None: ...
+    producer_config: bytes
+    def __init__(self, checkpoint: _Optional[str] = ..., producer: _Optional[str] = ..., dtype: _Optional[str] = ..., keep_fp32: _Optional[_Iterable[str]] = ..., tp_size: _Optional[int] = ..., tp_plan: _Optional[bytes] = ..., tp_ranks: _Optional[_Iterable[int]] = ..., timeout_ms: _Optional[int] = ..., wait_timeout_ms: _Optional[int] = ..., producer_config: _Optional[bytes] = ...) -> None: ...
 
 class PrewarmProgress(_message.Message):
     __slots__ = ("tp_rank", "done_bytes", "total_bytes", "tensor")
