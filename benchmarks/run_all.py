@@ -76,13 +76,16 @@ def sections(size_mib: int, quick: bool, out: Path) -> dict[str, list[str]]:
                              "--repeats", "2" if quick else "3"],
         "live_update": [f"{b}/live_update.py", "--size-mib", str(s), "--workers", "4",
                         "--revisions", "2" if quick else "4", "--restarts", "1" if quick else "2"],
+        "lease_views": [f"{b}/lease_views.py", "--processes", "3" if quick else "9",
+                        "--cycles", "100" if quick else "300"],
         "vllm_omni_dlo": [f"{b}/vllm_omni_dlo.py", "--size-gib", f"{max(0.5, s / 1024):g}",
                           "--dp", "1,2" if quick else "1,2,4"],
     }
 
 
 JSON_OUT = {"warm_start", "peers", "scaling", "vllm_omni_store", "startup", "publish", "prewarm", "churn", "load",
-            "soak", "idle_penalty", "allgather", "remote", "live_publication", "live_update", "vllm_omni_dlo"}
+            "soak", "idle_penalty", "allgather", "remote", "live_publication", "live_update", "lease_views",
+            "vllm_omni_dlo"}
 
 
 def machine() -> dict[str, Any]:
