@@ -270,6 +270,7 @@ class Evictor:
 
 @dataclass(frozen=True)
 class _FileId:
+    path: str
     device: int
     inode: int
 
@@ -284,5 +285,5 @@ class _FilesOnly:
             for name in os.listdir(path):
                 with contextlib.suppress(OSError):
                     st = os.lstat(path / name)
-                    files.append(_FileId(st.st_dev, st.st_ino))
+                    files.append(_FileId(str(path / name), st.st_dev, st.st_ino))
         self.files = tuple(files)
