@@ -7,13 +7,14 @@ below. No handler reaches through it: the transports get ``Leasing``/``PeerPubli
 ``RpcCollaborators``, and the reload (``hwr.daemon.app.reload``) swaps ``config`` and ``roles``
 here, which the handlers read through this object typed as ``Settings`` (those two only).
 
-Start order: open the store (takes the root's lock, recovers staging, validates artifacts) ->
-the node service -> the fleet tier -> checkpoints -> bind the peer channel -> bind gRPC (health
-SERVING last). Stop order (SIGTERM): health NOT_SERVING -> stop accepting peers -> gRPC
-``stop(grace)`` lets in-flight RPCs finish -> close peer connections (ends sessions, aborts
-staged publications) -> fleet -> node service -> close the store (drops the lock). A publication
-in COMMITTING during shutdown finishes inside the grace period or is left as staging, which the
-next start reclaims: the store is consistent at every step.
+Start order: check the socket directory (``fsguard.socket_dir_problem``) -> open the store (takes
+the root's lock, recovers staging, validates artifacts) -> the node service -> the fleet tier ->
+checkpoints -> bind the peer channel -> bind gRPC (health SERVING last). Stop order (SIGTERM):
+health NOT_SERVING -> stop accepting peers -> gRPC ``stop(grace)`` lets in-flight RPCs finish ->
+close peer connections (ends sessions, aborts staged publications) -> fleet -> node service ->
+close the store (drops the lock). A publication in COMMITTING during shutdown finishes inside the
+grace period or is left as staging, which the next start reclaims: the store is consistent at every
+step.
 
 Socket activation (``hwr.daemon.system.activation``): sockets inherited from systemd replace the
 binds of the peer channel and/or gRPC (gRPC then listens on a private ``<socket>.grpc`` behind a
@@ -55,6 +56,7 @@ from hwr.daemon.service.sessions import Registry, Session
 from hwr.daemon.service.store_service import StoreService
 from hwr.daemon.store.memfd_staging import MemfdStagings
 from hwr.daemon.store.root import Store
+from hwr.daemon.system import fsguard
 from hwr.daemon.system.activation import Assignment, GrpcRelay, private_grpc_path
 from hwr.daemon.system.config import DaemonConfig
 from hwr.daemon.system.metrics import Instruments, MetricsServer
@@ -94,6 +96,7 @@ class Daemon:
     async def start(self) -> None:
         config = self.config
         root = Path(config.root)
+        _prepare_socket_dir(self.socket_path)  # first: a directory others control is refused at once
         adoption = None
         if config.adopt:  # a root written by vLLM-Omni 0.30's in-process store
             from hwr.daemon.store import adoption as adopt
@@ -122,7 +125,6 @@ class Daemon:
         await asyncio.to_thread(checkpoints.open)
         leasing = Leasing(catalog, self.registry, journal=store_service.journal, checkpoints=checkpoints,
                           on_acquire=self.metrics.observe_acquire)
-        _prepare_socket_dir(self.socket_path)
         for path in self._owned_socket_paths():
             _claim_socket_path(path)
         self._peer = PeerServer(
@@ -245,6 +247,7 @@ def _prepare_socket_dir(path: Path) -> None:
     parent = path.parent
     if not parent.exists():
         parent.mkdir(parents=True, mode=0o755)
+    fsguard.check_socket_dir(parent)
 
 
 def _claim_socket_path(path: Path) -> None:
