@@ -84,7 +84,8 @@ class Daemon:
         self.inherited = inherited or Assignment()
         self.metrics = Instruments()
         self.socket_path = Path(config.socket)
-        self.registry = Registry(max_leases_per_session=config.max_leases_per_session)
+        self.registry = Registry(max_leases_per_session=config.max_leases_per_session,
+                                 max_leases_per_uid=config.max_leases_per_uid)
         # Built by start(), in this order; stop() closes whichever exist (the order above).
         self._store: Store | None = None
         self._store_service: StoreService | None = None

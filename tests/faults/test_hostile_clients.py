@@ -540,3 +540,49 @@ def _grpc_attacker(*args: str, user: RunAs = NOBODY_USER) -> dict:
                          text=True, timeout=240, cwd="/")
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1].removeprefix("result "))
+
+
+LEASE_HOARDER = """
+import json, sys
+from hwr.client import connect
+from hwr.client.errors import HwrError
+sock, key, sessions = sys.argv[1], sys.argv[2], int(sys.argv[3])
+held, refusals, clients = [], {}, []
+for _ in range(sessions):
+    client = connect(sock)
+    clients.append(client)
+    while True:
+        try:
+            held.append(client.acquire(key))
+        except HwrError as exc:
+            reason = f"{exc.code}:{exc.details.get('reason', 'LEASES_PER_SESSION')}"
+            refusals[reason] = refusals.get(reason, 0) + 1
+            break
+print("result " + json.dumps({"held": len(held), "refusals": refusals}), flush=True)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_leases_per_uid(artifact: Callable[..., tuple[DaemonProcess, str, str]], attack: Attack) -> None:
+    """One uid hoarding leases over several sessions stops at ``max_leases_per_uid`` with a typed
+    refusal; another uid still acquires."""
+    daemon, key, _digest = artifact("--max-leases-per-session", "40", "--max-leases-per-uid", "100")
+    innocent = Innocent(daemon, key, 7.0)
+    innocent.start()
+    try:
+        out = subprocess.run(as_user(NOBODY_USER, [sys.executable, "-c", LEASE_HOARDER, str(daemon.socket), key, "4"]),
+                             capture_output=True, text=True, timeout=200, cwd="/")
+    finally:
+        ops, failures = innocent.finish()
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1].removeprefix("result "))
+    attack.tried = report["held"] + sum(report["refusals"].values())
+    attack.crashes = crashes(daemon)
+    attack.others_failed = len(failures)
+    attack.complete = True
+    print(f"\nleases per uid: {report}; innocent: {ops} operations, failures {failures[:3]}")
+    # 40 + 40 + 20 (the uid's cap) and refused; the fourth session is refused at once.
+    assert report == {"held": 100, "refusals": {"INVALID_ARGUMENT:LEASES_PER_SESSION": 2,
+                                                "INVALID_ARGUMENT:LEASES_PER_UID": 2}}, report
+    assert ops > 10 and not failures
+    assert attack.crashes == 0
