@@ -37,7 +37,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from hwr.client.errors import DaemonUnavailable, DeadlineExceeded, HwrError, InvalidRequest
+from hwr.client.errors import DaemonUnavailable, DeadlineExceeded, HwrError, InvalidRequest, ManifestCorrupt
 from hwr.client.identity import ArtifactIdentity, is_key
 from hwr.client.manifest import Manifest
 from hwr.client.wire import close_fds
@@ -79,7 +79,9 @@ class Acquirer:
                      deadline: float | None = None) -> tuple[str, str, Manifest, list[int]]:
         """The peer channel's ``acquire`` of ``key`` (sent as ``identity``, its canonical bytes,
         when given) within ``deadline`` (``time.monotonic()``; None: the connection's timeout):
-        (lease id, key, manifest, descriptors)."""
+        (lease id, key, manifest, descriptors). A reply for another artifact (its key, or its
+        manifest's identity, or a manifest whose bytes do not hash to the digest sent with it) is
+        ``ManifestCorrupt``: the lease is released and its descriptors closed."""
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
             raise DeadlineExceeded("the acquire's deadline passed before hwrd was asked")
@@ -98,13 +100,19 @@ class Acquirer:
                                              str(reply["manifest_sha256"]))
             except KeyError:
                 raise DaemonUnavailable("malformed acquire reply from hwrd") from None
+            if got_key != key:
+                raise ManifestCorrupt(f"hwrd answered an acquire of {key[:16]} with artifact {got_key[:16]}",
+                                      details={"key": key, "reply_key": got_key[:64]})
             if tail:
                 manifest = _parse_manifest(tail)
+                if manifest.key != key or hashlib.sha256(tail).hexdigest() != digest:
+                    raise ManifestCorrupt(f"hwrd answered an acquire of {key[:16]} with the manifest of "
+                                          f"artifact {manifest.key[:16]}", details={"key": key})
                 if len(_MANIFESTS) > 256:
                     _MANIFESTS.clear()
-                _MANIFESTS[got_key] = (digest, manifest)
+                _MANIFESTS[key] = (digest, manifest)
             else:
-                cached = _MANIFESTS.get(got_key)
+                cached = _MANIFESTS.get(key)
                 if cached is None or cached[0] != digest:
                     raise DaemonUnavailable("hwrd omitted a manifest this process does not hold")
                 manifest = cached[1]
