@@ -286,8 +286,9 @@ def recv_reply(sock: socket.socket, *, want_fds: bool) -> tuple[dict[str, Any], 
 
 def _recv_with_fds(sock: socket.socket, size: int) -> tuple[bytes, list[int]]:
     """Up to ``size`` bytes and the descriptors riding on them (at most ``MAX_FDS``; more is a
-    ``ConnectionError``, with the ones received closed)."""
-    data, ancdata, flags, _addr = sock.recvmsg(size, _CMSG_SPACE)
+    ``ConnectionError``, with the ones received closed). The descriptors arrive close-on-exec
+    (``MSG_CMSG_CLOEXEC``, atomically): a child another thread spawns meanwhile never inherits one."""
+    data, ancdata, flags, _addr = sock.recvmsg(size, _CMSG_SPACE, socket.MSG_CMSG_CLOEXEC)
     fds: list[int] = []
     for level, kind, payload in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
