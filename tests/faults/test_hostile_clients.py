@@ -586,3 +586,69 @@ def test_leases_per_uid(artifact: Callable[..., tuple[DaemonProcess, str, str]],
                                                 "INVALID_ARGUMENT:LEASES_PER_UID": 2}}, report
     assert ops > 10 and not failures
     assert attack.crashes == 0
+
+
+SURROGATE_NAMER = r"""
+import json, os, socket, struct, sys
+path, key = sys.argv[1], sys.argv[2]
+def frame(text):
+    body = text.encode()
+    return struct.pack(">I", len(body)) + body
+def read(sock):
+    head = b""
+    while len(head) < 4:
+        head += sock.recv(4 - len(head))
+    n, body = struct.unpack(">I", head)[0], b""
+    while len(body) < n:
+        msg, anc, _f, _a = sock.recvmsg(n - len(body), socket.CMSG_SPACE(64 * 4))
+        for _l, _k, data in anc:
+            for i in range(0, len(data) - len(data) % 4, 4):
+                os.close(struct.unpack("i", data[i:i + 4])[0])
+        body += msg
+    return json.loads(body)
+sock = socket.socket(socket.AF_UNIX)
+sock.connect(path)
+read(sock)  # the greeting
+codes = []
+for name in ('"evil\\ud800"', '"\\udfff"', '"ok\\ud83d"'):  # lone surrogates, escaped as JSON allows
+    sock.sendall(frame('{"op":"hello","client_name":' + name + ',"client_version":"1"}'))
+    codes.append(read(sock).get("code", "ok"))
+sock.sendall(frame(json.dumps({"op": "acquire", "key": key, "have": "0" * 64})))
+codes.append(read(sock).get("code", "ok"))
+print("ready", flush=True)
+sys.stdin.readline()
+print("result " + json.dumps({"codes": codes}), flush=True)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_lone_surrogates_in_a_client_name(artifact: Callable[..., tuple[DaemonProcess, str, str]],
+                                          attack: Attack) -> None:
+    """A session named with lone surrogates (``"\\ud800"``: valid JSON, not text) while holding a
+    lease: the names are refused with a typed error, the session keeps serving, and the
+    operator's listings work for everyone."""
+    daemon, key, _digest = artifact()
+    proc = subprocess.Popen(as_user(NOBODY_USER, [sys.executable, "-c", SURROGATE_NAMER, f"{daemon.socket}.peer",
+                                                  key]), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            cwd="/")
+    try:
+        assert _readline(proc, 60).strip() == "ready"
+        outputs = [subprocess.run([sys.executable, "-m", "hwr.daemon.ctl.cli", "--socket", str(daemon.socket),
+                                   *args, "--json"], capture_output=True, text=True, timeout=60)
+                   for args in (["leases"], ["ls"], ["status"])]
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        report = json.loads(_readline(proc, 60).removeprefix("result "))
+    finally:
+        proc.kill()
+        proc.wait(30)
+    attack.tried = len(report["codes"])
+    attack.crashes = crashes(daemon)
+    attack.others_failed = sum(out.returncode != 0 for out in outputs)
+    attack.complete = True
+    print(f"\nlone surrogates: {report}; hwrctl exit codes {[out.returncode for out in outputs]}")
+    assert report["codes"] == ["INVALID_ARGUMENT"] * 3 + ["ok"], report
+    assert all(out.returncode == 0 for out in outputs), [out.stderr for out in outputs]
+    assert NOBODY in [x["uid"] for x in json.loads(outputs[0].stdout)]
+    assert attack.crashes == 0
