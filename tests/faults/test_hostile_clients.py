@@ -33,7 +33,7 @@ from pathlib import Path
 import grpc
 import pytest
 from daemon_proc import NOBODY as NOBODY_USER
-from daemon_proc import STRANGER, RunAs, as_user
+from daemon_proc import STRANGER, RunAs, as_user, make_daemon, requested_user
 
 from hwr.client import Client, connect
 from hwr.client.errors import DaemonUnavailable, HwrError
@@ -113,11 +113,17 @@ def open_dir(fault_tmp: Path) -> Path:
 
 
 @pytest.fixture
-def start(spawn: Callable[..., DaemonProcess], open_dir: Path) -> Callable[..., DaemonProcess]:
+def start(spawn: Callable[..., DaemonProcess], open_dir: Path,
+          request: pytest.FixtureRequest) -> Callable[..., DaemonProcess]:
+    """Start the attacked daemon: root without capabilities, or (a test that asks for
+    ``daemon_user``) also the unit's unprivileged user, which has none either."""
+    user = requested_user(request)
+
     def run(*extra: str) -> DaemonProcess:
-        daemon = Uncapable(open_dir / "store", open_dir / "hwrd.sock", "--socket-mode", "666",
-                           "--allow-uid", str(NOBODY), *extra)
-        return spawn(daemon=daemon)
+        flags = ("--socket-mode", "666", "--allow-uid", str(NOBODY), *extra)
+        if user is not None:
+            return spawn(daemon=make_daemon(open_dir, *flags, user=user))
+        return spawn(daemon=Uncapable(open_dir / "store", open_dir / "hwrd.sock", *flags))
     return run
 
 
@@ -474,6 +480,7 @@ def test_escape_sequences_in_client_strings(artifact: Callable[..., tuple[Daemon
     assert attack.crashes == 0
 
 
+@pytest.mark.usefixtures("daemon_user")  # root without capabilities, and the unit's user
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("allowed", [False, True], ids=["uid-not-allowed", "uid-allowed"])
 def test_large_grpc_messages_on_concurrent_calls(artifact: Callable[..., tuple[DaemonProcess, str, str]],
@@ -518,6 +525,7 @@ def test_large_grpc_messages_on_concurrent_calls(artifact: Callable[..., tuple[D
     assert attack.crashes == 0
 
 
+@pytest.mark.usefixtures("daemon_user")  # root without capabilities, and the unit's user
 @pytest.mark.timeout(180)
 def test_grpc_connections_per_uid(artifact: Callable[..., tuple[DaemonProcess, str, str]], attack: Attack) -> None:
     """An admitted uid holding ``max_grpc_connections_per_uid`` gRPC connections: one more is closed
@@ -562,6 +570,7 @@ print("result " + json.dumps({"held": len(held), "refusals": refusals}), flush=T
 """
 
 
+@pytest.mark.usefixtures("daemon_user")  # root without capabilities, and the unit's user
 @pytest.mark.timeout(240)
 def test_leases_per_uid(artifact: Callable[..., tuple[DaemonProcess, str, str]], attack: Attack) -> None:
     """One uid hoarding leases over several sessions stops at ``max_leases_per_uid`` with a typed
@@ -621,6 +630,7 @@ print("result " + json.dumps({"codes": codes}), flush=True)
 """
 
 
+@pytest.mark.usefixtures("daemon_user")  # root without capabilities, and the unit's user
 @pytest.mark.timeout(180)
 def test_lone_surrogates_in_a_client_name(artifact: Callable[..., tuple[DaemonProcess, str, str]],
                                           attack: Attack) -> None:
