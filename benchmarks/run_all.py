@@ -72,11 +72,13 @@ def sections(size_mib: int, quick: bool, out: Path) -> dict[str, list[str]]:
                     "--hidden", "4096", "--tokens", "256", "--reps", "3"],
         "allgather": [f"{b}/allgather.py", "--size-mib", str(s), "--dp", "1,2" if quick else "1,2,4",
                       "--passes", "2" if quick else "3"],
+        "live_publication": [f"{b}/live_publication.py", "--size-mib", str(s), "--tensors", "64",
+                             "--repeats", "2" if quick else "3"],
     }
 
 
 JSON_OUT = {"warm_start", "peers", "scaling", "vllm_omni_store", "startup", "publish", "prewarm", "churn", "load",
-            "soak", "idle_penalty", "allgather", "remote"}
+            "soak", "idle_penalty", "allgather", "remote", "live_publication"}
 
 
 def machine() -> dict[str, Any]:

@@ -18,6 +18,9 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "ArtifactDenied": "hwr.client.errors",
     "ArtifactNotFound": "hwr.client.errors",
+    "ChannelNotFound": "hwr.client.errors",
+    "ChannelUpdate": "hwr.client.channels",
+    "ChannelWatch": "hwr.client.channel_watch",
     "DaemonUnavailable": "hwr.client.errors",
     "HwrError": "hwr.client.errors",
     "IdentityCollision": "hwr.client.errors",
@@ -37,6 +40,9 @@ __all__ = [
     "ArtifactDenied",
     "ArtifactIdentity",
     "ArtifactNotFound",
+    "ChannelNotFound",
+    "ChannelUpdate",
+    "ChannelWatch",
     "Client",
     "DaemonUnavailable",
     "HostLease",
@@ -67,10 +73,13 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from hwr.client.carrier import HostLease, LeaseCarrier, MappedRegion
+    from hwr.client.channel_watch import ChannelWatch
+    from hwr.client.channels import ChannelUpdate
     from hwr.client.client import Client, connect
     from hwr.client.errors import (
         ArtifactDenied,
         ArtifactNotFound,
+        ChannelNotFound,
         DaemonUnavailable,
         HwrError,
         IdentityCollision,

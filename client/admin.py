@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from hwr.client.channel_calls import channel_dict
 from hwr.client.errors import CheckpointNotFound, DaemonUnavailable, HwrError
 from hwr.client.paths import checkpoint_ref
 from hwr.client.wire import error_from_rpc
@@ -50,7 +51,8 @@ class AdminCalls:
         return {"version": r.version, "root": r.root, "socket": r.socket, "artifacts": r.artifacts,
                 "leases": r.leases, "sessions": r.sessions, "publications": r.publications,
                 "store_bytes": r.store_bytes, "uptime_s": round(r.uptime_s, 3), "pid": r.pid,
-                "remote": _remote_status_dict(r.remote) if r.HasField("remote") else None}
+                "remote": _remote_status_dict(r.remote) if r.HasField("remote") else None,
+                "channels": [channel_dict(c) for c in r.channels]}
 
     def list_artifacts(self, *, include_denied: bool = False) -> list[dict[str, Any]]:
         """The artifacts the daemon serves; ``include_denied`` adds the denied ones (``state``
@@ -64,6 +66,7 @@ class AdminCalls:
         comes in pages, so that any tensor count the daemon accepts fits gRPC's message limit."""
         r: pb.InspectArtifactResponse = self._connection.call(
             "InspectArtifact", pb.InspectArtifactRequest(key=key, paged=True))
+        first = r
         out = _artifact_dict(r.artifact)
         out["identity"] = _json(r.identity_json)
         manifest = _json(r.manifest_json)
@@ -82,6 +85,8 @@ class AdminCalls:
             tensors = manifest.get("tensors", []) if isinstance(manifest, dict) else []
         out["tensors"] = tensors
         out["remote_state"] = remote_state
+        out["channels"] = list(first.channels)
+        out["non_durable"] = first.non_durable
         return out
 
     def leases(self) -> list[dict[str, Any]]:
@@ -287,7 +292,12 @@ def _artifact_dict(a: pb.ArtifactInfo) -> dict[str, Any]:
 def _remote_status_dict(r: pb.RemoteStatus) -> dict[str, Any]:
     return {"url": r.url, "reachable": r.reachable, "error": r.error or None, "push": r.push,
             "pending_pushes": r.pending_pushes, "pulls_in_flight": r.pulls_in_flight,
-            "bytes_pulled": r.bytes_pulled, "bytes_pushed": r.bytes_pushed}
+            "bytes_pulled": r.bytes_pulled, "bytes_pushed": r.bytes_pushed,
+            "pulls": [{"key": p.key, "phase": p.phase, "done_bytes": p.done_bytes, "total_bytes": p.total_bytes,
+                       "started_at": p.started_at,
+                       "waiters": [{"session_id": w.session_id, "pid": w.pid, "uid": w.uid,
+                                    "client_name": w.client_name, "since": w.since} for w in p.waiters]}
+                      for p in r.pulls]}
 
 
 def _checkpoint_dict(c: pb.CheckpointInfo) -> dict[str, Any]:

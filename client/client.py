@@ -29,13 +29,15 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hwr.client.acquisition import Acquirer
+from hwr.client.acquisition import Acquirer, PullProgress
 from hwr.client.admin import AdminCalls
+from hwr.client.channel_calls import ChannelCalls
 from hwr.client.connection import Connection, ReattachReport
+from hwr.client.errors import ChannelNotFound
 from hwr.client.paths import default_socket
 from hwr.client.publications import Publications
 
@@ -60,7 +62,7 @@ def connect(socket: str | os.PathLike[str] | None = None, *, timeout: float = 30
                   client_name=client_name)
 
 
-class Client(AdminCalls):
+class Client(ChannelCalls, AdminCalls):
     """A session with hwrd (see the module contract); a context manager."""
 
     def __init__(self, socket_path: Path, *, timeout: float = 30.0, client_name: str | None = None) -> None:
@@ -111,14 +113,32 @@ class Client(AdminCalls):
 
     # leases ---------------------------------------------------------------------------------
     def acquire(self, artifact: ArtifactIdentity | str, *, copy_on_write: bool = False,
-                populate: bool = False, timeout: float | None = None) -> Lease:
+                populate: bool = False, timeout: float | None = None, wait_for_pull: bool = True,
+                on_pull: Callable[[PullProgress], None] | None = None) -> Lease:
         """Lease an artifact by identity or 64-hex key; raises ``ArtifactNotFound`` on a miss.
 
         ``timeout`` (seconds) bounds the exchanges with hwrd (None: the connection's timeout,
         ``connect(timeout=)``); past it the acquire raises ``DeadlineExceeded`` and the
         connection is replaced (the stream is out of step). A reconnect in between (after a
-        daemon restart) is bounded by the connection's timeout, not by this one."""
-        return self._acquirer.acquire(artifact, copy_on_write=copy_on_write, populate=populate, timeout=timeout)
+        daemon restart) is bounded by the connection's timeout, not by this one.
+
+        With a remote tier, a key being pulled (or that this acquire starts pulling) is waited
+        for while the pull advances: hwrd reports progress (passed to ``on_pull``, a
+        ``PullProgress``; it must be quick) and ``timeout`` then bounds each silence of the
+        daemon, not the pull; a pull that stalls fails with ``RemoteUnavailable`` after hwrd's
+        ``remote_stall_timeout_s``, a refused one with its typed error. ``wait_for_pull=False``:
+        start the pull and raise ``ArtifactNotFound`` (``details["pulling"]``) at once."""
+        return self._acquirer.acquire(artifact, copy_on_write=copy_on_write, populate=populate, timeout=timeout,
+                                      wait_for_pull=wait_for_pull, on_pull=on_pull)
+
+    def acquire_channel(self, name: str, *, copy_on_write: bool = False, populate: bool = False,
+                        timeout: float | None = None) -> Lease:
+        """Lease the key channel ``name`` points to at this moment (``lease.key`` says which):
+        one peer request, resolved and leased by hwrd in one step. ``ChannelNotFound`` when no
+        such channel exists; otherwise as ``acquire`` (the lease is an ordinary lease of that
+        key: a later change of the channel does not touch it; see ``watch_channel``)."""
+        return self._acquirer.acquire_channel(name, copy_on_write=copy_on_write, populate=populate,
+                                              timeout=timeout)
 
     def acquire_checkpoint(self, checkpoint_id: str, *, populate: bool = False,
                            timeout: float | None = None) -> CheckpointLease:
@@ -128,16 +148,49 @@ class Client(AdminCalls):
     # publication ----------------------------------------------------------------------------
     def publisher(self, identity: ArtifactIdentity, specs: Sequence[TensorSpec], *,
                   wait_timeout: float = 600.0, verify: bool = False,
-                  format_metadata: Mapping[str, Any] | None = None) -> Publisher:
-        """Start a streaming publication (see ``hwr.client.publisher``)."""
+                  format_metadata: Mapping[str, Any] | None = None, channel: str | None = None,
+                  durable: bool = True, reuse_base: str | None = None,
+                  reuse: Mapping[str, str] | None = None) -> Publisher:
+        """Start a streaming publication (see ``hwr.client.publisher``; ``channel``/``durable``
+        as for ``publish``). ``reuse_base`` (a key) and ``reuse`` (tensor name -> its digest in
+        that artifact's manifest): tensors hwrd takes from that artifact; ``Publisher.reused``
+        says which it does, and ``write`` skips them."""
         return self._publications.publisher(identity, specs, wait_timeout=wait_timeout, verify=verify,
-                                            format_metadata=format_metadata)
+                                            format_metadata=format_metadata, channel=channel, durable=durable,
+                                            reuse_base=reuse_base, reuse=reuse)
 
     def publish(self, identity: ArtifactIdentity, tensors: Mapping[str, torch.Tensor], *,
+                channel: str | None = None, durable: bool = True, reuse_unchanged: bool = True,
                 buffers: Sequence[str] = (), wait_timeout: float = 600.0, verify: bool = False) -> str:
-        """Publish a mapping of CPU tensors; returns the key (also when it already existed)."""
-        return self._publications.publish(identity, tensors, buffers=buffers, wait_timeout=wait_timeout,
-                                          verify=verify)
+        """Publish a mapping of CPU tensors; returns the key (also when it already existed).
+
+        ``channel``: point that channel at the artifact atomically as part of the commit (or,
+        when the artifact is already present, at the begin's answer); needs only the publish
+        role. ``durable=False``: no fsync; at hwrd's next start the artifact is gone and a
+        channel pointing to it falls back to its last durable key. With a channel and
+        ``reuse_unchanged`` (the default), tensors byte-equal to the channel's current revision
+        are not written again: hwrd takes them from that revision (``hwr.client.revision_diff``,
+        ``hwr.daemon.store.reuse``); the result is the same artifact either way."""
+        base = None
+        if channel is not None and reuse_unchanged and tensors:
+            try:
+                base = self.acquire_channel(channel)
+            except ChannelNotFound:
+                base = None
+        try:
+            reuse: dict[str, str] = {}
+            if base is not None:
+                from hwr.client.revision_diff import unchanged
+
+                digests = {t.name: t.sha256 for t in base.manifest.tensors}
+                reuse = {name: digests[name] for name in unchanged(tensors, base)}
+            return self._publications.publish(identity, tensors, buffers=buffers, wait_timeout=wait_timeout,
+                                              verify=verify, channel=channel, durable=durable,
+                                              reuse_base=base.key if base is not None and reuse else None,
+                                              reuse=reuse)
+        finally:
+            if base is not None:
+                base.close()
 
     # lifecycle ------------------------------------------------------------------------------
     def close(self) -> None:

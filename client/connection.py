@@ -55,6 +55,7 @@ from hwr.client.wire import (
     encode_frame,
     error_from_frame,
     error_from_rpc,
+    recv_final_reply,
     recv_frame,
     recv_reply,
     send_frame,
@@ -154,6 +155,12 @@ class Connection:
         return not self._closed and os.getpid() == self._pid
 
     @property
+    def peer(self) -> socket.socket | None:
+        """The current peer socket (a snapshot: pass it back as ``reconnect(failed_peer=...)``
+        after a failure seen on the current session, so that several observers reconnect once)."""
+        return self._peer
+
+    @property
     def channel(self) -> grpc.Channel | None:
         """The gRPC channel, None until a call needed it (and again after a reconnect)."""
         return self._channel
@@ -204,13 +211,17 @@ class Connection:
         except grpc.RpcError as exc:
             raise error_from_rpc(exc) from None
 
-    def exchange(self, request: dict[str, Any], *, want_fds: bool,
-                 timeout: float | None = None) -> tuple[dict[str, Any], list[int], bytes]:
+    def exchange(self, request: dict[str, Any], *, want_fds: bool, timeout: float | None = None,
+                 on_pending: Callable[[dict[str, Any]], None] | None = None,
+                 ) -> tuple[dict[str, Any], list[int], bytes]:
         """One request/reply on the peer channel: (reply, descriptors, raw tail bytes).
 
         An error frame raises its typed error (descriptors closed); a broken channel raises
         ``DaemonUnavailable``. ``timeout``: this exchange's bound instead of the connection's
-        (a timeout ends the connection, and with it the session: see below).
+        (a timeout ends the connection, and with it the session: see below); with
+        ``on_pending`` (a request that asked for interim frames, e.g. an acquire's pull
+        progress), it bounds each silence of the daemon, and every interim frame goes to
+        ``on_pending`` (which must not raise) before the final reply.
         """
         self.check_usable()
         with self._peer_lock:
@@ -222,7 +233,10 @@ class Connection:
                 if timeout is not None:
                     sock.settimeout(timeout)
                 sock.sendall(encode_frame(request))
-                reply, fds, tail = recv_reply(sock, want_fds=want_fds)
+                if on_pending is None:
+                    reply, fds, tail = recv_reply(sock, want_fds=want_fds)
+                else:
+                    reply, fds, tail = recv_final_reply(sock, want_fds=want_fds, on_pending=on_pending)
                 if timeout is not None:
                     sock.settimeout(usual)
             except (ConnectionError, OSError) as exc:

@@ -25,6 +25,7 @@ __all__ = [
     "ArtifactNotFound",
     "ArtifactTooLarge",
     "BuildCancelled",
+    "ChannelNotFound",
     "CheckpointModified",
     "CheckpointNotFound",
     "ChecksumMismatch",
@@ -88,6 +89,12 @@ class ArtifactNotFound(HwrError, LookupError):
     """No committed artifact exists for the identity or key (a miss)."""
 
     code = "LOCAL_MISS"
+
+
+class ChannelNotFound(HwrError, LookupError):
+    """No channel of that name exists on this node (``hwrctl channel ls`` lists them)."""
+
+    code = "CHANNEL_NOT_FOUND"
 
 
 class RemoteUnavailable(ArtifactNotFound):

@@ -45,7 +45,9 @@ class Publications:
 
     def publisher(self, identity: ArtifactIdentity, specs: Sequence[TensorSpec], *,
                   wait_timeout: float = 600.0, verify: bool = False,
-                  format_metadata: Mapping[str, Any] | None = None) -> Publisher:
+                  format_metadata: Mapping[str, Any] | None = None, channel: str | None = None,
+                  durable: bool = True, reuse_base: str | None = None,
+                  reuse: Mapping[str, str] | None = None) -> Publisher:
         """Start a streaming publication (see ``hwr.client.publisher``)."""
         connection = self._connection
 
@@ -54,6 +56,10 @@ class Publications:
                 {"op": "staging_fds", "publication_id": publication_id, "publication_token": token},
                 want_fds=True)
             return fds
+
+        def hand_over(publication_id: str, token: str, index: int) -> None:
+            connection.exchange({"op": "publish_file_done", "publication_id": publication_id,
+                                 "publication_token": token, "file_index": index}, want_fds=False)
 
         def peer(request: dict[str, Any], timeout: float | None = None) -> tuple[dict[str, Any], list[int]]:
             reply, fds, _tail = connection.exchange(request, want_fds=True, timeout=timeout)
@@ -72,7 +78,8 @@ class Publications:
             pub = Publisher(identity=identity, specs=specs, call=connection.call, staging_fds=staging_fds,
                             wait_timeout=wait_timeout, verify=verify, call_timeout=connection.timeout,
                             format_metadata=format_metadata, peer=peer_begin,
-                            peer_may_wait=self.peer_begin_may_wait)
+                            peer_may_wait=self.peer_begin_may_wait, channel=channel, durable=durable,
+                            hand_over=hand_over, reuse_base=reuse_base, reuse=reuse)
             if pub.staged:
                 with self._lock:
                     self._staged.add(pub)
@@ -93,17 +100,20 @@ class Publications:
             return self._beginning <= 1 and all(p.finished for p in self._staged)
 
     def publish(self, identity: ArtifactIdentity, tensors: Mapping[str, torch.Tensor], *,
-                buffers: Sequence[str] = (), wait_timeout: float = 600.0, verify: bool = False) -> str:
+                buffers: Sequence[str] = (), wait_timeout: float = 600.0, verify: bool = False,
+                channel: str | None = None, durable: bool = True, reuse_base: str | None = None,
+                reuse: Mapping[str, str] | None = None) -> str:
         """Publish a mapping of CPU tensors; returns the key (also when it already existed)."""
         if not tensors:
             raise InvalidRequest("nothing to publish")
         from hwr.client.publisher import specs_for
 
         with self.publisher(identity, specs_for(dict(tensors), buffers), wait_timeout=wait_timeout,
-                            verify=verify) as pub:
+                            verify=verify, channel=channel, durable=durable, reuse_base=reuse_base,
+                            reuse=reuse) as pub:
             if pub.staged:
-                for name, tensor in tensors.items():
-                    pub.write(name, tensor)
+                for name in pub.write_order(tensors):
+                    pub.write(name, tensors[name])
             return pub.commit()
 
     def abandon_unfinished(self) -> None:

@@ -14,6 +14,10 @@ just returns the key).
 
 Contract: a Publisher not committed is aborted by ``abort()``, by ``__exit__`` on an exception,
 and by the daemon when this process's session ends; the staging is reclaimed in every case.
+
+Live updates: ``channel=NAME`` points the channel at the artifact as part of the commit (or at
+the begin's answer when the artifact is already present); ``durable=False`` asks for no fsync
+(the artifact is gone at hwrd's next start, and the channel falls back to its last durable key).
 """
 
 from __future__ import annotations
@@ -23,12 +27,13 @@ import hashlib
 import math
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from hwr.client.channels import check_channel_name
 from hwr.client.errors import (
     ActiveBuildTimeout,
     InsufficientCapacity,
@@ -123,6 +128,11 @@ class Publisher:
         format_metadata: Mapping[str, Any] | None = None,
         peer: Callable[..., tuple[dict[str, Any], list[int]]] | None = None,
         peer_may_wait: Callable[[], bool] = lambda: True,
+        channel: str | None = None,
+        durable: bool = True,
+        hand_over: Callable[[str, str, int], None] | None = None,
+        reuse: Mapping[str, str] | None = None,
+        reuse_base: str | None = None,
     ) -> None:
         self._call = call
         self._call_timeout = call_timeout
@@ -139,6 +149,18 @@ class Publisher:
         self._written: set[str] = set()
         self._digests: dict[str, str] = {}
         self._verify = verify
+        self._channel = check_channel_name(channel) if channel is not None else None
+        self._durable = durable
+        # A large update (a channel's revision, or non-durable) is laid out in several files that
+        # are handed over as soon as they are written, so hwrd hashes them while the rest is
+        # written (``hwr.daemon.store.prehash``).
+        self._hand_over = hand_over if (channel is not None or not durable) and total > PEER_MAX_BYTES else None
+        self._token = ""
+        # Tensors equal to ``reuse_base``'s, with the base's digests (for ``verify``): hwrd takes
+        # them from the base; the reply says which it does (``reused``: not to be written).
+        self._reuse = dict(reuse or {}) if reuse_base else {}
+        self._reuse_base = reuse_base if self._reuse else None
+        self.reused: frozenset[str] = frozenset()
         started = time.monotonic()
         peer_wait = min(wait_timeout, PEER_MAX_WAIT_S, call_timeout / 4) if peer_may_wait() else 0.0
         begun = self._begin_peer(identity, specs, format_metadata, peer_wait) if self._peer is not None else None
@@ -153,6 +175,31 @@ class Publisher:
         self.outcome, self.key, self._publication_id, self._placements, self._fds = begun  # type: ignore[misc]
         self._done = not self.staged
         self.joined = self.outcome == "joined"
+        if self._verify:
+            self._digests.update({n: d for n, d in self._reuse.items() if n in self.reused})
+        # Tensors not yet written, per file: a file is handed over when its set empties (one
+        # whose tensors are all reused at once: hwrd copies them from the base meanwhile).
+        self._unwritten: dict[int, set[str]] = {}
+        if self._hand_over is not None and len(self._fds) > 1:
+            for placement in self._placements.values():
+                self._unwritten.setdefault(placement.file_index, set())
+                if placement.name not in self.reused:
+                    self._unwritten[placement.file_index].add(placement.name)
+            try:
+                for index in [i for i, names in self._unwritten.items() if not names]:
+                    self._file_written(index)
+            except BaseException:
+                self.abort()
+                raise
+
+    def write_order(self, names: Iterable[str]) -> list[str]:
+        """``names`` in the order of their places in the staging files (file by file): writing in
+        this order hands each file over as early as possible."""
+        def place(name: str) -> tuple[int, int]:
+            p = self._placements.get(name)
+            return (p.file_index, p.offset) if p is not None else (-1, 0)
+
+        return sorted(names, key=place)
 
     def _begin_peer(self, identity: ArtifactIdentity, specs: Sequence[TensorSpec],
                     format_metadata: Mapping[str, Any] | None, wait: float) -> tuple[Any, ...]:
@@ -163,6 +210,14 @@ class Publisher:
         request: dict[str, Any] = {
             "op": "publish_begin", "identity": identity.canonical_bytes.decode(),
             "tensors": [s.to_wire() for s in specs], "wait_timeout_ms": int(wait * 1000)}
+        if self._channel is not None:
+            request["channel"] = self._channel
+        if not self._durable:
+            request["durable"] = False
+        if self._hand_over is not None:
+            request["overlap"] = True
+        if self._reuse_base is not None:
+            request["reuse"] = {"base": self._reuse_base, "tensors": sorted(self._reuse)}
         if format_metadata:
             request["format_metadata"] = canonical_json(dict(format_metadata)).decode()
         try:
@@ -174,6 +229,8 @@ class Publisher:
             if outcome != "staged":
                 return outcome, str(reply["key"]), "", {}, _checked_fds(fds, 0)
             placements = {str(n): _Placement(str(n), int(i), int(o), int(b)) for n, i, o, b in reply["placements"]}
+            self._token = str(reply["publication_token"])
+            self.reused = frozenset(str(n) for n in reply.get("reused", ()))
             return (outcome, str(reply["key"]), str(reply["publication_id"]), placements,
                     _checked_fds(fds, len(reply["files"])))
         except (KeyError, TypeError, ValueError):
@@ -186,7 +243,10 @@ class Publisher:
         request = pb.BeginPublicationRequest(
             identity_json=identity.canonical_bytes, tensors=[s.to_proto() for s in specs],
             wait_timeout_ms=int(wait_timeout * 1000),
-            format_metadata_json=canonical_json(dict(format_metadata)) if format_metadata else b"")
+            format_metadata_json=canonical_json(dict(format_metadata)) if format_metadata else b"",
+            channel=self._channel or "", non_durable=not self._durable,
+            overlap_hashing=self._hand_over is not None, reuse_base=self._reuse_base or "",
+            reuse_tensors=sorted(self._reuse) if self._reuse_base else [])
         # The daemon may rightly hold this call for the whole wait (another publisher is building).
         response = self._call("BeginPublication", request, self._call_timeout + wait_timeout)
         outcome = {pb.BEGIN_OUTCOME_STAGED: "staged", pb.BEGIN_OUTCOME_JOINED: "joined",
@@ -195,6 +255,8 @@ class Publisher:
         fds: list[int] = []
         if outcome == "staged":
             self._publication_id, self._done = response.publication_id, False
+            self._token = response.publication_token
+            self.reused = frozenset(response.reused)
             try:
                 fds = staging_fds(response.publication_id, response.publication_token)
             except BaseException:
@@ -212,9 +274,12 @@ class Publisher:
         return self._done
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Copy one tensor's bytes to its place in the staging file (once per tensor)."""
+        """Copy one tensor's bytes to its place in the staging file (once per tensor; a tensor
+        hwrd takes from the base, ``reused``, is not written: the call returns at once)."""
         if self._done:
             raise PublicationFailed("the publication is finished or not staged")
+        if name in self.reused:
+            return
         spec = self._specs.get(name)
         placement = self._placements.get(name)
         if spec is None or placement is None:
@@ -236,17 +301,32 @@ class Publisher:
             if digest is not None:
                 digest.update(chunk[:written])
             done += written
-        # The daemon fsyncs at commit; starting writeback now overlaps the disk with our writing.
-        start_writeback(fd, placement.offset, data.nbytes)
+        if self._durable:
+            # The daemon fsyncs at commit; starting writeback now overlaps the disk with our
+            # writing. A non-durable publication is never fsynced: the disk has no reason to
+            # wait on it (the call may block while the device queue is full).
+            start_writeback(fd, placement.offset, data.nbytes)
         if digest is not None:
             self._digests[name] = digest.hexdigest()
         self._written.add(name)
+        pending = self._unwritten.get(placement.file_index)
+        if pending is not None:
+            pending.discard(name)
+            if not pending:  # the file is complete: close it and hand it over to be hashed now
+                self._file_written(placement.file_index)
+
+    def _file_written(self, index: int) -> None:
+        del self._unwritten[index]
+        self._fds[index], closing = -1, self._fds[index]
+        os.close(closing)
+        assert self._hand_over is not None
+        self._hand_over(self._publication_id, self._token, index)
 
     def commit(self) -> str:
         """Close the staging descriptors and ask the daemon to commit; returns the key."""
         if self._done:
             return self.key
-        missing = sorted(set(self._specs) - self._written)
+        missing = sorted(set(self._specs) - self._written - self.reused)
         if missing:
             raise InvalidRequest(f"{len(missing)} tensors were not written", details={"first": missing[0]})
         self._close_fds()
@@ -292,7 +372,7 @@ class Publisher:
 
     def _close_fds(self) -> None:
         fds, self._fds = self._fds, []
-        close_fds(fds)
+        close_fds([fd for fd in fds if fd >= 0])  # -1: a file already handed over
 
     def __enter__(self) -> Publisher:
         return self

@@ -29,7 +29,7 @@ import json
 import os
 import socket
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -54,6 +54,7 @@ __all__ = [
     "error_from_frame",
     "error_from_rpc",
     "frame_size",
+    "recv_final_reply",
     "recv_frame",
     "recv_reply",
     "send_frame",
@@ -79,6 +80,7 @@ _decode = msgspec.json.Decoder().decode
 SC = grpc.StatusCode
 STATUS_BY_CODE: dict[str, grpc.StatusCode] = {
     "LOCAL_MISS": SC.NOT_FOUND,
+    "CHANNEL_NOT_FOUND": SC.NOT_FOUND,
     "REMOTE_UNAVAILABLE": SC.UNAVAILABLE,
     "ARTIFACT_DENIED": SC.FAILED_PRECONDITION,
     "MANIFEST_CORRUPT": SC.DATA_LOSS,
@@ -100,6 +102,7 @@ STATUS_BY_CODE: dict[str, grpc.StatusCode] = {
     "SESSION_INVALID": SC.UNAUTHENTICATED,
     "LEASE_CLOSED": SC.FAILED_PRECONDITION,
     "DOMAIN_UNAVAILABLE": SC.UNAVAILABLE,
+    "DAEMON_UNAVAILABLE": SC.UNAVAILABLE,
     "DOMAIN_POLICY_MISMATCH": SC.FAILED_PRECONDITION,
     "DEADLINE_EXCEEDED": SC.DEADLINE_EXCEEDED,
     "CHECKPOINT_NOT_FOUND": SC.NOT_FOUND,
@@ -282,6 +285,50 @@ def recv_reply(sock: socket.socket, *, want_fds: bool) -> tuple[dict[str, Any], 
         close_fds(fds)
         raise
     return reply, fds, bytes(buf[end:]) if n else b""
+
+
+def recv_final_reply(sock: socket.socket, *, want_fds: bool,
+                     on_pending: Callable[[dict[str, Any]], None]) -> tuple[dict[str, Any], list[int], bytes]:
+    """``recv_reply`` for a request the daemon may answer with interim frames first: every frame
+    ``{"ok": true, "pending": ...}`` (never carrying descriptors or a tail) goes to
+    ``on_pending``, then the final reply is returned as ``recv_reply`` returns it. Each read is a
+    ``recvmsg`` when ``want_fds`` (the final reply's descriptors may ride on a read that also
+    ends an interim frame), and bytes after one frame are kept for the next."""
+    fds: list[int] = []
+    buf = bytearray()
+
+    def read() -> None:
+        if want_fds:
+            data, got = _recv_with_fds(sock, _READ)
+            fds.extend(got)
+        else:
+            data = sock.recv(_READ)
+        if not data:
+            raise ConnectionError("peer channel closed")
+        buf.extend(data)
+
+    try:
+        while True:
+            while len(buf) < _LEN.size or len(buf) < (_checked_size(buf) or 0):
+                read()
+            end = _checked_size(buf)
+            assert end is not None
+            reply = decode_body(bytes(buf[_LEN.size:end]))
+            if reply.get("ok") and reply.get("pending"):
+                del buf[:end]
+                on_pending(reply)
+                continue
+            n = reply.get("manifest_bytes", 0) if reply.get("ok") else 0
+            if not isinstance(n, int) or n < 0 or n > MAX_TAIL:
+                raise ConnectionError("invalid manifest length in a peer reply")
+            while len(buf) < end + n:
+                read()
+            if len(buf) != end + n:
+                raise ConnectionError("unexpected bytes after a peer reply")
+            return reply, fds, bytes(buf[end:]) if n else b""
+    except BaseException:
+        close_fds(fds)
+        raise
 
 
 def _recv_with_fds(sock: socket.socket, size: int) -> tuple[bytes, list[int]]:

@@ -15,10 +15,12 @@ From the bottom up:
 ``store``        the on-disk artifact store of one root: staging (files or sealed memfds),
                  validation, atomic commit, deny/quarantine, retirement, usage accounting
 ``checkpoints``  the registry of canonical checkpoints, opened with the caller's rights
-``service``      the node service: sessions and leases, acquire/release, publications, the read
-                 API in front of the store, capacity, eviction, pins, the lease journal, scrub
+``service``      the node service: sessions and leases, acquire/release, publications, channels,
+                 the read API in front of the store, capacity, eviction, pins, the lease journal,
+                 scrub
 ``producers``    transforms from a checkpoint to final-layout artifacts, in isolated processes,
-                 published through the service's publications (prewarm)
+                 published through the service's publications (prewarm); only that process
+                 (``producers.worker``, ``producers.blocks``) imports torch, hwrd never does
 ``fleet``        the remote tier: pull on miss, push after publish
 ``peer`` ``rpc`` the two transports (Unix-socket peer channel with descriptor passing; gRPC),
                  siblings that never import each other

@@ -14,6 +14,7 @@ from hwr.daemon.system.metrics import Counter, counter_lines, gauge_lines, rende
 
 if TYPE_CHECKING:
     from hwr.daemon.fleet.tier import Fleet
+    from hwr.daemon.service.channels import Channels
     from hwr.daemon.service.publications import Publications
     from hwr.daemon.service.sessions import Registry
     from hwr.daemon.store.root import Store
@@ -23,7 +24,7 @@ __all__ = ["exposition"]
 
 
 def exposition(*, store: Store, registry: Registry, publications: Publications, metrics: Instruments,
-               fleet: Fleet | None) -> bytes:
+               fleet: Fleet | None, channels: Channels | None = None) -> bytes:
     records = store.artifacts()
     pubs = Counter("hwr_publications_total", "Publications finished, by outcome.", "outcome")
     pubs.inc("committed", publications.committed)
@@ -37,5 +38,21 @@ def exposition(*, store: Store, registry: Registry, publications: Publications, 
         counter_lines("hwr_leases_granted_total", "Leases granted since start.", registry.leases_granted),
         counter_lines("hwr_leases_released_total", "Leases released since start.", registry.leases_released),
         pubs.lines(), metrics.evictions.lines(), metrics.verification_failures.lines(), metrics.acquire.lines(),
-        metrics.publication_phases.lines(), *fleet_blocks(fleet),
+        metrics.publication_phases.lines(), *fleet_blocks(fleet), *_channel_blocks(channels),
     ])
+
+
+def _channel_blocks(channels: Channels | None) -> list[list[str]]:
+    """Channels in aggregate: names and keys are never labels (see ``metrics``); ``hwrctl
+    status`` and ``hwrctl channel ls`` list them one by one."""
+    if channels is None:
+        return []
+    states = channels.states()
+    return [
+        gauge_lines("hwr_channels", "Channels on this node.", len(states)),
+        gauge_lines("hwr_channel_watchers", "Watches of channels open now, over all channels.",
+                    channels.watcher_count()),
+        gauge_lines("hwr_channels_non_durable", "Channels pointing to a non-durable artifact now.",
+                    sum(1 for s in states if not s.durable)),
+        counter_lines("hwr_channel_switches_total", "Channel changes since start.", channels.switches),
+    ]

@@ -49,6 +49,7 @@ from hwr.daemon.rpc.collaborators import RpcCollaborators
 from hwr.daemon.rpc.decode import add_servicer
 from hwr.daemon.rpc.servicer import Servicer
 from hwr.daemon.service.catalog import Catalog
+from hwr.daemon.service.channels import Channels
 from hwr.daemon.service.leasing import Leasing
 from hwr.daemon.service.publications import Publications
 from hwr.daemon.service.roles import Roles, roles_from
@@ -92,6 +93,7 @@ class Daemon:
         self._publications: Publications | None = None
         self._fleet: Fleet | None = None
         self._checkpoints: Checkpoints | None = None
+        self._channels: Channels | None = None
         self._allow: AllowList = daemon_allow_list(config.allow_uids, config.allow_gids)
         self._metrics_server: MetricsServer | None = None
         self._relay: GrpcRelay | None = None
@@ -122,6 +124,10 @@ class Daemon:
                                     on_phase=self.metrics.observe_publication_phase, on_commit=self._committed)
         publications.memfd_staging = MemfdStagings(config.memfd_staging_max_bytes)
         self._publications = publications
+        channels = await asyncio.to_thread(Channels.open, root, store.is_volatile, store_service.lookup)
+        self._channels = channels
+        store_service.evictor.protected = channels.protects  # a channel's keys are never evicted
+        publications.channels = channels
         await store_service.start(publications)
         fleet = Fleet.open(config, store, publications)
         self._fleet = fleet
@@ -133,14 +139,14 @@ class Daemon:
         self._checkpoints = checkpoints
         await asyncio.to_thread(checkpoints.open)
         leasing = Leasing(catalog, self.registry, journal=store_service.journal, checkpoints=checkpoints,
-                          on_acquire=self.metrics.observe_acquire)
+                          on_acquire=self.metrics.observe_acquire, settings=self)
         for path in self._owned_socket_paths():
             _claim_socket_path(path)
         self._peer = PeerServer(
             peer_path(self.socket_path), limits=PeerLimits.from_config(config),
             registry=self.registry, allow=lambda: self._allow, on_session_end=self._on_session_end,
             mode=config.socket_mode, listen_sock=self.inherited.peer, leasing=leasing,
-            publishing=PeerPublishing(publications, self),
+            publishing=PeerPublishing(publications, self), channels=channels,
         )
         await self._peer.start()
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
@@ -148,7 +154,8 @@ class Daemon:
         servicer = Servicer(RpcCollaborators(
             settings=self, registry=self.registry, catalog=catalog, leasing=leasing,
             publications=publications, store=store, store_service=store_service, checkpoints=checkpoints,
-            fleet=fleet, metrics=self.metrics, socket_path=self.socket_path, started=self._started))
+            fleet=fleet, metrics=self.metrics, socket_path=self.socket_path, started=self._started,
+            channels=channels))
         add_servicer(hwr_pb2_grpc.add_HostWeightRuntimeServicer_to_server, servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -181,6 +188,8 @@ class Daemon:
             await self._relay.stop_accepting()
         if self._peer is not None:
             await self._peer.stop_accepting()
+        if self._channels is not None:
+            self._channels.close()  # end the watch streams: gRPC's grace would wait for them
         if self._grpc is not None:
             await self._grpc.stop(grace)
         if self._relay is not None:
@@ -236,14 +245,18 @@ class Daemon:
         # The metrics server starts after every part exists.
         assert self._store is not None and self._publications is not None
         return exposition(store=self._store, registry=self.registry, publications=self._publications,
-                          metrics=self.metrics, fleet=self._fleet)
+                          metrics=self.metrics, fleet=self._fleet, channels=self._channels)
 
     def _committed(self, key: str) -> None:
-        if self._fleet is not None:
-            self._fleet.committed(key)  # push after publish (pulls excluded)
+        # Push after publish (pulls excluded); a non-durable revision stays on this node: it is
+        # gone at the next start, and superseded within seconds anyway.
+        if self._fleet is not None and not (self._store is not None and self._store.is_volatile(key)):
+            self._fleet.committed(key)
 
     async def _on_session_end(self, session: Session) -> None:
         released = self.registry.close_session(session)
+        if self._channels is not None:
+            self._channels.session_ended(session.session_id)
         aborted = 0
         if self._publications is not None:
             try:

@@ -81,8 +81,18 @@ def cmd_status(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
         f"sessions:     {s['sessions']}",
         f"publications: {s['publications']}",
         *_remote_lines(s.get("remote")),
+        *_channel_lines(s.get("channels") or []),
     ])
     return s, text
+
+
+def _channel_lines(channels: list[dict[str, Any]]) -> list[str]:
+    if not channels:
+        return []
+    rows = [[c["name"], c["key"][:16], c["generation"], "yes" if c["durable"] else "no", c["watchers"],
+             c["switches"]] for c in channels]
+    return ["channels:", *("  " + line for line in table(
+        ["NAME", "KEY", "GENERATION", "DURABLE", "WATCHERS", "SWITCHES"], rows).splitlines())]
 
 
 def _remote_lines(remote: dict[str, Any] | None) -> list[str]:
@@ -91,7 +101,16 @@ def _remote_lines(remote: dict[str, Any] | None) -> list[str]:
     state = "reachable" if remote["reachable"] else f"UNREACHABLE ({remote['error']})"
     return [f"remote:       {remote['url']} {state}, push {'on' if remote['push'] else 'off'}, "
             f"{remote['pending_pushes']} pending pushes, {human_bytes(remote['bytes_pulled'])} pulled, "
-            f"{human_bytes(remote['bytes_pushed'])} pushed"]
+            f"{human_bytes(remote['bytes_pushed'])} pushed",
+            *(f"pulling:      {p['key'][:16]} {p['phase']} {_share(p)}, {len(p['waiters'])} waiting "
+              f"(pids {', '.join(str(w['pid']) for w in p['waiters']) or '-'})" for p in remote.get("pulls", ()))]
+
+
+def _share(pull: dict[str, Any]) -> str:
+    done, total = pull["done_bytes"], pull["total_bytes"]
+    if not total:
+        return "-"
+    return f"{human_bytes(done)} of {human_bytes(total)} ({100 * done // total}%)"
 
 
 def cmd_ls(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
@@ -121,16 +140,23 @@ def cmd_show(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
         *(f"  {f['file_name']}  {human_bytes(f['size'])}  sha256 {f['sha256'][:16]}…" for f in info["files"]),
         f"tensors:    {len(info['tensors'])}",
         *([f"remote:     {info['remote_state']}"] if info.get("remote_state") else []),
+        *([f"channels:   {', '.join(info['channels'])}"] if info.get("channels") else []),
+        *(["durable:    no (gone at hwrd's next start)"] if info.get("non_durable") else []),
     ]
     return info, "\n".join(lines)
 
 
 def cmd_leases(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
+    """Leases (the JSON array); the table also lists acquirers waiting for a pull (``status
+    --json`` has them under ``remote.pulls``)."""
     items = client.leases()
     rows = [[x["lease_id"], x["key"][:16], x["pid"], x["uid"], x["client_name"], ago(x["acquired_at"])]
             for x in items]
+    pulls = (client.status().get("remote") or {}).get("pulls", [])
+    rows += [[f"(waiting: pull {_share(p)})", p["key"][:16], w["pid"], w["uid"], w["client_name"], ago(w["since"])]
+             for p in pulls for w in p["waiters"]]
     text = table(["LEASE", "KEY", "PID", "UID", "CLIENT", "ACQUIRED"], rows)
-    return items, text if items else text + "\n(no leases)"
+    return items, text if rows else text + "\n(no leases)"
 
 
 COMMANDS: dict[str, tuple[Callable[[Client, argparse.Namespace], tuple[Any, str]], str]] = {
@@ -179,7 +205,8 @@ def cmd_completion(client: Client | None, args: argparse.Namespace) -> tuple[Any
 
 
 # modules that register more subcommands, imported by main()
-EXTENSIONS: tuple[str, ...] = ("hwr.daemon.ctl.checkpoints", "hwr.daemon.ctl.store_admin", "hwr.daemon.ctl.remote")
+EXTENSIONS: tuple[str, ...] = ("hwr.daemon.ctl.checkpoints", "hwr.daemon.ctl.store_admin", "hwr.daemon.ctl.remote",
+                               "hwr.daemon.ctl.channels")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,9 +20,12 @@ stay local: nothing about them is written to or read from the remote.
 ``put_file`` for each payload, ``put_bytes(manifest.json)``, then ``put_bytes(READY.json)`` last;
 each object appears whole or not at all (S3 semantics; the file backend renames a temporary
 name into place). For one download: ``get_bytes(READY.json)`` (None: not in the remote),
-``get_bytes(manifest.json)``, then ``get_into`` for each payload. Every method raises
-``RemoteUnavailable`` when the remote cannot be reached and ``RemoteObjectInvalid`` when an
-object's size is not the one asked for; nothing else escapes.
+``get_bytes(manifest.json)``, then ``get_into`` for each payload, which hands every piece it
+receives to a ``PayloadSink`` (``hwr.daemon.fleet.sink``: the staging file, progress, digests).
+Every method raises ``RemoteUnavailable`` when the remote cannot be reached and
+``RemoteObjectInvalid`` when one object is refused (its size is not the one asked for, it is not
+a regular object, a symlink...); one bad object never makes the whole remote unavailable.
+``get_into`` also lets the sink's own error through (a stopped pull).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from hwr.daemon.policy.remote_location import RemoteLocation, parse_location
 
 __all__ = [
     "READY_OBJECT",
+    "PayloadSink",
     "RemoteEntry",
     "RemoteLocation",
     "RemoteObjectInvalid",
@@ -50,6 +54,22 @@ READY_OBJECT = "READY.json"
 MAX_DOCUMENT_BYTES = 64 << 20
 
 Progress = Callable[[int], None]  # called with the bytes moved since the last call
+
+
+class PayloadSink(Protocol):
+    """Where ``get_into`` puts an object's bytes (``hwr.daemon.fleet.sink.DownloadSink``)."""
+
+    size: int
+    written: int
+
+    def write(self, offset: int, data: bytes | memoryview) -> None:
+        """Store one piece (the sink keeps it by reference until hashed: never reuse the
+        buffer); ``RemoteObjectInvalid`` past ``size``; the pull's error once it was stopped."""
+        ...
+
+    def check(self) -> None:
+        """Raise the pull's error once it was stopped (a transfer polls it while it waits)."""
+        ...
 
 
 class RemoteObjectInvalid(ManifestCorrupt):
@@ -74,9 +94,9 @@ class RemoteStore(Protocol):
         """A small object's bytes, None when it does not exist; ``RemoteObjectInvalid`` over ``limit``."""
         ...
 
-    def get_into(self, name: str, fd: int, size: int, progress: Progress | None = None) -> None:
-        """Write the object's bytes into ``fd`` at offset 0; ``RemoteObjectInvalid`` unless the
-        object is exactly ``size`` bytes (checked before and while writing)."""
+    def get_into(self, name: str, sink: PayloadSink) -> None:
+        """Hand the object's bytes to ``sink`` (each piece at its offset); ``RemoteObjectInvalid``
+        unless the object is exactly ``sink.size`` bytes (checked before and while receiving)."""
         ...
 
     def put_bytes(self, name: str, data: bytes) -> None:

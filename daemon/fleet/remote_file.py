@@ -6,22 +6,36 @@ none, as with S3, and ``READY.json`` is renamed last by the caller's order. A wr
 midway leaves only temporary names, which readers never open and the next successful upload
 of the same key leaves behind harmlessly (``list_entries`` ignores them).
 
+Whoever else writes to the shared directory is not trusted with hwrd's reads and writes. Below
+the configured directory (which belongs to the operator and may be reached through symlinks),
+every step is taken relative to a descriptor of the step above with ``O_NOFOLLOW``:
+``artifacts/``, the key's directory and the object itself are never followed out of the remote
+through a symlink, and an object must be a regular file, opened ``O_NONBLOCK`` so that a FIFO
+or a device in its place fails at once instead of blocking a transfer thread (and with it the
+daemon's stop). Such an object, a symlink (``ELOOP``), a directory in a file's place, or one
+unreadable object is refused for that key alone (``RemoteObjectInvalid``); only a failure of
+the remote itself (the directory gone, an I/O error, a stale mount) is ``RemoteUnavailable``.
+
 Limits: the filesystem must give rename atomicity within a directory (POSIX; NFSv3+ does);
-temporary files of a dead writer are not collected. Reads follow no symlinks in the key's
-directory (``O_NOFOLLOW``); the directory itself belongs to the operator.
+temporary files of a dead writer are not collected; a read that blocks inside the filesystem
+(a hung NFS server) still blocks its thread: the pull's stall timeout fails the pull, not the
+thread.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import stat
 import uuid
-from pathlib import Path
+from collections.abc import Callable, Iterator
 
 from hwr.client.identity import is_key
 from hwr.daemon.fleet.remote import (
     MAX_DOCUMENT_BYTES,
     READY_OBJECT,
+    PayloadSink,
     Progress,
     RemoteEntry,
     RemoteLocation,
@@ -32,91 +46,164 @@ from hwr.daemon.fleet.remote import (
 __all__ = ["FileRemote"]
 
 _CHUNK = 8 << 20
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_STEP = _DIR | os.O_NOFOLLOW
+_OBJECT = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+#: Errors that concern one object or key directory, not the remote: that key is refused.
+_PER_OBJECT = frozenset({errno.ELOOP, errno.ENOTDIR, errno.EISDIR, errno.ENXIO, errno.EACCES, errno.EPERM,
+                         errno.ENAMETOOLONG, errno.EINVAL, errno.EOPNOTSUPP})
+
+
+class _Refused(Exception):
+    """An object (or its key directory) that is not what the layout allows (see the module)."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
 
 
 class FileRemote:
     def __init__(self, location: RemoteLocation) -> None:
         self.location = location
-        self.root = Path(location.prefix)
+        self.root = location.prefix
         self._closing = False  # set by close(): copies stop at their next chunk
 
     def _check_open(self) -> None:
         if self._closing:
             raise unreachable(self.location, "hwrd is stopping")
 
-    def _path(self, name: str) -> Path:
-        return self.root / name
-
     def _fail(self, exc: OSError) -> Exception:
         return unreachable(self.location, exc.strerror or type(exc).__name__)
 
-    def get_bytes(self, name: str, limit: int = MAX_DOCUMENT_BYTES) -> bytes | None:
+    # ------------------------------------------------------------------ safe walking
+    @contextlib.contextmanager
+    def _directory(self, parts: list[str], *, create: bool = False) -> Iterator[int]:
+        """A descriptor of ``root/parts...``, each part opened ``O_NOFOLLOW`` below the root;
+        ``_Refused`` when a part is a symlink or not a directory, ``FileNotFoundError`` when one
+        is missing (unless ``create``), ``OSError`` for the remote itself."""
+        fd = os.open(self.root, _DIR)  # the operator's directory: may be reached through symlinks
         try:
-            fd = os.open(self._path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise self._fail(exc) from None
-        try:
-            data = b""
-            while len(data) <= limit:
-                chunk = os.read(fd, min(_CHUNK, limit + 1 - len(data)))
-                if not chunk:
-                    return data
-                data += chunk
-        except OSError as exc:
-            raise self._fail(exc) from None
+            for part in parts:
+                if create:
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(part, 0o755, dir_fd=fd)
+                try:
+                    child = os.open(part, _STEP, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno in _PER_OBJECT:
+                        raise _Refused(f"{part} is a symlink or not a directory") from None
+                    raise
+                os.close(fd)
+                fd = child
+            yield fd
         finally:
             os.close(fd)
-        raise invalid(self.location, name, f"is larger than {limit} bytes")
 
-    def get_into(self, name: str, fd: int, size: int, progress: Progress | None = None) -> None:
-        try:
-            src = os.open(self._path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise invalid(self.location, name, "is missing") from None
-        except OSError as exc:
-            raise self._fail(exc) from None
-        try:
-            have = os.fstat(src).st_size
-            if have != size:
-                raise invalid(self.location, name, f"is {have} bytes, the manifest says {size}")
-            offset = 0
-            while offset < size:
-                self._check_open()
-                # copy_file_range: in-kernel copy (no userspace buffer); a short count near the
-                # end is fine, 0 before ``size`` means the file shrank under us.
-                n = os.copy_file_range(src, fd, min(_CHUNK * 8, size - offset), offset, offset)
-                if n == 0:
-                    raise invalid(self.location, name, "was truncated while it was read")
-                offset += n
-                if progress is not None:
-                    progress(n)
-        except OSError as exc:
-            raise self._fail(exc) from None
-        finally:
-            os.close(src)
+    @staticmethod
+    def _split(name: str) -> tuple[list[str], str]:
+        parts = name.split("/")
+        return parts[:-1], parts[-1]
 
-    def _put(self, name: str, write: object) -> None:
-        final = self._path(name)
-        tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex}.tmp")
-        try:
-            final.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    def _open_object(self, name: str) -> int:
+        """A read descriptor of a regular object (see the module docstring for the rules)."""
+        parents, file = self._split(name)
+        with self._directory(parents) as dfd:
             try:
-                write(fd)  # type: ignore[operator]
-                os.fsync(fd)
+                fd = os.open(file, _OBJECT, dir_fd=dfd)
+            except OSError as exc:
+                if exc.errno in _PER_OBJECT:
+                    raise _Refused("is a symlink or cannot be opened") from None
+                raise
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise _Refused("is not a regular file")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _guarded(self, name: str, action: Callable[[], object]) -> object:
+        try:
+            return action()
+        except _Refused as exc:
+            raise invalid(self.location, name, exc.why) from None
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            raise self._fail(exc) from None
+
+    # ------------------------------------------------------------------ reads
+    def get_bytes(self, name: str, limit: int = MAX_DOCUMENT_BYTES) -> bytes | None:
+        def read() -> bytes | None:
+            try:
+                fd = self._open_object(name)
+            except FileNotFoundError:
+                return None
+            try:
+                data = b""
+                while len(data) <= limit:
+                    chunk = os.read(fd, min(_CHUNK, limit + 1 - len(data)))
+                    if not chunk:
+                        return data
+                    data += chunk
             finally:
                 os.close(fd)
-            os.rename(tmp, final)
-            dfd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            raise _Refused(f"is larger than {limit} bytes")
+
+        return self._guarded(name, read)  # type: ignore[return-value]
+
+    def get_into(self, name: str, sink: PayloadSink) -> None:
+        size = sink.size
+
+        def copy() -> None:
             try:
-                os.fsync(dfd)
+                src = self._open_object(name)
+            except FileNotFoundError:
+                raise _Refused("is missing") from None
+            try:
+                have = os.fstat(src).st_size
+                if have != size:
+                    raise _Refused(f"is {have} bytes, the manifest says {size}")
+                os.posix_fadvise(src, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                offset = 0
+                while offset < size:
+                    self._check_open()
+                    # A fresh buffer per piece: the sink hashes it after this loop moved on.
+                    data = os.pread(src, min(_CHUNK, size - offset), offset)
+                    if not data:
+                        raise _Refused("was truncated while it was read")
+                    sink.write(offset, data)
+                    offset += len(data)
             finally:
-                os.close(dfd)
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
+                os.close(src)
+
+        self._guarded(name, copy)
+
+    # ------------------------------------------------------------------ writes
+    def _put(self, name: str, write: Callable[[int], None]) -> None:
+        parents, file = self._split(name)
+        tmp = f".{file}.{uuid.uuid4().hex}.tmp"
+
+        def put() -> None:
+            with self._directory(parents, create=True) as dfd:
+                try:
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                                 dir_fd=dfd)
+                    try:
+                        write(fd)
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                    os.rename(tmp, file, src_dir_fd=dfd, dst_dir_fd=dfd)
+                    os.fsync(dfd)
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp, dir_fd=dfd)
+                    raise
+
+        try:
+            self._guarded(name, put)
+        except FileNotFoundError as exc:
             raise self._fail(exc) from None
 
     def put_bytes(self, name: str, data: bytes) -> None:
@@ -141,37 +228,51 @@ class FileRemote:
 
         self._put(name, write)
 
+    # ------------------------------------------------------------------ listing
     def exists(self, name: str) -> bool:
-        try:
-            os.lstat(self._path(name))
-        except FileNotFoundError:
-            return False
-        except OSError as exc:
-            raise self._fail(exc) from None
-        return True
+        parents, file = self._split(name)
+
+        def look() -> bool:  # only a regular object counts (a symlink or a FIFO is never read)
+            try:
+                with self._directory(parents) as dfd:
+                    return stat.S_ISREG(os.stat(file, dir_fd=dfd, follow_symlinks=False).st_mode)
+            except (FileNotFoundError, _Refused):
+                return False
+
+        return bool(self._guarded(name, look))
 
     def list_entries(self) -> list[RemoteEntry]:
-        base = self.root / "artifacts"
         try:
-            keys = [k for k in os.listdir(base) if is_key(k)]
+            with self._directory(["artifacts"]) as base:
+                keys = sorted(k for k in os.listdir(base) if is_key(k))
+                return [self._entry(base, key) for key in keys]
         except FileNotFoundError:
             self.probe()
             return []
+        except _Refused:
+            return []  # artifacts/ itself is a symlink: nothing of this remote is listed through it
         except OSError as exc:
             raise self._fail(exc) from None
-        entries = []
-        for key in sorted(keys):
-            ready, size = False, 0
-            with contextlib.suppress(OSError):
-                for name in os.listdir(base / key):
+
+    @staticmethod
+    def _entry(base: int, key: str) -> RemoteEntry:
+        ready, size = False, 0
+        with contextlib.suppress(OSError):
+            kfd = os.open(key, _STEP, dir_fd=base)  # a symlinked key directory lists as empty
+            try:
+                for name in os.listdir(kfd):
                     if name.startswith("."):
                         continue  # an upload's temporary name
+                    st = os.stat(name, dir_fd=kfd, follow_symlinks=False)
+                    if not stat.S_ISREG(st.st_mode):
+                        continue
                     if name == READY_OBJECT:
                         ready = True
                     elif name.endswith(".safetensors"):
-                        size += os.lstat(base / key / name).st_size
-            entries.append(RemoteEntry(key, ready, size))
-        return entries
+                        size += st.st_size
+            finally:
+                os.close(kfd)
+        return RemoteEntry(key, ready, size)
 
     def probe(self) -> None:
         try:

@@ -4,8 +4,8 @@ Why boto3: it is the S3 client every S3-compatible service tests against, it rea
 from the standard chain (environment, shared credentials/config files, container and instance
 metadata) so hwrd never holds a secret, and its transfer manager (s3transfer) gives the two
 things throughput needs: parallel ranged GETs for downloads and parallel multipart uploads, each
-part retried on its own. Downloads go straight into the staging file at each range's offset (a
-seekable target; no temporary file, no second copy).
+part retried on its own. Downloads go straight to the pull's sink (the staging file at each range's offset,
+hashed on the way; no temporary file, no second copy).
 
 Errors: a missing object is None/False where the interface allows it; every transport or
 service failure becomes ``RemoteUnavailable`` carrying only the remote's display URL and the
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any
 
 import boto3
@@ -25,10 +26,12 @@ from boto3.s3.transfer import TransferConfig
 from s3transfer.manager import TransferManager
 from s3transfer.subscribers import BaseSubscriber
 
+from hwr.client.errors import HwrError
 from hwr.client.identity import is_key
 from hwr.daemon.fleet.remote import (
     MAX_DOCUMENT_BYTES,
     READY_OBJECT,
+    PayloadSink,
     Progress,
     RemoteEntry,
     RemoteLocation,
@@ -67,15 +70,15 @@ class _Sized(BaseSubscriber):  # type: ignore[misc]
             self._progress(bytes_transferred)
 
 
-class _PwriteTarget:
-    """A seekable write-only file over a descriptor: s3transfer seeks to each range's offset and
-    writes; writes past ``size`` are refused (a longer object must not grow the staging file)."""
+class _SinkTarget:
+    """A seekable write-only file over a ``PayloadSink``: s3transfer seeks to each range's offset
+    and writes; every write goes to the sink at that offset (which refuses bytes past the size
+    the manifest gave: a longer object must not grow the staging file)."""
 
-    def __init__(self, fd: int, size: int) -> None:
-        self._fd = fd
-        self._size = size
+    def __init__(self, sink: PayloadSink) -> None:
+        self._sink = sink
+        self._size = sink.size
         self._pos = 0
-        self.written = 0
         self._lock = threading.Lock()
 
     def seekable(self) -> bool:
@@ -90,16 +93,10 @@ class _PwriteTarget:
         return self._pos
 
     def write(self, data: bytes) -> int:
-        with self._lock:
+        with self._lock:  # s3transfer serializes seek+write per file; the lock keeps the pair whole
             pos = self._pos
-            if pos + len(data) > self._size:
-                raise RemoteObjectInvalid("a remote object is longer than the manifest says")
-            view = memoryview(data)
-            while view:
-                n = os.pwrite(self._fd, view, pos)
-                view, pos = view[n:], pos + n
-            self._pos = pos
-            self.written += len(data)
+            self._sink.write(pos, data)
+            self._pos = pos + len(data)
         return len(data)
 
 
@@ -178,21 +175,31 @@ class S3Remote:
                 return None
             raise self._fail(exc) from None
 
-    def get_into(self, name: str, fd: int, size: int, progress: Progress | None = None) -> None:
+    def get_into(self, name: str, sink: PayloadSink) -> None:
+        size = sink.size
         have = self._size(name)
         if have is None:
             raise invalid(self.location, name, "is missing")
         if have != size:
             raise invalid(self.location, name, f"is {have} bytes, the manifest says {size}")
-        target = _PwriteTarget(fd, size)
+        future = self._manager.download(self._bucket, name, _SinkTarget(sink), subscribers=[_Sized(size, None)])
         try:
-            self._manager.download(self._bucket, name, target, subscribers=[_Sized(size, progress)]).result()
+            while not future.done():  # polled, so that a stopped pull ends the transfer now
+                try:
+                    sink.check()
+                except BaseException:
+                    future.cancel()
+                    raise
+                time.sleep(0.05)
+            future.result()
         except RemoteObjectInvalid:
             raise invalid(self.location, name, "is longer than the manifest says") from None
+        except HwrError:
+            raise  # the sink's own error (a stopped pull)
         except Exception as exc:
             raise self._fail(exc) from None
-        if target.written != size:
-            raise invalid(self.location, name, f"ended after {target.written} of {size} bytes")
+        if sink.written != size:
+            raise invalid(self.location, name, f"ended after {sink.written} of {size} bytes")
 
     def put_bytes(self, name: str, data: bytes) -> None:
         try:

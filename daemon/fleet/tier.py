@@ -6,6 +6,15 @@ miss (``pull_on_miss``, the catalog's ``MissFetcher``; both transports' acquires
 vLLM-Omni plugin's lookups pass there), ``Publications``' commit hook (``committed``; pulls
 excluded) and the remote RPCs (``hwr.daemon.rpc.remote``).
 
+A miss and a pull (``pull_on_miss``, as the caller's ``MissPolicy`` says): a pull of the key
+already running is joined by anyone who may acquire (waiting stages nothing); starting one
+needs the publish role, since a pull stages and commits an artifact like a publication (and may
+evict to make room), so a caller without it gets ``PermissionDeniedError`` naming the role, the
+key and the remote, and nothing is asked of the remote. A caller that does not wait (a
+``preferred`` start that falls back at once) starts the pull and gets ``ArtifactNotFound`` with
+``details["pulling"]`` right away; the pull goes on for the next start. A waiter is registered
+on the pull (``PullProgress.waiters``) while it waits, which ``hwrctl status`` shows.
+
 Counters (``hwr.daemon.app.exposition`` exposes them): pull and push outcomes by fixed words, and the
 bytes each direction moved.
 """
@@ -18,12 +27,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hwr.client.errors import HwrError
+from hwr.client.errors import ArtifactNotFound, HwrError, PermissionDeniedError
+from hwr.daemon.fleet.progress import PullProgress
 from hwr.daemon.fleet.pull import Puller
 from hwr.daemon.fleet.push import Pusher
 from hwr.daemon.fleet.remote import RemoteEntry, RemoteLocation, RemoteStore, open_remote, parse_location
 
 if TYPE_CHECKING:
+    from hwr.daemon.service.catalog import MissPolicy
     from hwr.daemon.service.publications import Publications
     from hwr.daemon.store.root import Store
     from hwr.daemon.store.validation import ArtifactRecord
@@ -45,7 +56,7 @@ def location_of(config: DaemonConfig) -> RemoteLocation | None:
 
 class Fleet:
     def __init__(self, location: RemoteLocation, remote: RemoteStore, store: Store, publications: Publications, *,
-                 root: Path, push: bool, wait_timeout: float) -> None:
+                 root: Path, push: bool, wait_timeout: float, stall_timeout: float = 60.0) -> None:
         self.location = location
         self.remote = remote
         self.store = store
@@ -54,7 +65,8 @@ class Fleet:
         self.pushes: dict[str, int] = dict.fromkeys(PUSH_OUTCOMES, 0)
         self.bytes_pulled = 0
         self.bytes_pushed = 0
-        self.puller = Puller(remote, store, publications, wait_timeout=wait_timeout, on_outcome=self._pulled)
+        self.puller = Puller(remote, store, publications, wait_timeout=wait_timeout, stall_timeout=stall_timeout,
+                             on_outcome=self._pulled)
         self.pusher = Pusher(remote, store, root, on_outcome=self._pushed)
         self._recording: set[asyncio.Task[None]] = set()  # to-push records being written
         self._probe: tuple[float, str] | None = None  # (monotonic time, "" or the error) of the last probe
@@ -66,7 +78,7 @@ class Fleet:
             return None
         remote = open_remote(location)
         return cls(location, remote, store, publications, root=Path(config.root), push=config.remote_push,
-                   wait_timeout=config.publication_wait_timeout_s)
+                   wait_timeout=config.publication_wait_timeout_s, stall_timeout=config.remote_stall_timeout_s)
 
     async def start(self) -> None:
         await self.pusher.start()
@@ -78,14 +90,41 @@ class Fleet:
         await asyncio.to_thread(self.remote.close)
 
     # ------------------------------------------------------------------ hooks
-    async def pull_on_miss(self, key: str) -> ArtifactRecord:
-        record, _outcome = await self.puller.pull(key)
+    async def pull_on_miss(self, key: str, how: MissPolicy) -> ArtifactRecord:
+        """The catalog's ``MissFetcher`` (the module docstring says who may start, who waits)."""
+        progress = self.puller.in_flight.get(key)
+        if progress is None:
+            if not how.start:
+                raise self._not_allowed(key, how)
+            progress = await self.puller.start(key)
+        if not how.wait:
+            raise ArtifactNotFound(
+                f"artifact {key[:16]} is not on this node yet: it is being pulled from remote "
+                f"{self.location.display} ({progress.describe()}); not waiting for it",
+                details={"key": key, "remote": self.location.display, "pulling": True,
+                         "done_bytes": progress.done_bytes, "total_bytes": progress.total_bytes})
+        with progress.waiting(how.waiter):
+            record, _outcome = await self.puller.join(progress)
         return record
+
+    def _not_allowed(self, key: str, how: MissPolicy) -> PermissionDeniedError:
+        uid = how.waiter.uid if how.waiter is not None else -1
+        return PermissionDeniedError(
+            f"artifact {key[:16]} is not on this node, and pulling it from remote {self.location.display} "
+            f"needs the publish role; uid {uid} does not have it (hwrd's publish_uids/publish_gids; an "
+            f"operator can run `hwrctl pull {key[:16]}`)",
+            details={"role": "publish", "action": "pull on miss", "uid": uid, "key": key,
+                     "remote": self.location.display})
+
+    def pulling(self, key: str) -> PullProgress | None:
+        """The pull of ``key`` in flight, if any (the transports' progress frames read it)."""
+        return self.puller.in_flight.get(key)
 
     def committed(self, key: str) -> None:
         """``Publications``' commit hook (on the loop): queue the upload unless a pull committed it."""
         if not self.push_enabled or key in self.puller.committing:
             return
+        self.puller.forget_miss(key)  # it is on its way to the remote
         task = asyncio.get_running_loop().create_task(self.pusher.committed(key))
         self._recording.add(task)  # a reference until it ends (the loop keeps only weak ones)
         task.add_done_callback(self._recording.discard)

@@ -13,8 +13,10 @@ One SOCK_STREAM Unix socket at ``<socket>.peer``. Per connection:
    ====================  ======================================  ==================================
    ``hello``             ``client_name``, ``client_version``     ``session_id``, ``pid``, ``uid``,
                          (strings <= 128 chars)                  ``daemon_version`` (= OpenSession)
-   ``acquire``           ``key`` (64 hex) or ``identity``        ``lease_id``, ``lease_token``,
-                         (canonical identity JSON as a string);  ``key``, ``manifest_sha256``,
+   ``acquire``           ``key`` (64 hex), ``identity``          ``lease_id``, ``lease_token``,
+                         (canonical identity JSON as a string)   ``key``, ``manifest_sha256``,
+                         or ``channel`` (a name: the key it
+                         points to now);
                          optional ``have`` (a manifest sha256    ``manifest_bytes`` (N), ``count``;
                          the client holds: then N is 0)          descriptors + N raw manifest bytes
    ``release``           ``lease_id``                            ``released`` (bool)
@@ -23,8 +25,16 @@ One SOCK_STREAM Unix socket at ``<socket>.peer``. Per connection:
    ``publish_begin``     see ``hwr.daemon.peer.publish``          ``outcome``, ``key``, placements;
    ``publish_commit``    (the publication RPCs on this channel)   staging descriptors when staged
    ``publish_abort``
+   ``publish_file_done`` (a staging file handed over)
    ``ping``              -                                       -
    ====================  ======================================  ==================================
+
+   ``acquire`` with a remote tier: optional ``pull`` = ``"wait"`` (wait for a pull of the key
+   while it advances, with interim frames ``{"ok": true, "pending": "pull", "key", "remote",
+   "phase", "done_bytes", "total_bytes"}`` every ``progress_ms`` (100..60000, default 1000)
+   before the final reply; they carry no descriptors and no tail) or ``"fallback"`` (start the
+   pull, miss at once: ``LOCAL_MISS`` with ``details.pulling``). Without ``pull`` the acquire
+   waits too, silently (clients before this field).
 
    ``acquire``/``release`` are the same operations as the gRPC ``Acquire``/``Release`` RPCs (one
    implementation: ``hwr.daemon.service.leasing``), with typed errors as error frames
@@ -68,6 +78,7 @@ from hwr.daemon.system.peercred import AllowList, peer_allowed, read_peercred
 
 if TYPE_CHECKING:
     from hwr.daemon.peer.publish import PeerPublishing
+    from hwr.daemon.service.channels import Channels
     from hwr.daemon.service.leasing import Leasing
     from hwr.daemon.service.sessions import LeaseRecord
     from hwr.daemon.store.validation import ArtifactRecord
@@ -102,6 +113,7 @@ class PeerServer:
         leasing: Leasing | None = None,
         publishing: PeerPublishing | None = None,
         limits: PeerLimits | None = None,
+        channels: Channels | None = None,
     ) -> None:
         self.path = path
         self._registry = registry
@@ -109,6 +121,7 @@ class PeerServer:
         self._on_session_end = on_session_end
         self._leasing = leasing  # acquire/release/lease descriptors; None: refused
         self._publishing = publishing  # publish_* and staging descriptors; None: refused
+        self._channels = channels  # acquire through a channel; None: refused
         self._mode = mode
         self._sock = listen_sock
         self._task: asyncio.Task[None] | None = None
@@ -186,7 +199,7 @@ class PeerServer:
         op = req.get("op")
         try:
             if op == "acquire":
-                key = _acquire_key(req)
+                key = _acquire_key(req, self._channels)
                 now = self._leasing.acquire_now(session, key) if self._leasing is not None else None
                 if now is None:
                     return LATER
@@ -198,9 +211,13 @@ class PeerServer:
         except Exception as exc:
             return _failure_frame(op, exc), [], b""
 
-    async def _handle_later(self, session: Session, req: dict[str, Any]) -> tuple[dict[str, Any], list[int], bytes]:
-        """A request that awaits (a publication op, or an ``acquire`` that must validate or wait
-        out an eviction round); every failure becomes an error frame (``_failure_frame``)."""
+    async def _handle_later(self, session: Session, req: dict[str, Any],
+                            notify: Callable[[dict[str, Any]], bool] | None = None,
+                            ) -> tuple[dict[str, Any], list[int], bytes]:
+        """A request that awaits (a publication op, or an ``acquire`` that must validate, wait out
+        an eviction round or wait for a pull); every failure becomes an error frame
+        (``_failure_frame``). ``notify(frame)`` sends an interim frame; False once the
+        connection is gone."""
         op = req.get("op")
         try:
             if op in _PUBLISH_OPS:
@@ -208,13 +225,40 @@ class PeerServer:
                     raise PermissionDeniedError(f"peer operation {op!r} is not served here")
                 reply, fds = await getattr(self._publishing, _PUBLISH_OPS[op])(session, req)
                 return reply, fds, b""
-            key = _acquire_key(req)
+            key = _acquire_key(req, self._channels)
             if self._leasing is None:
                 raise PermissionDeniedError("peer operation 'acquire' is not served here")
-            record, lease = await self._leasing.acquire(session, key)
+            pull = req.get("pull")
+            if pull not in (None, "wait", "fallback"):
+                raise InvalidRequest("pull must be 'wait' or 'fallback'", details={"field": "pull"})
+            acquiring = asyncio.ensure_future(self._leasing.acquire(session, key, wait=pull != "fallback"))
+            if pull == "wait" and notify is not None:
+                await self._report_pull(acquiring, key, _progress_interval(req), notify)
+            record, lease = await acquiring
             return self._acquired(session, req, key, record, lease)
         except Exception as exc:
             return _failure_frame(op, exc), [], b""
+
+    async def _report_pull(self, acquiring: asyncio.Future[Any], key: str, interval: float,
+                           notify: Callable[[dict[str, Any]], bool]) -> None:
+        """Until ``acquiring`` is done: every ``interval``, an interim frame while a pull of
+        ``key`` runs. The connection gone, the acquire is cancelled (not the pull: other waiters
+        and the next start want it)."""
+        assert self._leasing is not None
+        while not acquiring.done():
+            await asyncio.wait({acquiring}, timeout=interval)
+            if acquiring.done():
+                return
+            progress = self._leasing.catalog.pulling(key)
+            if progress is None:
+                continue  # validating or waiting out an eviction round: short, no report
+            if not notify({"ok": True, "pending": "pull", "key": key, "remote": progress.remote,
+                           "phase": progress.phase, "done_bytes": progress.done_bytes,
+                           "total_bytes": progress.total_bytes}):
+                acquiring.cancel()
+                with contextlib.suppress(BaseException):
+                    await acquiring
+                raise DaemonUnavailable("the acquiring client went away")
 
     def _acquired(self, session: Session, req: dict[str, Any], key: str, record: ArtifactRecord,
                   lease: LeaseRecord) -> tuple[dict[str, Any], list[int], bytes]:
@@ -252,6 +296,10 @@ class PeerServer:
             if not isinstance(lease_id, str):
                 raise InvalidRequest("lease_id is required")
             return {"ok": True, "released": self._leasing.release(session, lease_id)}, []
+        if op == "publish_file_done":
+            if self._publishing is None:
+                raise PermissionDeniedError(f"peer operation {op!r} is not served here")
+            return self._publishing.file_done(session, req), []
         if op == "staging_fds":
             if self._publishing is None:
                 raise PermissionDeniedError(f"peer operation {op!r} is not served here")
@@ -260,9 +308,14 @@ class PeerServer:
         raise PermissionDeniedError(f"unknown peer operation {str(op)[:40]!r}")
 
 
-def _acquire_key(req: dict[str, Any]) -> str:
+def _acquire_key(req: dict[str, Any], channels: Channels | None) -> str:
     from hwr.daemon.service.leasing import key_of
 
+    channel = req.get("channel")
+    if channel is not None:  # the key it points to now (resolved in the same loop step as the lease)
+        if channels is None:
+            raise InvalidRequest("this hwrd serves no channels", details={"field": "channel"})
+        return channels.resolve(channel)
     key, identity = req.get("key"), req.get("identity")
     if identity is not None:
         if not isinstance(identity, str) or len(identity) > MAX_FRAME:
@@ -271,6 +324,13 @@ def _acquire_key(req: dict[str, Any]) -> str:
     if key is not None and not isinstance(key, str):
         raise InvalidRequest("key must be 64 lowercase hex digits", details={"field": "artifact.key"})
     return key_of(key=key)
+
+
+def _progress_interval(req: dict[str, Any]) -> float:
+    value = req.get("progress_ms", 1000)
+    if isinstance(value, bool) or not isinstance(value, int) or not 100 <= value <= 60000:
+        raise InvalidRequest("progress_ms must be an integer in [100, 60000]", details={"field": "progress_ms"})
+    return value / 1000
 
 
 def _str(req: dict[str, Any], name: str) -> str:

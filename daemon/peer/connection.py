@@ -209,8 +209,16 @@ class PeerConnection(asyncio.Protocol):
 
     async def _serve_later(self, request: dict[str, Any]) -> None:
         assert self.session is not None
-        reply, fds, tail = await self.server._handle_later(self.session, request)
+        reply, fds, tail = await self.server._handle_later(self.session, request, self._notify)
         await self._send_later(reply, fds, tail)
+
+    def _notify(self, frame: dict[str, Any]) -> bool:
+        """An interim frame (no descriptors) before the reply of the request in flight; False
+        once the connection is gone. It goes through the transport's buffer when the socket is
+        full, which ``pause_writing`` bounds like any reply."""
+        if self.closed or self.transport is None:
+            return False
+        return self._send_now(frame, [], b"") and not self.closed
 
     # replies -----------------------------------------------------------------------------
     def _send_now(self, obj: dict[str, Any], fds: list[int], tail: bytes) -> bool:

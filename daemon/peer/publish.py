@@ -11,12 +11,25 @@ RPCs (one domain implementation: ``hwr.daemon.service.publications``; the same r
                                      code ("F32"), shape a list of ints, kind "parameter"|"buffer"
                     wait_timeout_ms  int in [0, MAX_WAIT_TIMEOUT_MS] (optional, default 0)
                     format_metadata  canonical JSON object as a string (optional)
+                    channel          a channel to point at the artifact as part of the commit
+                                     (optional; see ``hwr.daemon.service.publications``)
+                    durable          bool (optional, default true); false: no fsync, gone at
+                                     hwrd's next start
+                    overlap          bool (optional): lay the staging out in several files the
+                                     writer hands over one by one (``publish_file_done``)
+                    reuse            {"base": 64-hex key, "tensors": [names]} (optional): tensors
+                                     hwrd takes from that artifact (``hwr.daemon.store.reuse``)
       -> outcome ("staged" | "joined" | "already_present"), key; when staged also
          publication_id, publication_token, files [[name, size]], placements
-         [[name, file_index, offset, nbytes]] (sorted by name), count + the staging descriptors
+         [[name, file_index, offset, nbytes]] (sorted by name), reused [names] (not to be
+         written), count + the staging descriptors
     publish_commit  publication_id, expected_sha256 {name: 64 hex} (optional)
       -> key, joined, size_bytes, content_sha256
     publish_abort   publication_id   -> aborted (bool)
+    publish_file_done  publication_id, publication_token, file_index
+                                     the writer closed its descriptor of that file: hwrd hashes
+                                     it while the rest is written (answered at once; see
+                                     ``hwr.daemon.store.prehash``) -> {}
 
 Typed errors are error frames with the code, message and details the RPC would carry.
 
@@ -38,6 +51,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from hwr.client.errors import InvalidRequest
+from hwr.client.identity import is_key
 from hwr.daemon.service.leasing import parse_identity
 from hwr.daemon.service.publication_request import KINDS, TensorEntry, format_metadata, tensor_specs, wait_timeout_s
 from hwr.daemon.service.roles import PUBLISH
@@ -66,7 +80,7 @@ class PeerPublishing:
         """The staging descriptors of a publication ``session`` staged (its token checked)."""
         self._require(session, "open staging descriptors")
         publications = self._publications
-        pub = publications.staged_publication(session, publication_id, token)
+        pub = publications.writable_publication(session, publication_id, token)
         memfds = publications.memfd_staging
         if memfds is not None and memfds.eligible(pub.staging):  # sealed: cannot grow at all
             return memfds.descriptors(pub.publication_id, pub.staging)
@@ -80,6 +94,15 @@ class PeerPublishing:
             raise
         return fds
 
+    def file_done(self, session: Session, req: dict[str, Any]) -> dict[str, Any]:
+        """``publish_file_done``: the writer handed a staging file over (answered at once)."""
+        self._require(session, "publish_file_done")
+        index = req.get("file_index")
+        if not _is_int(index):
+            raise InvalidRequest("file_index must be an integer", details={"field": "file_index"})
+        self._publications.file_done(session, _id(req), _token(req), index)  # type: ignore[arg-type]
+        return {"ok": True}
+
     async def begin(self, session: Session, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         self._require(session, "publish_begin")
         identity_text = req.get("identity")
@@ -89,11 +112,18 @@ class PeerPublishing:
         metadata = req.get("format_metadata", "")
         if not isinstance(metadata, str):
             raise InvalidRequest("format_metadata must be JSON text", details={"field": "format_metadata_json"})
+        channel, durable, overlap = req.get("channel"), req.get("durable", True), req.get("overlap", False)
+        if channel is not None and not isinstance(channel, str):
+            raise InvalidRequest("channel must be a channel name", details={"field": "channel"})
+        if not isinstance(durable, bool) or not isinstance(overlap, bool):
+            raise InvalidRequest("durable and overlap must be true or false", details={"field": "durable"})
+        reuse_base, reuse = _parse_reuse(req.get("reuse"))
         identity = parse_identity(identity_text.encode())
         specs = tensor_specs(_parse_tensors(req.get("tensors")))
         result = await self._publications.begin(
             session, identity, specs, wait_timeout=wait_timeout,
-            format_metadata=format_metadata(metadata.encode()))
+            format_metadata=format_metadata(metadata.encode()), channel=channel, durable=durable, overlap=overlap,
+            reuse_base=reuse_base, reuse=reuse)
         pub = result.publication
         if pub is None:
             return {"ok": True, "outcome": result.outcome, "key": result.key}, []
@@ -109,7 +139,7 @@ class PeerPublishing:
                 "files": [[name, size] for name, _path, size in staging.files],
                 "placements": [[name, index[fname], offset, nbytes]
                                for name, (fname, offset, nbytes) in sorted(staging.placements.items())],
-                "count": len(fds)}, fds
+                "reused": result.reused, "count": len(fds)}, fds
 
     async def commit(self, session: Session, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         self._require(session, "publish_commit")
@@ -131,6 +161,22 @@ def _id(req: dict[str, Any]) -> str:
     value = req.get("publication_id")
     if not isinstance(value, str) or not value or len(value) > 256:
         raise InvalidRequest("publication_id is required", details={"field": "publication_id"})
+    return value
+
+
+def _parse_reuse(value: object) -> tuple[str | None, list[str]]:
+    if value is None:
+        return None, []
+    if not isinstance(value, dict) or not is_key(value.get("base")) or not isinstance(value.get("tensors"), list) \
+            or not all(isinstance(n, str) for n in value["tensors"]):
+        raise InvalidRequest('reuse must be {"base": a 64-hex key, "tensors": [names]}', details={"field": "reuse"})
+    return value["base"], value["tensors"]
+
+
+def _token(req: dict[str, Any]) -> str:
+    value = req.get("publication_token")
+    if not isinstance(value, str) or not value or len(value) > 256:
+        raise InvalidRequest("publication_token is required", details={"field": "publication_token"})
     return value
 
 

@@ -4,6 +4,8 @@ An artifact is *evictable* only when nothing on the node uses it::
 
     leased   a live session holds a lease on it
     pinned   an operator pinned it (``hwrctl pin``)
+    channel  a channel points to it (its current key, or the last durable key a restart would
+             fall back to)
     held     the lease journal says a process that leased it before a daemon restart is still
              alive (and has not reattached yet)
     mapped   some process maps one of its payload files (``/proc/<pid>/maps``, by dev:inode)
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 __all__ = ["Candidate", "Plan", "blocking_reason", "plan"]
 
-REASONS = ("leased", "pinned", "held", "busy", "mapped")
+REASONS = ("leased", "pinned", "channel", "held", "busy", "mapped")
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,7 @@ class Candidate:
     last_access: float
     leased: bool = False
     pinned: bool = False
+    channel: bool = False
     held: bool = False
     busy: bool = False
     mapped: bool = False

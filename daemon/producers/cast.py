@@ -10,20 +10,14 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hwr.client.errors import InvalidRequest
 from hwr.client.safetensors_header import DTYPES
-from hwr.daemon.producers.base import (
-    FLOAT_CODES,
-    OutputTensor,
-    Producer,
-    SourceReader,
-    SourceTensor,
-    TensorSink,
-    dtype_code,
-    row_blocks,
-)
+from hwr.daemon.producers.base import FLOAT_CODES, OutputTensor, Producer, SourceTensor, dtype_code, row_blocks
+
+if TYPE_CHECKING:
+    from hwr.daemon.producers.blocks import SourceReader, TensorSink
 
 __all__ = ["CastProducer", "matches_any", "stream_tensor"]
 
@@ -72,7 +66,7 @@ class CastProducer(Producer):
         return {"dtype": self.dtype, "keep_fp32": list(self.keep_fp32)}
 
     def target_dtype(self) -> str:
-        return str(DTYPES[self.dtype].torch_dtype).removeprefix("torch.")
+        return DTYPES[self.dtype].attr  # torch's name without "torch.", read without importing torch
 
     def output_dtype(self, source: SourceTensor) -> str:
         if source.dtype not in FLOAT_CODES:

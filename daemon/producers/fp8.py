@@ -14,23 +14,17 @@ Two passes over each quantized weight (amax, then quantize), both in row blocks.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from hwr.client.errors import InvalidRequest
 from hwr.client.safetensors_header import DTYPES
-from hwr.daemon.producers.base import (
-    FLOAT_CODES,
-    OutputTensor,
-    Producer,
-    SourceReader,
-    SourceTensor,
-    TensorSink,
-    dtype_code,
-    row_blocks,
-)
+from hwr.daemon.producers.base import FLOAT_CODES, OutputTensor, Producer, SourceTensor, dtype_code, row_blocks
 from hwr.daemon.producers.cast import check_patterns, matches_any, stream_tensor
+
+if TYPE_CHECKING:
+    import torch
+
+    from hwr.daemon.producers.blocks import SourceReader, TensorSink
 
 __all__ = ["E4M3_MAX", "SCALE_SUFFIX", "Fp8PerTensorProducer"]
 
@@ -82,6 +76,10 @@ class Fp8PerTensorProducer(Producer):
         return sorted(outputs, key=lambda o: o.name)
 
     def scale_of(self, reader: SourceReader, source: SourceTensor) -> torch.Tensor:
+        # torch here and in produce, not at the top: the daemon plans with this class and never
+        # loads torch (base.py); the worker that calls these has imported it already.
+        import torch
+
         cached = self._scales.get(source.name)
         if cached is None:
             amax = torch.zeros((), dtype=torch.float32)
@@ -102,6 +100,8 @@ class Fp8PerTensorProducer(Producer):
         if output.op == "scale":
             sink.write(output.name, 0, scale.reshape(()))
             return
+        import torch
+
         row = source.shape[1]
         for start, stop in row_blocks(source.shape, DTYPES[source.dtype].itemsize):
             block = reader.rows(source.name, start, stop)

@@ -22,23 +22,16 @@ from __future__ import annotations
 import json
 import tomllib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hwr.client.errors import InvalidRequest
 from hwr.client.identity import RuntimeLayout, canonical_json, find_lone_surrogate
 from hwr.client.safetensors_header import DTYPES
-from hwr.daemon.producers.base import (
-    FLOAT_CODES,
-    OutputTensor,
-    Producer,
-    SourceReader,
-    SourceTensor,
-    TensorSink,
-    cast_block,
-    dtype_code,
-    row_blocks,
-)
+from hwr.daemon.producers.base import FLOAT_CODES, OutputTensor, Producer, SourceTensor, dtype_code, row_blocks
 from hwr.daemon.producers.cast import matches_any, stream_tensor
+
+if TYPE_CHECKING:
+    from hwr.daemon.producers.blocks import SourceReader, TensorSink
 
 __all__ = ["TpSliceProducer", "parse_plan"]
 
@@ -103,7 +96,7 @@ class TpSliceProducer(Producer):
         return {"dtype": self.dtype or "source", "plan": self.plan_doc}
 
     def target_dtype(self) -> str:
-        return str(DTYPES[self.dtype].torch_dtype).removeprefix("torch.") if self.dtype else "source"
+        return DTYPES[self.dtype].attr if self.dtype else "source"
 
     def layout(self, rank: int) -> RuntimeLayout:
         return RuntimeLayout("tp-slice", self.tp_size, rank, metadata=canonical_json(self.plan_doc))
@@ -137,6 +130,9 @@ class TpSliceProducer(Producer):
         return outputs
 
     def produce(self, output: OutputTensor, reader: SourceReader, sink: TensorSink, rank: int) -> None:
+        # Here, not at the top: the daemon plans with this class and never loads torch (base.py).
+        from hwr.daemon.producers.blocks import cast_block
+
         source = reader.source(output.source)
         if output.op == "replicate":
             stream_tensor(output, reader, sink, source)

@@ -36,7 +36,8 @@ from typing import Any
 from hwr.client.errors import CheckpointModified, HwrError, InvalidRequest
 from hwr.client.safetensors_header import read_header
 from hwr.daemon.producers import make_producer
-from hwr.daemon.producers.base import SourceReader, SourceTensor, TensorSink
+from hwr.daemon.producers.base import SourceTensor
+from hwr.daemon.producers.blocks import SourceReader, TensorSink
 from hwr.daemon.producers.digests import StreamDigests
 
 __all__ = ["main", "peak_rss_bytes"]

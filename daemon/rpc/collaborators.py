@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from hwr.daemon.checkpoints.registry import Checkpoints
     from hwr.daemon.fleet.tier import Fleet
     from hwr.daemon.service.catalog import Catalog
+    from hwr.daemon.service.channels import Channels
     from hwr.daemon.service.leasing import Leasing
     from hwr.daemon.service.publications import Publications
     from hwr.daemon.service.sessions import Registry, Session
@@ -49,6 +50,7 @@ class RpcCollaborators:
     metrics: Instruments
     socket_path: Path
     started: float  # time.monotonic() when the daemon started (uptime)
+    channels: Channels | None = None  # None: channels are not served (UNSUPPORTED)
 
 
 class Handlers:

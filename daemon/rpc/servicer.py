@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING
 
 from hwr import __version__
 from hwr.client.errors import InvalidRequest
+from hwr.client.identity import is_key
 from hwr.daemon.policy.cursor_pages import cursor_page
+from hwr.daemon.rpc.channels import ChannelsRpc, channel_info
 from hwr.daemon.rpc.checkpoints import CheckpointsMixin
 from hwr.daemon.rpc.collaborators import Ctx, Handlers, RpcCollaborators
 from hwr.daemon.rpc.messages import artifact_info, denied_info, lease_infos
@@ -40,7 +42,8 @@ _KIND_NAMES = {pb.TENSOR_KIND_PARAMETER: "parameter", pb.TENSOR_KIND_BUFFER: "bu
                pb.TENSOR_KIND_UNSPECIFIED: "parameter"}
 
 
-class Servicer(RemoteRpc, StoreAdminRpc, CheckpointsMixin, Handlers, hwr_pb2_grpc.HostWeightRuntimeServicer):
+class Servicer(ChannelsRpc, RemoteRpc, StoreAdminRpc, CheckpointsMixin, Handlers,
+               hwr_pb2_grpc.HostWeightRuntimeServicer):
     """Sessions, leases, publication and inspection. Handlers of other concerns live in mixins
     (``hwr.daemon.rpc.*``, built on ``hwr.daemon.rpc.collaborators.Handlers``) listed before
     this class's bases."""
@@ -69,7 +72,8 @@ class Servicer(RemoteRpc, StoreAdminRpc, CheckpointsMixin, Handlers, hwr_pb2_grp
         if request.artifact.WhichOneof("ref") == "checkpoint":
             return await self.acquire_checkpoint(request, context)  # hwr.daemon.rpc.checkpoints
         session = self._session(context)
-        key = _ref_key(request.artifact)
+        ref = request.artifact
+        key = self._channel_service().resolve(ref.channel) if ref.WhichOneof("ref") == "channel" else _ref_key(ref)
         record, lease = await self.c.leasing.acquire(session, key)  # shared with the peer channel
         return pb.AcquireResponse(
             lease_id=lease.lease_id, lease_token=lease.token, key=key,
@@ -93,7 +97,9 @@ class Servicer(RemoteRpc, StoreAdminRpc, CheckpointsMixin, Handlers, hwr_pb2_grp
         wait_timeout = wait_timeout_s(request.wait_timeout_ms)
         result = await self.c.publications.begin(
             session, identity, specs, wait_timeout=wait_timeout,
-            format_metadata=format_metadata(bytes(request.format_metadata_json)))
+            format_metadata=format_metadata(bytes(request.format_metadata_json)),
+            channel=request.channel or None, durable=not request.non_durable, overlap=request.overlap_hashing,
+            reuse_base=_reuse_base(request.reuse_base), reuse=list(request.reuse_tensors))
         if result.publication is None:
             outcome = (pb.BEGIN_OUTCOME_JOINED if result.outcome == "joined"
                        else pb.BEGIN_OUTCOME_ALREADY_PRESENT)
@@ -107,6 +113,7 @@ class Servicer(RemoteRpc, StoreAdminRpc, CheckpointsMixin, Handlers, hwr_pb2_grp
             files=[pb.PayloadFile(name=name, size=size) for name, _path, size in staging.files],
             placements=[pb.TensorPlacement(name=name, file_index=index[fname], offset=offset, nbytes=nbytes)
                         for name, (fname, offset, nbytes) in sorted(staging.placements.items())],
+            reused=result.reused,
         )
 
     @rpc
@@ -153,10 +160,15 @@ class Servicer(RemoteRpc, StoreAdminRpc, CheckpointsMixin, Handlers, hwr_pb2_grp
             return pb.InspectArtifactResponse(
                 artifact=self._info(record), identity_json=record.identity_bytes, manifest_json=manifest,
                 tensors_json=tensors, tensor_count=count, next_tensor_offset=after,
-                remote_state=await self._remote_state(key) if not request.tensor_offset else "")
+                remote_state=await self._remote_state(key) if not request.tensor_offset else "",
+                channels=self._channel_names(key), non_durable=self.c.store.is_volatile(key))
         return pb.InspectArtifactResponse(
             artifact=self._info(record), identity_json=record.identity_bytes,
-            manifest_json=catalog.manifest(record)[0], remote_state=await self._remote_state(key))
+            manifest_json=catalog.manifest(record)[0], remote_state=await self._remote_state(key),
+            channels=self._channel_names(key), non_durable=self.c.store.is_volatile(key))
+
+    def _channel_names(self, key: str) -> list[str]:
+        return self.c.channels.named(key) if self.c.channels is not None else []
 
     def _info(self, record: ArtifactRecord) -> pb.ArtifactInfo:
         return artifact_info(record, self.c.catalog.deny_reason(record.key), self.c.registry.lease_count(record.key))
@@ -189,7 +201,15 @@ class Servicer(RemoteRpc, StoreAdminRpc, CheckpointsMixin, Handlers, hwr_pb2_grp
             sessions=len(c.registry.sessions()), publications=len(c.publications.active()),
             store_bytes=sum(r.size_bytes for r in records), uptime_s=time.monotonic() - c.started,
             pid=os.getpid(), remote=await remote_status(c.fleet),
+            channels=[channel_info(s, c.channels.watcher_count(s.name), history=False) for s in c.channels.states()]
+            if c.channels is not None else [],
         )
+
+
+def _reuse_base(base: str) -> str | None:
+    if base and not is_key(base):
+        raise InvalidRequest("reuse_base must be a 64-hex key", details={"field": "reuse_base"})
+    return base or None
 
 
 def _ref_key(ref: pb.ArtifactRef) -> str:

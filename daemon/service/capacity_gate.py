@@ -96,8 +96,9 @@ class CapacityGate:
         # Publications waiting for room, oldest first (see reserve and signal_room).
         self._room_waiters: collections.deque[asyncio.Event] = collections.deque()
 
-    async def admit(self, key: str, specs: Sequence[TensorSpec], wait_timeout: float) -> Ticket:
-        need = sum(p.size for p in plan_payloads(list(specs)))
+    async def admit(self, key: str, specs: Sequence[TensorSpec], wait_timeout: float,
+                    max_file_bytes: int | None = None) -> Ticket:
+        need = sum(p.size for p in plan_payloads(list(specs), max_file_bytes))
         took = await self.admission.enter(key, wait_timeout)
         try:
             reservation, trash, late = await self.reserve(key, need, wait_timeout)

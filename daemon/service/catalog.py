@@ -7,8 +7,9 @@ a key means the same thing everywhere:
 - ``lookup_now(key)``: the cached validated record when ``key`` can be leased right now (not being
   evicted, cheap guard holds), else None; never blocks, never touches the payloads.
 - ``lookup(key)``: the validated record, waiting out an eviction round that marked ``key`` and,
-  on a miss with a remote tier (``fetcher``), pulling it first. A record that fails validation
-  counts in ``hwr_verification_failures_total`` and raises its typed error.
+  on a miss with a remote tier (``fetcher``), pulling it first as the caller's ``MissPolicy``
+  says (whether it may start a pull, whether it waits for one, who waits). A record that fails
+  validation counts in ``hwr_verification_failures_total`` and raises its typed error.
 - ``open_payloads(record)``: read-only descriptors in manifest order, each re-checked by
   ``fstat`` (a changed payload is denied: ``MANIFEST_CORRUPT``); the caller closes them.
 - ``resolve(prefix)``: one namespace for every admin command and ``hwrctl show``: the keys
@@ -38,16 +39,58 @@ if TYPE_CHECKING:
     from hwr.daemon.store.root import Store
     from hwr.daemon.store.validation import ArtifactRecord
 
-__all__ = ["Catalog", "Entry", "MissFetcher"]
+__all__ = ["WAIT", "Catalog", "Entry", "MissFetcher", "MissPolicy", "PullState", "Waiter"]
 
 #: The manifest cache is dropped whole past this many keys (a store holds far fewer).
 MANIFEST_CACHE_KEYS = 4096
 
 
+@dataclass(frozen=True)
+class Waiter:
+    """Who waits for a pull (``hwrctl status`` lists them under the pull)."""
+
+    session_id: str
+    pid: int
+    uid: int
+    client_name: str
+    since: float  # wall-clock time the wait began
+
+
+@dataclass(frozen=True)
+class MissPolicy:
+    """What a lookup's miss may do with a remote tier.
+
+    ``start``: the caller may start a pull (it holds the publish role: a pull stages and commits
+    an artifact like a publication); without it the caller may still wait for a pull that is
+    already running. ``wait``: wait for the pull while it advances (bounded by the remote's stall
+    timeout, not a total one); False: start it (when allowed), leave it running and miss at once
+    (``ArtifactNotFound`` with ``details["pulling"]``). ``waiter``: who waits, for ``hwrctl status``.
+    """
+
+    start: bool = True
+    wait: bool = True
+    waiter: Waiter | None = None
+
+
+#: The policy of callers that are not clients (an operator's RPCs, tests): start, wait.
+WAIT = MissPolicy()
+
+
+class PullState(Protocol):
+    """A pull in flight as a waiting client is told of it (``hwr.daemon.fleet.progress``)."""
+
+    remote: str
+    phase: str
+    done_bytes: int
+    total_bytes: int
+
+
 class MissFetcher(Protocol):
     """What fills a miss before the catalog gives up (the fleet tier's puller)."""
 
-    async def pull_on_miss(self, key: str) -> object: ...
+    async def pull_on_miss(self, key: str, how: MissPolicy) -> object: ...
+
+    def pulling(self, key: str) -> PullState | None: ...
 
 
 @dataclass(frozen=True)
@@ -75,19 +118,23 @@ class Catalog:
     def lookup_now(self, key: str) -> ArtifactRecord | None:
         return self._gate.lookup_now(key)
 
-    async def lookup(self, key: str, *, pull: bool = True) -> ArtifactRecord:
+    async def lookup(self, key: str, *, pull: bool = True, how: MissPolicy = WAIT) -> ArtifactRecord:
         """``pull=False``: a miss stays a miss (an operator's push names a local artifact)."""
         try:
             return await self._gate.lookup(key)  # waits while the key is being evicted
         except ArtifactNotFound:
             if self.fetcher is None or not pull:
                 raise
-            await self.fetcher.pull_on_miss(key)  # a miss here: pull it from the remote tier, then
+            await self.fetcher.pull_on_miss(key, how)  # a miss here: pull it from the remote tier, then
             return await self._gate.lookup(key)  # the eviction gate again (see its docstring)
         except (ManifestCorrupt, ManifestIncompatible, ChecksumMismatch) as exc:
             if self._on_verification_failure is not None:
                 self._on_verification_failure(exc.code)
             raise
+
+    def pulling(self, key: str) -> PullState | None:
+        """The pull of ``key`` in flight, if a remote tier runs one."""
+        return None if self.fetcher is None else self.fetcher.pulling(key)
 
     def lookup_sync(self, key: str) -> ArtifactRecord:
         """For a key a lease already holds (the peer channel's descriptor request, off the

@@ -2,7 +2,8 @@
 
 One round (``Evictor.round``; the caller holds the capacity lock, ``CapacityGate.lock``)::
 
-    1. candidates = artifacts that are not leased, pinned, held (journal), publishing or denied
+    1. candidates = artifacts that are not leased, pinned, a channel's, held (journal),
+       publishing or denied
     2. mark them EVICTING: an Acquire of a marked key waits until the round ends
        (``StoreService.lookup`` waits on ``settled``)
     3. scan /proc/*/maps once for their payload (dev, inode)s, off the event loop; skipped for
@@ -66,6 +67,8 @@ class Evictor:
 
     ``in_flight(key)``: True while a publication of ``key`` holds a reservation or builds it
     (never an eviction candidate; the capacity gate and the publications know).
+    ``protected(key)``: True while a channel needs ``key`` (``Channels.protects``; set by the
+    daemon, none by default).
     """
 
     def __init__(self, store: Store, registry: Registry, recency: Recency, holds: LeaseHolds,
@@ -79,6 +82,7 @@ class Evictor:
         self.purger = purger
         self.in_flight = in_flight
         self.on_evict: Callable[[str], None] | None = None  # metrics hook: reason is a fixed word
+        self.protected: Callable[[str], bool] = _nothing_protected
         self.evicting: set[str] = set()
         self.evictions = 0
         self.settled = asyncio.Event()  # set (and replaced) when a round's marks are gone
@@ -95,7 +99,7 @@ class Evictor:
         busy = self.is_busy(key)
         return Candidate(key=key, size_bytes=size, last_access=self.recency.last_use(key, default_access),
                          leased=self.registry.lease_count(key) > 0, pinned=key in self.pins,
-                         held=bool(self.holds.held_pids(key)), busy=busy)
+                         channel=self.protected(key), held=bool(self.holds.held_pids(key)), busy=busy)
 
     async def round(self, shortfall: int, exclude: set[str] = frozenset(),  # type: ignore[assignment]
                     *, require_fit: bool = False, defer: bool = False, explain: bool = True) -> EvictionReport:
@@ -110,7 +114,7 @@ class Evictor:
         # flag only the prefix that can matter: ``plan`` stops at the first prefix of evictable
         # bytes covering the shortfall, so nothing past it is chosen or reported. Cost per
         # round: the entries walked, not a sort (and Candidate objects) of every artifact.
-        pins, lease_count, is_busy = self.pins, self.registry.lease_count, self.is_busy
+        pins, lease_count, is_busy, protected = self.pins, self.registry.lease_count, self.is_busy, self.protected
         lru = self.recency.lru
         self.recency.sync()
         walk = lru.pop_in_order()
@@ -133,7 +137,8 @@ class Evictor:
                     if record is None:  # removed or denied since: it comes back through Recency.sync
                         lru.forget(key)
                         continue
-                    if key in exclude or (not explain and (key in pins or is_busy(key) or lease_count(key))):
+                    if key in exclude or (not explain and (key in pins or is_busy(key) or lease_count(key)
+                                                           or protected(key))):
                         continue
                     records[key] = record
                     size = record.size_bytes
@@ -160,6 +165,9 @@ class Evictor:
                     continue
                 if key in self.pins:  # likewise: pin() waits out a round that marked its key
                     report.skipped.append((key, "pinned"))
+                    continue
+                if self.protected(key):  # likewise: a channel's set waits out a round that marked its key
+                    report.skipped.append((key, "channel"))
                     continue
                 keys.append(key)
             # Each key counts as freed only once removed. Retiring (``defer``: a flock and a rename
@@ -233,6 +241,10 @@ class Evictor:
         if c.pinned:
             raise ActiveLease(f"artifact {key[:16]} is pinned; unpin it first",
                               details={"key": key, "reason": "pinned"})
+        if c.channel:
+            raise ActiveLease(f"artifact {key[:16]} is what a channel points to (or falls back to); "
+                              "point the channel elsewhere or remove it first",
+                              details={"key": key, "reason": "channel"})
         if c.held:
             pids = self.holds.held_pids(key)
             raise ActiveLease(f"artifact {key[:16]} is held by pid(s) {pids} (leased before a restart)",
@@ -266,6 +278,10 @@ class Evictor:
             return inspect_artifact(self.store.root / "artifacts" / key, key, self.store.euid)
         except HwrError:
             return _FilesOnly(key, self.store.root / "artifacts" / key)
+
+
+def _nothing_protected(key: str) -> bool:
+    return False
 
 
 @dataclass(frozen=True)

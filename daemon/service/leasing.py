@@ -12,7 +12,10 @@ eviction round can mark the key in between):
 1. record = ``Catalog.lookup_now``: the cached validated record when the key is not being
    evicted (no disk access, no thread hop: the trust argument is ``Store.cached``'s), else
    ``await Catalog.lookup`` (validates from disk in a worker thread, waits out an eviction
-   round, pulls a miss from the remote tier when one is configured).
+   round, pulls a miss from the remote tier when one is configured). Who may start that pull
+   is the publish role's decision (a pull stages and commits like a publication); anyone who
+   may acquire waits for a pull already running. ``wait=False`` (a ``preferred`` caller that
+   falls back at once) leaves the pull running and misses.
 2. lease = ``Registry.add_lease`` (the journal observer buffers the ``acquire`` record).
 3. descriptors: ``Catalog.open_payloads`` (``fstat`` re-check of every payload, a changed payload is
    denied: ``MANIFEST_CORRUPT``), then the journal is flushed *before* the caller sends them
@@ -35,6 +38,8 @@ from typing import TYPE_CHECKING
 from hwr.client.errors import IdentityError, InvalidRequest
 from hwr.client.identity import ArtifactIdentity, is_key
 from hwr.client.wire import close_fds
+from hwr.daemon.service.catalog import MissPolicy, Waiter
+from hwr.daemon.service.roles import PUBLISH
 from hwr.daemon.store import fileio as store_io
 
 if TYPE_CHECKING:
@@ -42,6 +47,7 @@ if TYPE_CHECKING:
     from hwr.daemon.service.catalog import Catalog
     from hwr.daemon.service.lease_journal import LeaseJournal
     from hwr.daemon.service.sessions import LeaseRecord, Registry, Session
+    from hwr.daemon.service.settings import Settings
     from hwr.daemon.store.validation import ArtifactRecord
 
 __all__ = ["CHECKPOINT_LEASE_PREFIX", "Leasing", "key_of", "parse_identity"]
@@ -72,20 +78,29 @@ def key_of(*, key: str | None = None, identity_json: bytes | None = None) -> str
 
 class Leasing:
     def __init__(self, catalog: Catalog, registry: Registry, *, journal: LeaseJournal | None,
-                 checkpoints: Checkpoints, on_acquire: Callable[[float], None] | None = None) -> None:
+                 checkpoints: Checkpoints, on_acquire: Callable[[float], None] | None = None,
+                 settings: Settings | None = None) -> None:
         self.catalog = catalog
         self._registry = registry
         self._journal = journal  # flushed before any descriptor leaves (step 3)
         self._checkpoints = checkpoints
         self._on_acquire = on_acquire  # the acquire-duration histogram
+        self._settings = settings  # its roles decide who may start a pull on miss; None: everyone
 
-    async def acquire(self, session: Session, key: str) -> tuple[ArtifactRecord, LeaseRecord]:
+    async def acquire(self, session: Session, key: str, *, wait: bool = True) -> tuple[ArtifactRecord, LeaseRecord]:
         """Steps 1-2 of the module docstring: the validated record and the new lease."""
         started = time.perf_counter()
         record = self.catalog.lookup_now(key)
         if record is None:
-            record = await self.catalog.lookup(key)
+            record = await self.catalog.lookup(key, how=self.miss_policy(session, wait=wait))
         return record, self._lease(session, key, started)
+
+    def miss_policy(self, session: Session, *, wait: bool = True) -> MissPolicy:
+        """What ``session``'s miss may do with the remote tier (step 1)."""
+        cred = session.cred
+        start = self._settings is None or self._settings.roles.grants(cred, PUBLISH)
+        return MissPolicy(start=start, wait=wait, waiter=Waiter(
+            session.session_id, cred.pid, cred.uid, session.client_name, time.time()))
 
     def acquire_now(self, session: Session, key: str) -> tuple[ArtifactRecord, LeaseRecord] | None:
         """``acquire`` without awaiting when the record is cached and the key is not being

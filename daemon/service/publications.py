@@ -11,6 +11,13 @@ to finish: COMMITTED -> it is answered JOINED; FAILED/ABORTED -> it takes over a
 own; timeout -> ``ActiveBuildTimeout``. Staging descriptors are handed out only while STAGED,
 so once COMMITTING starts nobody can obtain a new writable descriptor.
 
+A publication may name a channel (``hwr.daemon.service.channels``): it is pointed at the key as
+part of the commit, after the artifact is installed and before the publication is finished (so
+the key is never an eviction candidate in between: it is still being built), or at the answer
+to ``begin`` when the artifact is already present or joined. A failed channel change fails the
+call; the artifact stays committed (publishing again sets the channel). A non-durable
+publication (``durable=False``) is committed without fsync (``hwr.daemon.store.volatile``).
+
 Contract: called on the daemon's event loop; blocking store work runs in worker threads.
 Limit: one daemon per store root (the store's lock), so "one publisher per identity" is node-wide.
 """
@@ -27,18 +34,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from hwr.client.channels import check_channel_name
 from hwr.client.errors import (
     ActiveBuildTimeout,
     ArtifactNotFound,
+    HwrError,
     InvalidRequest,
     PermissionDeniedError,
     PublicationFailed,
 )
 from hwr.client.identity import ArtifactIdentity
+from hwr.daemon.service import handover
 from hwr.daemon.service.sessions import Session
+from hwr.daemon.store.prehash import prehash
+from hwr.daemon.store.reuse import ReuseSource, open_reuse
+from hwr.daemon.store.staging import overlap_file_bytes
 from hwr.daemon.system.exclusive import open_sole
 
 if TYPE_CHECKING:
+    from hwr.daemon.service.channels import Channels
     from hwr.daemon.store.memfd_staging import MemfdStagings
     from hwr.daemon.store.root import Store
     from hwr.daemon.store.staging import ProducerDigests, Staging, TensorSpec
@@ -66,7 +80,8 @@ class Gate(Protocol):
     staging, ``allocated`` once preallocated, ``finished`` at the end; ``purge_sync`` frees the
     bytes that eviction retired to make room (in the worker thread that stages or commits)."""
 
-    async def admit(self, key: str, specs: Sequence[TensorSpec], wait_timeout: float) -> Ticket: ...
+    async def admit(self, key: str, specs: Sequence[TensorSpec], wait_timeout: float,
+                    max_file_bytes: int | None = None) -> Ticket: ...
 
     def allocated(self, ticket: Ticket) -> None: ...
 
@@ -94,6 +109,12 @@ class Publication:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     started_at: float = 0.0  # loop time when staged (the stalled-publisher deadline counts from it)
     ticket: Ticket | None = None  # the gate's admission + capacity reservation
+    channel: str | None = None  # pointed at the key as part of the commit
+    durable: bool = True  # False: no fsync, removed at the next start (store.volatile)
+    # Files handed over by the writer (``file_done``), by index: their hashing in flight or done
+    # (``store.prehash``; a None result: the commit hashes that file itself).
+    prehashed: dict[int, handover.Job] = field(default_factory=dict)
+    reuse: ReuseSource | None = None  # the base whose tensors this publication takes (store.reuse)
 
 
 @dataclass(frozen=True)
@@ -101,6 +122,12 @@ class BeginResult:
     outcome: str  # "staged" | "already_present" | "joined"
     key: str
     publication: Publication | None = None
+
+    @property
+    def reused(self) -> list[str]:
+        """Tensors hwrd takes from the base (the writer must not write them), by name."""
+        pub = self.publication
+        return sorted(pub.reuse.tensors) if pub is not None and pub.reuse is not None else []
 
 
 class Publications:
@@ -119,11 +146,17 @@ class Publications:
         self._by_key: dict[str, Publication] = {}
         self._on_commit = on_commit
         self._commit_pool = concurrent.futures.ThreadPoolExecutor(commit_threads, thread_name_prefix="hwr-commit")
+        # Hashing of handed-over files (``file_done``): its own threads, so that a commit never
+        # waits for a pool that its own publication's hashing occupies.
+        self._prehash_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="hwr-prehash")
         self.committed = 0
         self.failed = 0
         # Sealed memfd staging of small client publications (hwr.daemon.store.memfd_staging), set by
         # the daemon; None: every publication writes its staging files.
         self.memfd_staging: MemfdStagings | None = None
+        # The channels a publication may set (hwr.daemon.service.channels), set by the daemon;
+        # None: a publication that names a channel is refused.
+        self.channels: Channels | None = None
 
     def active(self) -> list[Publication]:
         return list(self._by_id.values())
@@ -147,8 +180,25 @@ class Publications:
         *,
         wait_timeout: float,
         format_metadata: dict[str, Any] | None = None,
+        channel: str | None = None,
+        durable: bool = True,
+        overlap: bool = False,
+        reuse_base: str | None = None,
+        reuse: Sequence[str] = (),
     ) -> BeginResult:
+        """Stage a publication of ``identity`` (or join/answer one already present; see the
+        module docstring). ``channel``: point it at the key as part of the commit (or now, when
+        the artifact is present); ``durable`` False: a non-durable publication; ``overlap``: lay
+        it out in several files (``staging.overlap_file_bytes``) that the writer may hand over
+        one by one to be hashed while it writes the next (``file_done``); ``reuse_base`` and
+        ``reuse``: tensors equal to that artifact's, which hwrd takes from it
+        (``store.reuse``; ``BeginResult.reused`` says which, none when the base is no longer
+        there: then the writer writes every tensor)."""
         key = identity.key
+        if channel is not None:
+            check_channel_name(channel)
+            if self.channels is None:
+                raise InvalidRequest("this hwrd serves no channels", details={"field": "channel"})
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(0.0, wait_timeout)
         waited = False
@@ -156,6 +206,8 @@ class Publications:
             # Provably absent (not validated, not denied, no directory): no thread hop.
             absent = self._store.absent_now(key)
             if not absent and await asyncio.to_thread(self._exists, key):
+                if channel is not None and self.channels is not None:
+                    await self.channels.set(channel, key, set_by="publication", check=True)
                 return BeginResult("joined" if waited else "already_present", key)
             current = self._by_key.get(key)
             if current is None:
@@ -176,25 +228,33 @@ class Publications:
         # session None: a daemon-side build (prewarm); it is owned by its build task, not a session.
         owner = session.session_id if session is not None else DAEMON_OWNER
         raw = secrets.token_bytes(32)  # one getrandom for the id and the secret token
-        pub = Publication(raw[:8].hex(), raw[8:].hex(), key, owner, None)
+        pub = Publication(raw[:8].hex(), raw[8:].hex(), key, owner, None, channel=channel, durable=durable)
+        max_file_bytes = overlap_file_bytes(sum(_nbytes(s) for s in specs)) if overlap else None
         self._by_key[key] = pub
         self._by_id[pub.publication_id] = pub
         phase = self._on_phase
         try:
             if self._gate is not None:
                 began = loop.time()
-                pub.ticket = await self._gate.admit(key, specs, deadline - loop.time())
+                pub.ticket = await self._gate.admit(key, specs, deadline - loop.time(), max_file_bytes)
                 if phase is not None:
                     phase("admission", loop.time() - began)
             ticket = pub.ticket
 
-            def stage() -> Staging:  # one worker hop: free the evicted bytes, then stage
+            def stage() -> tuple[Staging, ReuseSource | None]:  # one worker hop: free, stage, open the base
                 if ticket is not None and not ticket.purge_after_commit:
                     self._gate.purge_sync(ticket.take_trash())
-                return self._store.begin(identity, specs, format_metadata=format_metadata)
+                source = self._open_reuse(reuse_base, reuse, specs) if reuse_base and reuse else None
+                try:
+                    return self._store.begin(identity, specs, format_metadata=format_metadata,
+                                             max_file_bytes=max_file_bytes), source
+                except BaseException:
+                    if source is not None:
+                        source.close()
+                    raise
 
             began = loop.time()
-            pub.staging = await loop.run_in_executor(self._commit_pool, stage)
+            pub.staging, pub.reuse = await loop.run_in_executor(self._commit_pool, stage)
             if self._gate is not None:
                 self._gate.allocated(pub.ticket)
         except BaseException:
@@ -206,6 +266,19 @@ class Publications:
         if session is not None:
             session.publications.add(pub.publication_id)
         return BeginResult("staged", key, pub)
+
+    def _open_reuse(self, base: str, names: Sequence[str], specs: Sequence[TensorSpec]) -> ReuseSource | None:
+        """The base's ``ReuseSource`` (blocking); None when the base cannot be read any more
+        (evicted, denied): the writer then writes every tensor. A request that names tensors
+        the base does not have as specified is ``InvalidRequest``."""
+        try:
+            record = self._store.lookup(base)
+            fds = self._store.open_payloads(record)
+        except InvalidRequest:
+            raise
+        except HwrError:
+            return None
+        return open_reuse(record, fds, list(names), {s.name: s for s in specs})
 
     def get(self, session: Session, publication_id: str, token: str | None = None) -> Publication:
         pub = self._by_id.get(publication_id)
@@ -226,8 +299,33 @@ class Publications:
             raise PublicationFailed("the publication is no longer accepting writes")
         return pub
 
-    def staging_paths(self, session: Session, publication_id: str, token: str) -> list[Path]:
+    def writable_publication(self, session: Session, publication_id: str, token: str) -> Publication:
+        """``staged_publication`` whose writer has handed no file over: once one was (it is
+        being hashed), no writable staging descriptor is handed out again (``store.prehash``)."""
         pub = self.staged_publication(session, publication_id, token)
+        if pub.prehashed:
+            raise PublicationFailed("files of this publication were handed over; its staging descriptors "
+                                    "are not handed out again")
+        return pub
+
+    def file_done(self, session: Session, publication_id: str, token: str, index: int) -> None:
+        """The writer handed file ``index`` over (it closed its descriptor of it): prove that and
+        hash the file in the background while the rest is written (``store.prehash``; the
+        commit uses the result). Returns at once. A memfd-staged (small) publication is hashed
+        at commit only: it is refused here, as is a file handed over twice."""
+        pub = self.staged_publication(session, publication_id, token)
+        files = pub.staging.plans
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(files):
+            raise InvalidRequest("file_index is out of range", details={"field": "file_index"})
+        if self.memfd_staging is not None and self.memfd_staging.eligible(pub.staging):
+            raise InvalidRequest("a small publication is hashed at its commit", details={"field": "file_index"})
+        if index in pub.prehashed:
+            raise InvalidRequest("that file was handed over already", details={"file_index": index})
+        loop = asyncio.get_running_loop()
+        pub.prehashed[index] = loop.run_in_executor(self._prehash_pool, prehash, pub.staging, index, pub.reuse)
+
+    def staging_paths(self, session: Session, publication_id: str, token: str) -> list[Path]:
+        pub = self.writable_publication(session, publication_id, token)
         return [Path(path) for _name, path, _size in pub.staging.files]
 
     async def commit(
@@ -252,18 +350,38 @@ class Publications:
         paths = [Path(path) for _n, path, _s in pub.staging.files]
         loop = asyncio.get_running_loop()
         began = loop.time()
+        # Files hashed while the rest was written: the commit takes their descriptors (and
+        # closes them, whatever happens); one whose hashing failed is hashed by the commit.
+        jobs, pub.prehashed = list(pub.prehashed.values()), {}
+        try:
+            prehashed = await handover.collect(jobs)
+        except BaseException:  # cancelled: the publication fails (collect released the rest)
+            self._finish(pub, PubState.FAILED)
+            raise
 
         def checks_and_commit() -> tuple[bool, Any]:
             """One worker hop: the quick checks, then the commit. A failed check leaves the
             publication STAGED (the writer may close its descriptor and retry); a failed commit
             fails it. Commits (hashing, fsyncs) run on their own threads: in the loop's default
             executor they would make every quick hop (acquire lookups) queue behind an fsync."""
-            opened: dict[str, int] = {}  # checked descriptors, hashed through by the commit
+            opened: dict[str, int] = {name: done.fd for name, done in prehashed.items()}
             try:
                 if self.memfd_staging is not None:  # memfd staging: copy it into the files first
                     self.memfd_staging.drain(pub.publication_id, pub.staging)
-                for path in paths:
-                    opened[path.name] = open_sole(path)
+                for index, path in enumerate(paths):
+                    if path.name in opened:
+                        continue
+                    if pub.reuse is not None and pub.reuse.covers(pub.staging.plans[index]):
+                        # hwrd's own copy of the reused tensors (after the sole-opener proof)
+                        done = prehash(pub.staging, index, pub.reuse)
+                        if done is None:
+                            opened[path.name] = open_sole(path)  # raises when a writer holds it
+                            raise PublicationFailed("the reused tensors could not be copied from the base",
+                                                    details={"file": path.name, "base": pub.reuse.base_key})
+                        prehashed[done.name] = done
+                        opened[path.name] = done.fd
+                    else:
+                        opened[path.name] = open_sole(path)
                 existed = self._exists(pub.key)
             except BaseException as exc:
                 for fd in opened.values():
@@ -271,7 +389,7 @@ class Publications:
                 return False, exc
             record = self._store.commit(  # closes ``opened``
                 pub.staging, expected_tensor_sha256=dict(expected) or None, trusted_digests=trusted_digests,
-                opened=opened)
+                opened=opened, durable=pub.durable, prehashed=prehashed)
             ticket = pub.ticket
             if ticket is not None and ticket.purge_after_commit:
                 # The commit's artifacts/ fsync started after these were retired: delete now.
@@ -287,6 +405,12 @@ class Publications:
             pub.state = PubState.STAGED
             raise outcome
         existed, record = outcome
+        if pub.channel is not None and self.channels is not None:
+            try:  # still building: the key cannot be evicted before the channel protects it
+                await self.channels.set(pub.channel, record.key, set_by="publication")
+            except BaseException:
+                self._finish(pub, PubState.COMMITTED)  # the artifact is committed all the same
+                raise
         if self._on_phase is not None:  # with _finish below in one loop step: scrapes agree
             self._on_phase("writing", max(0.0, began - pub.started_at))
             self._on_phase("commit", loop.time() - began)
@@ -308,6 +432,10 @@ class Publications:
             return False
         pub.state = PubState.ABORTED
         try:
+            if pub.prehashed:
+                # The abort truncates the staging files: never under a file hwrd still hashes
+                # (through a mapping, a truncated page is a SIGBUS) or copies reused bytes into.
+                await asyncio.wait([asyncio.shield(f) for f in pub.prehashed.values()])
             await asyncio.to_thread(self._store.abort, pub.staging)
         finally:
             self._finish(pub, PubState.ABORTED)
@@ -341,6 +469,10 @@ class Publications:
     def _finish(self, pub: Publication, state: PubState) -> None:
         if pub.done.is_set():
             return
+        jobs, pub.prehashed = list(pub.prehashed.values()), {}
+        handover.release(jobs)  # an abort or cancel: nothing takes their descriptors
+        if pub.reuse is not None:  # once no hashing job reads the base any more
+            handover.after_all(jobs, pub.reuse.close)
         if self.memfd_staging is not None:
             self.memfd_staging.discard(pub.publication_id)
         if self._gate is not None and pub.ticket is not None:
@@ -354,3 +486,11 @@ class Publications:
         if self._by_key.get(pub.key) is pub:
             del self._by_key[pub.key]
         pub.done.set()
+
+
+def _nbytes(spec: TensorSpec) -> int:
+    count = 1
+    for d in spec.shape:
+        count *= d
+    return count * spec.info.itemsize
+

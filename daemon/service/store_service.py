@@ -190,8 +190,9 @@ class StoreService:
         return self.evictor.settled
 
     # ------------------------------------------------------------------ publication gate
-    async def admit(self, key: str, specs: Sequence[TensorSpec], wait_timeout: float) -> Ticket:
-        return await self.gate.admit(key, specs, wait_timeout)
+    async def admit(self, key: str, specs: Sequence[TensorSpec], wait_timeout: float,
+                    max_file_bytes: int | None = None) -> Ticket:
+        return await self.gate.admit(key, specs, wait_timeout, max_file_bytes)
 
     def purge_sync(self, trash: list[Path]) -> None:
         """Delete retired artifacts' bytes now, in the calling (worker) thread (one directory

@@ -10,6 +10,9 @@ renames the directory into ``artifacts/`` [renamed], makes it 0555 and fsyncs ``
 after it a complete artifact (a directory still at its staging mode is finished at start:
 ``recovery.finish_interrupted_publication``).
 
+Non-durable commits (``durable=False``) skip every fsync and mark the key in ``volatile/``
+before the rename, so the next start removes the artifact (``hwr.daemon.store.volatile``).
+
 Install rules: an operator's deny refuses the commit (``ArtifactDenied``); a corruption deny is
 replaced (the old directory quarantined, the deny cleared after the rename). A key already
 present with the same content is joined (its record returned); with other content it stays and
@@ -33,12 +36,14 @@ from hwr.client.manifest import Manifest, ReadyMarker
 from hwr.daemon.store import fileio as store_io
 from hwr.daemon.store.denylist import DenyList, publication_may_replace
 from hwr.daemon.store.keylocks import KeyLocks
+from hwr.daemon.store.prehash import PreHashed
 from hwr.daemon.store.records import RecordCache
 from hwr.daemon.store.sealing import seal
 from hwr.daemon.store.staging import ProducerDigests, Staging, TensorSpec, plan_payloads, write_tensor
 from hwr.daemon.store.staging_bounds import StagingReaper
 from hwr.daemon.store.usage import UsageLedger
 from hwr.daemon.store.validation import ArtifactRecord, record_for_commit
+from hwr.daemon.store.volatile import VolatileSet
 
 if TYPE_CHECKING:
     import torch
@@ -65,6 +70,7 @@ class Publisher:
         usage: UsageLedger,
         artifacts_sync: store_io.GroupSync,
         reaper: StagingReaper,
+        volatile: VolatileSet,
         unique: Callable[[], str],
         require_open: Callable[[], None],
         step: Callable[[str], None],
@@ -77,6 +83,7 @@ class Publisher:
         self._usage = usage
         self._artifacts_sync = artifacts_sync
         self._reaper = reaper
+        self._volatile = volatile
         self._unique = unique
         self._require_open = require_open
         self._step = step
@@ -161,6 +168,8 @@ class Publisher:
         expected_tensor_sha256: Mapping[str, str] | None = None,
         trusted_digests: ProducerDigests | None = None,
         opened: dict[str, int] | None = None,
+        durable: bool = True,
+        prehashed: Mapping[str, PreHashed] | None = None,
     ) -> ArtifactRecord:
         """Validate, hash and atomically publish ``staging``; returns the committed (or joined) record.
 
@@ -171,7 +180,10 @@ class Publisher:
         producer computed while writing (see ``ProducerDigests`` for why that is sound); when they
         cover the staging exactly, the payloads are not re-read and re-hashed. ``opened``:
         read-only descriptors of payload files by name (``exclusive.open_sole``'s), used instead
-        of opening them again; the commit closes them in every case.
+        of opening them again; the commit closes them in every case. ``durable`` False: nothing
+        is fsynced and the artifact is removed at the store's next open (``volatile``); a key
+        already present is joined as it is (durable or not). ``prehashed``: files hashed after
+        their writer handed them over (``prehash``; their descriptors are in ``opened``).
         """
         opened = dict(opened or {})
         try:
@@ -181,8 +193,9 @@ class Publisher:
                     raise InvalidRequest("unknown or finished staging", details={"staging": staging.id})
             try:
                 self._step("payload_written")
-                manifest, marker = seal(staging, expected_tensor_sha256, trusted_digests, opened, self._step)
-                return self._install(staging, manifest, marker)
+                manifest, marker = seal(staging, expected_tensor_sha256, trusted_digests, opened, self._step,
+                                        durable=durable, prehashed=prehashed)
+                return self._install(staging, manifest, marker, durable)
             except HwrError:
                 raise  # several typed errors are also OSError subclasses; keep their type
             except OSError as exc:
@@ -193,7 +206,7 @@ class Publisher:
             for fd in opened.values():  # those seal did not take
                 os.close(fd)
 
-    def _install(self, staging: Staging, manifest: Manifest, marker: ReadyMarker) -> ArtifactRecord:
+    def _install(self, staging: Staging, manifest: Manifest, marker: ReadyMarker, durable: bool) -> ArtifactRecord:
         key = staging.key
         target = self._artifacts / key
         with self._keys.hold(key):
@@ -207,11 +220,16 @@ class Publisher:
                         return existing  # joined: another publisher committed the same bytes first
                     raise IdentityCollision(f"artifact {key} exists with different content", details={"key": key})
                 self._denied.quarantine(target, "replaced", key)
+            if durable:
+                self._volatile.clear(key, durable=True)  # a marker left behind must not drop it at a restart
+            else:
+                self._volatile.mark(key)  # durably, before the rename: see ``volatile``
             with self._usage.moved(key, sum(f.size for f in manifest.files)):
                 store_io.rename(staging.path, target)
             self._step("renamed")
             os.chmod(target, 0o555)
-            self._artifacts_sync.sync()  # group commit: see store_io.GroupSync for the ordering
+            if durable:
+                self._artifacts_sync.sync()  # group commit: see store_io.GroupSync for the ordering
             self._step("dir_fsynced")
             if code is not None:
                 self._records.allow(key)

@@ -26,6 +26,7 @@ from hwr.daemon.store import fileio as store_io
 from hwr.daemon.store.keylocks import KeyLocks
 from hwr.daemon.store.records import RecordCache
 from hwr.daemon.store.usage import UsageLedger
+from hwr.daemon.store.volatile import VolatileSet
 
 __all__ = ["TRASH_INFIX", "Retirement"]
 
@@ -53,8 +54,10 @@ class Retirement:
         usage: UsageLedger,
         artifacts_sync: store_io.GroupSync,
         unique: Callable[[], str],
+        volatile: VolatileSet,
     ) -> None:
         self._artifacts = root / "artifacts"
+        self._volatile = volatile
         self._tmp = root / "tmp"
         self._records = records
         self._keys = keys
@@ -81,6 +84,7 @@ class Retirement:
                     store_io.move_out(path, trash)
             except OSError as exc:
                 raise store_io.io_error(exc, "remove") from None
+            self._volatile.clear(key)  # under the key's lock: a new commit of the key marks after
             mark = self._artifacts_sync.mark()  # after the rename: any round started later covers it
             with self._lock:
                 self._marks[trash] = mark

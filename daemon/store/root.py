@@ -9,6 +9,7 @@ Layout (the same names as vLLM-Omni 0.30, so one of its roots can be adopted)::
     <root>/tmp/<key>.<pid>.<uuid>/     staging (and trash being deleted); wiped at every start
     <root>/quarantine/<key>.<reason>.<uuid>/   corrupt artifacts moved aside for inspection
     <root>/deny/<key>.json             deny marker: schema_version, stage, reason, message
+    <root>/volatile/<key>              marker of a non-durable artifact: removed at the next open
 
 ``Store`` is the one entry point: it checks keys and the open state, then dispatches to the
 collaborators that each own one concept, its state and its lock:
@@ -21,6 +22,7 @@ collaborators that each own one concept, its state and its lock:
 ``denylist``      ``DenyList``: deny markers and quarantine moves
 ``retirement``    ``Retirement``: retire into trash, delete the trash once durable
 ``keylocks``      ``KeyLocks``: per-key mutual exclusion
+``volatile``      ``VolatileSet``: markers of non-durable artifacts, dropped at the next open
 
 Publication steps (``FAULT_HOOK`` is called with each name of ``PUBLICATION_STEPS``, in order)
 are described in ``publication``. A crash before the rename leaves only staging (wiped at the
@@ -58,6 +60,7 @@ from hwr.daemon.store import recovery
 from hwr.daemon.store.denylist import CORRUPTION_CODES, OPERATOR_DENIED, DenyList
 from hwr.daemon.store.domain import ensure_domain
 from hwr.daemon.store.keylocks import KeyLocks
+from hwr.daemon.store.prehash import PreHashed
 from hwr.daemon.store.publication import Publisher
 from hwr.daemon.store.records import RecordCache
 from hwr.daemon.store.retirement import Retirement
@@ -66,6 +69,7 @@ from hwr.daemon.store.staging_bounds import StagingReaper
 from hwr.daemon.store.usage import UsageLedger, listing_changes, scan_sizes
 from hwr.daemon.store.validation import ArtifactRecord, Fingerprint
 from hwr.daemon.store.verification import verify
+from hwr.daemon.store.volatile import VolatileSet
 from hwr.daemon.system import fsguard
 
 if TYPE_CHECKING:
@@ -97,7 +101,7 @@ PUBLICATION_STEPS = (
     "renamed",
     "dir_fsynced",
 )
-_SUBDIRS = ("locks", "artifacts", "tmp", "quarantine", "deny")
+_SUBDIRS = ("locks", "artifacts", "tmp", "quarantine", "deny", "volatile")
 
 
 def _step(name: str) -> None:
@@ -151,6 +155,7 @@ class Store:
         self._usage = UsageLedger()
         self._denied = DenyList(root, self._usage)
         self._records = RecordCache(root, self.euid, self._denied, self._keys, self._usage)
+        self._volatile = VolatileSet(root / "volatile")
         self._publisher = Publisher(
             root,
             records=self._records,
@@ -159,6 +164,7 @@ class Store:
             usage=self._usage,
             artifacts_sync=self._artifacts_sync,
             reaper=self.reaper,
+            volatile=self._volatile,
             unique=self._unique,
             require_open=self._require_open,
             step=_step,
@@ -170,6 +176,7 @@ class Store:
             usage=self._usage,
             artifacts_sync=self._artifacts_sync,
             unique=self._unique,
+            volatile=self._volatile,
         )
 
     # ----------------------------------------------------------------- lifecycle
@@ -212,6 +219,7 @@ class Store:
         ensure_domain(self.root, self.filesystem_type)
         recovery.remove_legacy_key_locks(self.root / "locks")
         recovery.wipe_tmp(self.root / "tmp")
+        self._volatile.drop_at_open(self.root / "artifacts")  # before validation: see ``volatile``
         self._denied.load()
         self.start_report.extend(
             recovery.validate_at_open(self.root / "artifacts", self.euid, self._denied, self._records)
@@ -277,12 +285,21 @@ class Store:
         expected_tensor_sha256: Mapping[str, str] | None = None,
         trusted_digests: ProducerDigests | None = None,
         opened: dict[str, int] | None = None,
+        durable: bool = True,
+        prehashed: Mapping[str, PreHashed] | None = None,
     ) -> ArtifactRecord:
         """``Publisher.commit``: validate, hash and atomically publish ``staging`` (its errors
-        are listed there); returns the committed (or joined) record."""
+        are listed there); returns the committed (or joined) record. ``durable`` False: no
+        fsync, and the artifact is removed at the next open (``volatile``); ``prehashed``:
+        files hashed while the rest was written (``prehash``)."""
         return self._publisher.commit(
-            staging, expected_tensor_sha256=expected_tensor_sha256, trusted_digests=trusted_digests, opened=opened
+            staging, expected_tensor_sha256=expected_tensor_sha256, trusted_digests=trusted_digests, opened=opened,
+            durable=durable, prehashed=prehashed,
         )
+
+    def is_volatile(self, key: str) -> bool:
+        """Whether ``key``'s artifact was committed non-durably (gone at the next open)."""
+        return key in self._volatile
 
     def take_added(self) -> list[str]:
         """Keys that became records (validated artifacts) since the last call, each once per

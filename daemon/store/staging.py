@@ -35,7 +35,31 @@ from hwr.daemon.store import fileio as store_io
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PayloadPlan", "ProducerDigests", "Staging", "TensorSpec", "plan_payloads", "write_tensor"]
+__all__ = [
+    "OVERLAP_MIN_FILE_BYTES",
+    "PayloadPlan",
+    "ProducerDigests",
+    "Staging",
+    "TensorSpec",
+    "overlap_file_bytes",
+    "plan_payloads",
+    "write_tensor",
+]
+
+#: Publications hashed while they are written (``overlap_file_bytes``) use files of at least this
+#: many tensor bytes (fewer, larger files for larger artifacts: at most about 16).
+OVERLAP_MIN_FILE_BYTES = 32 << 20
+_OVERLAP_FILES = 16
+
+
+def overlap_file_bytes(total: int) -> int | None:
+    """The ``max_file_bytes`` of a publication hashed while it is written (pure, a function of
+    its tensor bytes only, so every revision of one model gets the same layout and a remote
+    node can re-plan it): about 16 files of at least ``OVERLAP_MIN_FILE_BYTES``; None (one
+    file) when the artifact is smaller than two of them."""
+    if total < 2 * OVERLAP_MIN_FILE_BYTES:
+        return None
+    return max(OVERLAP_MIN_FILE_BYTES, -(-total // _OVERLAP_FILES))
 
 
 @dataclass(frozen=True)
@@ -208,15 +232,18 @@ class ProducerDigests:
     of its bytes. ``Store.commit(trusted_digests=...)`` then builds the manifest from them
     instead of re-reading and re-hashing every payload byte.
 
-    Trust argument: only ``hwr.daemon.producers`` (code of this package, run by the daemon as the
-    daemon's own uid, started from the daemon's interpreter, fed descriptors the daemon opened)
-    reports these; no client can. Such a producer can already write any bytes it likes into the
-    staging, so lying about their digests gives it nothing it did not have: the manifest it
-    would produce describes bytes that a later ``verify`` or scrub re-hashes and, on mismatch,
-    quarantines (tested). A daemon re-hash at commit would not catch more anyway: it reads the
-    same page-cache pages the producer just wrote, so neither catches a corruption on the way to
-    the disk. Limits: a bug in the producer's hashing, or a page corrupted in memory between the
-    write and the commit, is caught only by ``verify``/scrub, not at commit; client
+    Trust argument: only daemon-owned writers report these, never a client:
+    ``hwr.daemon.producers`` (code of this package, run by the daemon as the daemon's own uid,
+    started from the daemon's interpreter, fed descriptors the daemon opened) and the fleet
+    tier's pull (``hwr.daemon.fleet.sink``: the daemon's own threads hash the very buffers they
+    write into a staging only they hold; the remote's manifest digests are then compared with
+    these as ``expected``, so a remote's bytes are still checked). Such a writer can already
+    write any bytes it likes into the staging, so lying about their digests gives it nothing it
+    did not have: the manifest it would produce describes bytes that a later ``verify`` or scrub
+    re-hashes and, on mismatch, quarantines (tested). A daemon re-hash at commit would not catch
+    more anyway: it reads the same page-cache pages the writer just wrote, so neither catches a
+    corruption on the way to the disk. Limits: a bug in the writer's hashing, or a page corrupted
+    in memory between the write and the commit, is caught only by ``verify``/scrub, not at commit; client
     publications (untrusted writers) never use this path. The headers, sizes and file set are
     still validated at commit as for any publication.
     """

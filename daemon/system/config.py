@@ -104,6 +104,9 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     remote_endpoint_url: str = ""
     remote_region: str = ""
     remote_push: bool = True  # upload local publications to the remote (when one is set)
+    # A pull that receives no byte from the remote for this long is stopped and its waiters fail
+    # (RemoteUnavailable, reason STALLED); a pull that advances is never cut short.
+    remote_stall_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.socket_mode <= 0o777:
@@ -123,7 +126,7 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
                      "publication_deadline_s", "scrub_bandwidth_mib_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative", details={"key": name})
-        for name in ("scrub_interval_s", "housekeeping_interval_s"):
+        for name in ("scrub_interval_s", "housekeeping_interval_s", "remote_stall_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive", details={"key": name})
         if self.memfd_staging_max_bytes < 0:

@@ -22,6 +22,10 @@ Exposed (all names prefixed ``hwr_``)::
                                    miss | invalid | unavailable | denied | failed
     remote_pushes_total{outcome}   counter  pushed | already_present | skipped | unavailable | failed
     remote_pulled_bytes_total, remote_pushed_bytes_total  counters  payload bytes moved
+    channels                       gauge    channels on the node
+    channel_watchers               gauge    watches of channels open now (all channels)
+    channels_non_durable           gauge    channels pointing to a non-durable artifact now
+    channel_switches_total         counter  channel changes since start (sets, commits, fallbacks)
     acquire_duration_seconds       histogram  Acquire handling time, successful acquires only
     publication_phase_seconds{phase}  histogram  where a publication's time goes, per phase:
                                    admission (identity slot + capacity reservation, including

@@ -9,10 +9,18 @@ vLLM-Omni rejects unknown diffusion config keys, so the daemon's address cannot 
 
        {"socket": "/run/hwrd/hwrd.sock"}
 
-   Fields: ``socket`` (absolute path of hwrd's gRPC socket, required) and ``connect_timeout_s``
-   (positive number, default 10). Unknown fields are rejected so a typo is never silently
-   ignored. JSON rather than TOML so that the file cannot be mistaken for hwrd's own
+   Fields: ``socket`` (absolute path of hwrd's gRPC socket, required), ``connect_timeout_s``
+   (positive number, default 10) and ``preferred_pull`` (below). Unknown fields are rejected so
+   a typo is never silently ignored. JSON rather than TOML so that the file cannot be mistaken for hwrd's own
    ``hwrd.toml`` daemon configuration.
+
+``preferred_pull`` (marker field, or ``HWR_PREFERRED_PULL``, which wins): what a ``preferred``
+start does when hwrd is pulling its artifact from the fleet tier's remote (or would pull it).
+``"wait"`` (the default) waits for the pull while it advances, logging its progress, as a
+``required`` start always does: on a new node the pull of the final layout is the fast path,
+and falling back would start a second, larger transfer (the canonical checkpoint) that competes
+with it for the network and the disk. ``"fallback"`` loads canonically at once and leaves the
+pull running for the next start: for nodes whose canonical checkpoint is local and warm.
 
 ``HWR_VLLM_PLUGIN=0`` turns the plugin off in a process whatever else is set. With neither the
 variable nor the marker, the plugin leaves vLLM-Omni's own filesystem store in place.
@@ -24,6 +32,7 @@ marker is read once per ``HostWeightRuntime`` construction; it is not watched.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import stat
@@ -35,10 +44,13 @@ import msgspec
 
 from hwr.client.errors import ConfigError
 
-__all__ = ["ENV_DISABLE", "ENV_SOCKET", "MARKER_FILE", "DaemonTarget", "plugin_disabled", "resolve_target"]
+__all__ = ["ENV_DISABLE", "ENV_PREFERRED_PULL", "ENV_SOCKET", "MARKER_FILE", "PREFERRED_PULL", "DaemonTarget",
+           "plugin_disabled", "resolve_target"]
 
 ENV_SOCKET = "HWR_SOCKET"
 ENV_DISABLE = "HWR_VLLM_PLUGIN"
+ENV_PREFERRED_PULL = "HWR_PREFERRED_PULL"
+PREFERRED_PULL = ("wait", "fallback")
 MARKER_FILE = "hwrd.json"
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 _MAX_MARKER_BYTES = 64 * 1024
@@ -47,15 +59,18 @@ _MAX_MARKER_BYTES = 64 * 1024
 class _Marker(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     socket: str
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    preferred_pull: str = "wait"
 
 
 @dataclass(frozen=True)
 class DaemonTarget:
-    """One hwrd to use: its socket, where that came from (for messages), the connect timeout."""
+    """One hwrd to use: its socket, where that came from (for messages), the connect timeout,
+    and whether a ``preferred`` start waits for a pull (``preferred_pull``)."""
 
     socket: Path
     origin: str
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    preferred_pull: str = "wait"
 
 
 def plugin_disabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -68,11 +83,18 @@ def resolve_target(root: Path | str | None, environ: Mapping[str, str] | None = 
     env = os.environ if environ is None else environ
     if plugin_disabled(env):
         return None
+    choice = env.get(ENV_PREFERRED_PULL, "").strip().lower()
+    if choice and choice not in PREFERRED_PULL:
+        raise ConfigError(f"${ENV_PREFERRED_PULL} must be 'wait' or 'fallback'", details={"field": ENV_PREFERRED_PULL})
     if env.get(ENV_SOCKET):
-        return DaemonTarget(Path(env[ENV_SOCKET]), f"${ENV_SOCKET}")
-    if root is None:
+        target: DaemonTarget | None = DaemonTarget(Path(env[ENV_SOCKET]), f"${ENV_SOCKET}")
+    elif root is None:
         return None
-    return read_marker(Path(root).expanduser() / MARKER_FILE)
+    else:
+        target = read_marker(Path(root).expanduser() / MARKER_FILE)
+    if target is not None and choice:
+        target = dataclasses.replace(target, preferred_pull=choice)
+    return target
 
 
 def read_marker(path: Path) -> DaemonTarget | None:
@@ -99,4 +121,7 @@ def read_marker(path: Path) -> DaemonTarget | None:
     if not math.isfinite(timeout) or timeout <= 0:
         raise ConfigError(f"{path}: 'connect_timeout_s' must be a positive number",
                           details={"file": str(path), "field": "connect_timeout_s"})
-    return DaemonTarget(Path(marker.socket), str(path), float(timeout))
+    if marker.preferred_pull not in PREFERRED_PULL:
+        raise ConfigError(f"{path}: 'preferred_pull' must be 'wait' or 'fallback'",
+                          details={"file": str(path), "field": "preferred_pull"})
+    return DaemonTarget(Path(marker.socket), str(path), float(timeout), marker.preferred_pull)

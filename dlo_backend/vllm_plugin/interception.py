@@ -105,4 +105,5 @@ def _from_config(original: Any, klass: Any, config: Any, observer: Any, publicat
 
     log.info("Host Weight Runtime (%s) resolves through hwrd at %s (from %s)",
              config.mode.value, target.socket, target.origin)
-    return klass(config, HwrdHostWeightStore(target), observer=observer, publication_observer=publication_observer)
+    store = HwrdHostWeightStore(target, mode=config.mode.value)
+    return klass(config, store, observer=observer, publication_observer=publication_observer)

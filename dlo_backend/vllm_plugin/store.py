@@ -32,6 +32,12 @@ guarantee: it hashed every byte once at publication (or adoption) and keeps payl
 (0444 files in a private 0700 store, read-only mappings), so a warm lease does not re-read the
 bytes. FS_VERITY is reported UNSUPPORTED, like vLLM-Omni's own store.
 
+A lookup of an artifact that hwrd is pulling from its fleet tier's remote (or pulls because of
+this lookup) waits for the pull while it advances, and logs its progress (``PullLog``): a
+``required`` start always, a ``preferred`` one unless ``preferred_pull`` is ``"fallback"``
+(``config``), in which case the lookup is a MISS at once (the pull goes on for the next start)
+and ``get_or_build`` answers TIMEOUT instead of building and publishing what the pull brings.
+
 Publication carries the producer's ``format_metadata`` into hwrd's manifest unchanged.
 Limits: ``LeaseProvenance.publication_id`` is the hwrd lease id and
 ``domain_uuid`` names the daemon's socket (hwrd exposes no publication id to clients).
@@ -68,6 +74,7 @@ from vllm_omni.host_weight_runtime import (
 )
 
 from hwr.client import connect
+from hwr.client.acquisition import PullProgress
 from hwr.client.client import Client
 from hwr.client.errors import (
     ActiveBuildTimeout,
@@ -86,7 +93,7 @@ from hwr.client.lease import Lease
 from hwr.dlo_backend.vllm_plugin.config import DaemonTarget
 from hwr.dlo_backend.vllm_plugin.writer import CollectingWriter, WriterError
 
-__all__ = ["HwrdHostWeightStore", "failure_from_error", "to_hwr_identity"]
+__all__ = ["HwrdHostWeightStore", "PullLog", "failure_from_error", "to_hwr_identity"]
 
 log = logging.getLogger("hwr.vllm_plugin")
 
@@ -145,11 +152,34 @@ def _remaining(deadline: float | None, floor: float = 0.5) -> float | None:
     return None if deadline is None else max(floor, deadline - time.monotonic())
 
 
-class HwrdHostWeightStore:
-    """``HostWeightStore`` over one hwrd; thread-safe; one hwrd session per process."""
+class PullLog:
+    """Logs the pull an acquire waits for: its start, then at most every ``every_s``."""
 
-    def __init__(self, target: DaemonTarget, *, client_name: str | None = None) -> None:
+    def __init__(self, key: str, mode: str, every_s: float = 5.0) -> None:
+        self._key, self._mode, self._every = key, mode, every_s
+        self._last = 0.0
+        self.reports = 0
+
+    def __call__(self, progress: PullProgress) -> None:
+        now = time.monotonic()
+        if self.reports and now - self._last < self._every:
+            return
+        self._last = now
+        self.reports += 1
+        share = f"{progress.done_bytes >> 20} of {progress.total_bytes >> 20} MiB ({100 * progress.fraction:.0f}%)"
+        log.info("Host Weight Runtime (%s) waits for hwrd's pull of artifact %s from %s: %s, %s",
+                 self._mode, self._key[:16], progress.remote, progress.phase, share)
+
+
+class HwrdHostWeightStore:
+    """``HostWeightStore`` over one hwrd; thread-safe; one hwrd session per process. ``mode``:
+    vLLM-Omni's runtime mode (``preferred``/``required``), for the pull choice and the logs."""
+
+    def __init__(self, target: DaemonTarget, *, client_name: str | None = None, mode: str = "required") -> None:
         self.target = target
+        self.mode = mode
+        self.wait_for_pull = mode != "preferred" or target.preferred_pull == "wait"
+        self._pulling: set[str] = set()  # keys whose last lookup missed because hwrd pulls them
         self._client_name = client_name or f"vllm-omni-{os.getpid()}"
         self._lock = threading.Lock()
         self._client: Client | None = None
@@ -205,6 +235,11 @@ class HwrdHostWeightStore:
         initial = self.lookup(identity, validation=validation, deadline=deadline)
         if initial.status is not StoreStatus.MISS and initial.status is not StoreStatus.INVALID:
             return initial
+        if initial.status is StoreStatus.MISS and identity.key in self._pulling:  # preferred_pull = fallback
+            return StoreResult(StoreStatus.TIMEOUT, failure=_failure(
+                ResolutionStage.PRODUCTION, FailureCode.ACTIVE_BUILD_TIMEOUT,
+                f"hwrd is pulling artifact {identity.key[:16]} from its remote; not building it again "
+                "(the next start is warm)", retryable=True))
         writer = CollectingWriter()
         try:
             metadata = producer.produce(writer)
@@ -258,10 +293,16 @@ class HwrdHostWeightStore:
             client = self._session()
             # By key: the daemon's manifest carries the identity, and HostWeightLease below
             # rejects it unless its canonical bytes equal the requested identity's.
-            lease = client.acquire(identity.key, timeout=_remaining(deadline))
+            lease = client.acquire(identity.key, timeout=_remaining(deadline), wait_for_pull=self.wait_for_pull,
+                                   on_pull=PullLog(identity.key, self.mode))
         except HwrError as exc:
             if client is not None and isinstance(exc, DaemonUnavailable):
                 self._drop_session(client)
+            with self._lock:
+                if isinstance(exc, ArtifactNotFound) and exc.details.get("pulling"):
+                    self._pulling.add(identity.key)
+                else:
+                    self._pulling.discard(identity.key)
             return _result_for_error(exc, ResolutionStage.LOOKUP, self.target)
         try:
             return StoreResult(StoreStatus.HIT, lease=self._wrap(identity, lease, validation, origin))

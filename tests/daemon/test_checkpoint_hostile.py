@@ -7,7 +7,10 @@ hang a worker thread forever). Either must give a typed error while hwrd keeps s
 
 from __future__ import annotations
 
+import ctypes
 import os
+import select
+import struct
 import threading
 import time
 from pathlib import Path
@@ -22,6 +25,7 @@ from hwr.client.safetensors_header import DEFAULT_METADATA, plan_file
 from hwr.daemon.app.launcher import DaemonProcess
 
 GIB = 1 << 30
+HEADER_READS = 2  # read_header: the 8-byte length, then the header
 
 
 def sparse_checkpoint(directory: Path, nbytes: int) -> Path:
@@ -35,14 +39,40 @@ def sparse_checkpoint(directory: Path, nbytes: int) -> Path:
     return path
 
 
-def bytes_touched(pid: int) -> int:
-    """Bytes ``pid`` has read (``rchar``) plus its resident file-backed pages (``RssFile``):
-    grows while a file is hashed, whether through ``pread`` or through a mapping."""
-    with open(f"/proc/{pid}/io", encoding="ascii") as fh:
-        rchar = next(int(line.split()[1]) for line in fh if line.startswith("rchar:"))
-    with open(f"/proc/{pid}/status", encoding="ascii") as fh:
-        rss_file_kib = next(int(line.split()[1]) for line in fh if line.startswith("RssFile:"))
-    return rchar + rss_file_kib * 1024
+class FileReads:
+    """Counts the reads of one file by any process, from the kernel's ``IN_ACCESS`` inotify events.
+
+    A signal of the reading itself: importing modules, mapping libraries or reading other files
+    never counts. Identical events still queued are merged by the kernel, so the count is a lower
+    bound on the reads (one per drain at least while reads go on), never more than happened.
+    """
+
+    IN_ACCESS = 0x1
+    _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (then len bytes of name)
+
+    def __init__(self, path: Path) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if self._fd < 0:
+            raise OSError(ctypes.get_errno(), "inotify_init1")
+        if libc.inotify_add_watch(self._fd, os.fsencode(path), self.IN_ACCESS) < 0:
+            os.close(self._fd)
+            raise OSError(ctypes.get_errno(), f"inotify_add_watch {path}")
+        self.count = 0
+
+    def wait(self, timeout: float) -> int:
+        """Drain the events that arrive within ``timeout`` s (returns as soon as some did): the count."""
+        if select.select([self._fd], [], [], timeout)[0]:
+            data = os.read(self._fd, 64 << 10)
+            offset = 0
+            while offset < len(data):
+                _wd, mask, _cookie, name_len = self._EVENT.unpack_from(data, offset)
+                self.count += bool(mask & self.IN_ACCESS)
+                offset += self._EVENT.size + name_len
+        return self.count
+
+    def close(self) -> None:
+        os.close(self._fd)
 
 
 @pytest.mark.timeout(180)
@@ -58,13 +88,18 @@ def test_truncating_a_file_while_hwrd_hashes_it_is_checkpoint_modified(
         except BaseException as exc:
             outcome.append(exc)
 
-    before = bytes_touched(hwrd.pid)
+    reads = FileReads(path)
     thread = threading.Thread(target=register)
     thread.start()
     deadline = time.monotonic() + 60
-    while bytes_touched(hwrd.pid) - before < 256 << 20:  # hwrd is reading the file: mid-hash
-        assert time.monotonic() < deadline and thread.is_alive(), outcome
-        time.sleep(0.01)
+    try:
+        # The header check reads the file twice (its length, then the header); the hash reads it
+        # in 16 MiB chunks, 1024 of them. Past a few more reads than the header's, hwrd is hashing.
+        while reads.wait(0.05) < HEADER_READS + 8:
+            assert hwrd.proc is not None and hwrd.proc.poll() is None, "hwrd died before the hash"
+            assert time.monotonic() < deadline and thread.is_alive(), (reads.count, outcome)
+    finally:
+        reads.close()
     os.truncate(path, 4096)
     thread.join(150)
     assert not thread.is_alive()

@@ -15,7 +15,8 @@ from safetensors.torch import save_file
 from hwr.client.errors import InvalidRequest, ProducerFailed, ProducerTimeout
 from hwr.client.safetensors_header import read_header
 from hwr.daemon.producers import base, make_producer
-from hwr.daemon.producers.base import SourceReader, SourceTensor, TensorSink, row_blocks
+from hwr.daemon.producers.base import SourceTensor, row_blocks
+from hwr.daemon.producers.blocks import SourceReader, TensorSink
 from hwr.daemon.producers.runner import run_job
 from hwr.daemon.producers.tp_slice import parse_plan
 
@@ -122,3 +123,17 @@ def test_options_rebuild_the_same_producer(name: str, options: dict) -> None:
     producer = make_producer(name, options)
     again = make_producer(name, producer.options())
     assert again.options() == producer.options() and again.policy() == producer.policy()
+
+
+@pytest.mark.parametrize(("name", "options"), [
+    ("cast", {"dtype": "bf16"}), ("cast", {"dtype": "fp16"}),
+    ("tp-slice", {"tp_size": 2, "dtype": "bf16"}), ("tp-slice", {"tp_size": 2, "dtype": "fp32"}),
+])
+def test_the_representation_dtype_is_torchs_name_of_the_target(name: str, options: dict) -> None:
+    """The identity's representation dtype (part of the key) is torch's name of the target dtype,
+    read from the static dtype table so that the daemon, which plans and names builds, never
+    imports torch: the same names torch gives, so keys built before and after stay equal."""
+    producer = make_producer(name, options)
+    assert producer.target_dtype() == str(getattr(torch, producer.target_dtype())).removeprefix("torch.")
+    code = producer.options()["dtype"]
+    assert producer.target_dtype() == str(base.DTYPES[code].torch_dtype).removeprefix("torch.")

@@ -3,6 +3,9 @@
 Every ``import``/``from ... import`` in every module under ``daemon/`` counts: top-level, lazy
 (inside a function) and under ``TYPE_CHECKING`` alike, since a type-only import still ties the
 rooms together for a reader.
+
+Also here: no daemon module loads torch when it is imported (its module-level imports, followed
+through every first-party module they reach); only the producer process's modules may.
 """
 
 from __future__ import annotations
@@ -123,3 +126,117 @@ def test_every_room_is_a_package_in_the_distribution() -> None:
     packages = set(pyproject["tool"]["setuptools"]["packages"])
     assert {f"hwr.daemon.{room}" for room in RANK} <= packages
     assert {p.name for p in DAEMON.iterdir() if (p / "__init__.py").exists()} == set(RANK)
+
+
+# --- torch stays out of hwrd ----------------------------------------------------------------------
+#: The producer process's own modules (``python -m hwr.daemon.producers.worker``): they import torch.
+WORKER_SIDE = frozenset({"hwr.daemon.producers.worker", "hwr.daemon.producers.blocks"})
+#: Where each first-party package lives in the repository (``[tool.setuptools.package-dir]``).
+PACKAGE_DIRS = {"hwr.client": "client", "hwr.daemon": "daemon", "hwr.dlo_backend": "dlo_backend",
+                "hwr.protos": "protos", "hwr": "hwr"}
+
+
+def _source_of(dotted: str, repo: Path) -> Path | None:
+    """The file of a first-party module (``X.py`` or ``X/__init__.py``), None for anything else."""
+    for package, folder in PACKAGE_DIRS.items():
+        if dotted == package or dotted.startswith(package + "."):
+            base = repo / folder / Path(*dotted[len(package) + 1:].split(".")) if dotted != package else repo / folder
+            for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+                if candidate.is_file():
+                    return candidate
+            return None
+    return None
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _eager_imports(body: list[ast.stmt], module: str, is_package: bool) -> list[str]:
+    """What a module imports when it is imported: its module-level statements (inside ``if``,
+    ``try`` and ``with`` blocks too), not the bodies of functions nor ``if TYPE_CHECKING:``."""
+    found: list[str] = []
+    for node in body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found += [dotted for _line, dotted in _imported_modules(node, module, is_package)]
+            if isinstance(node, ast.ImportFrom):  # ``from a.b import c``: a.b runs even when c is a name
+                found += [dotted.rsplit(".", 1)[0] for _line, dotted in _imported_modules(node, module, is_package)]
+        elif isinstance(node, ast.If):
+            found += _eager_imports(node.orelse if _is_type_checking(node.test) else node.body + node.orelse,
+                                    module, is_package)
+        elif isinstance(node, ast.Try):
+            found += _eager_imports(node.body + node.orelse + node.finalbody
+                                    + [s for h in node.handlers for s in h.body], module, is_package)
+        elif isinstance(node, ast.With):
+            found += _eager_imports(node.body, module, is_package)
+    return found
+
+
+def eager_torch_imports(repo: Path) -> list[str]:
+    """Each daemon module (the worker's side excepted) whose import loads torch, with the chain
+    of module-level imports that leads there. Lazy imports (inside functions) are not followed:
+    tests/e2e/test_daemon_without_torch.py runs every operation of a real hwrd for those."""
+    cache: dict[str, list[str]] = {}
+
+    def imports_of(dotted: str) -> list[str]:
+        if dotted not in cache:
+            path = _source_of(dotted, repo)
+            if path is None:
+                cache[dotted] = []
+            else:
+                tree = ast.parse(path.read_text(), filename=str(path))
+                names = _eager_imports(tree.body, dotted, path.name == "__init__.py")
+                parts = dotted.split(".")  # importing a.b.c runs a and a.b first
+                cache[dotted] = [".".join(parts[:i]) for i in range(1, len(parts))] + names
+        return cache[dotted]
+
+    found = []
+    for path in sorted((repo / "daemon").rglob("*.py")):
+        rel = path.relative_to(repo / "daemon").with_suffix("")
+        parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+        start = ".".join(("hwr", "daemon", *parts))
+        if start in WORKER_SIDE:
+            continue
+        chains, seen = [[start]], {start}
+        while chains:
+            chain = chains.pop()
+            for name in imports_of(chain[-1]):
+                if name.split(".")[0] == "torch":
+                    found.append(" -> ".join([*chain, name]))
+                elif name not in seen:
+                    seen.add(name)
+                    chains.append([*chain, name])
+    return found
+
+
+def test_no_daemon_module_imports_torch_when_it_is_imported() -> None:
+    assert eager_torch_imports(DAEMON.parent) == []
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        ({"daemon/store/mod.py": "import torch\n"}, "hwr.daemon.store.mod -> torch"),
+        ({"daemon/store/mod.py": "try:\n    from torch import nn\nexcept ImportError:\n    pass\n"},
+         "hwr.daemon.store.mod -> torch"),
+        ({"daemon/rpc/mod.py": "from hwr.client.lease import Lease\n", "client/lease.py": "import torch\n"},
+         "hwr.daemon.rpc.mod -> hwr.client.lease -> torch"),
+        ({"daemon/producers/__init__.py": "from hwr.daemon.producers.blocks import SourceReader\n",
+          "daemon/producers/blocks.py": "import torch\n"}, "hwr.daemon.producers -> hwr.daemon.producers.blocks"),
+    ],
+)
+def test_the_torch_check_follows_module_level_imports(tmp_path: Path, files: dict[str, str], expected: str) -> None:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    found = eager_torch_imports(tmp_path)
+    assert found and all(expected in chain for chain in found), found
+
+
+def test_the_torch_check_skips_lazy_and_type_only_imports(tmp_path: Path) -> None:
+    (tmp_path / "daemon" / "store").mkdir(parents=True)
+    (tmp_path / "daemon" / "store" / "mod.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n"
+        "def f():\n    import torch\n")
+    assert eager_torch_imports(tmp_path) == []

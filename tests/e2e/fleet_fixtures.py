@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from hwr.daemon.app.launcher import DaemonProcess
+from hwr.daemon.app.launcher import DaemonProcess, RunAs
 
 #: Credentials of the test server: the standard chain's environment variables, never hwrd flags.
 S3_ENV = {"AWS_ACCESS_KEY_ID": "fleet-test-access", "AWS_SECRET_ACCESS_KEY": "fleet-test-secret-value",
@@ -91,10 +91,19 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
         server.stop()
 
 
-def node(base: Path, name: str, remote: str, *extra: str, endpoint: str = "") -> DaemonProcess:
-    """An unstarted hwrd "node" with its own root and socket under ``base``, on ``remote``."""
+def node(base: Path, name: str, remote: str, *extra: str, endpoint: str = "",
+         user: RunAs | None = None) -> DaemonProcess:
+    """An unstarted hwrd "node" with its own root and socket under ``base``, on ``remote``; as
+    ``user`` (the unit's unprivileged user, ``daemon_proc.HWRD``) on directories laid out like
+    the unit's (``daemon_proc.make_daemon``)."""
     args = ["--remote", remote, *(("--remote-endpoint-url", endpoint) if endpoint else ()), *extra]
-    return DaemonProcess(base / f"{name}-store", base / f"{name}.sock", *args, env=S3_ENV)
+    if user is None:
+        return DaemonProcess(base / f"{name}-store", base / f"{name}.sock", *args, env=S3_ENV)
+    from daemon_proc import make_daemon
+
+    base.chmod(0o755)
+    (base / name).mkdir(exist_ok=True)
+    return make_daemon(base / name, *args, user=user, env=S3_ENV)
 
 
 def artifact_dirs(root: Path) -> list[str]:
@@ -112,7 +121,8 @@ def staging_dirs(root: Path) -> list[str]:
 class SlowLink:
     """A TCP relay from 127.0.0.1:``port`` to the S3 server that moves at most ``rate`` bytes/s
     each way and counts the bytes: a slow network at the OS boundary, so a test can kill hwrd in
-    the middle of a transfer (``wait_bytes``) instead of racing a fast local one."""
+    the middle of a transfer (``wait_bytes``) instead of racing a fast local one, or stall it
+    (``pause``: connections stay open, nothing moves, until ``resume``)."""
 
     def __init__(self, target_port: int, rate: float) -> None:
         self.target_port = target_port
@@ -129,6 +139,8 @@ class SlowLink:
         import threading
 
         self._lock = threading.Lock()
+        self._moving = threading.Event()
+        self._moving.set()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -156,6 +168,9 @@ class SlowLink:
                 data = src.recv(64 * 1024)
                 if not data:
                     break
+                while not self._moving.wait(0.1):  # paused: hold the bytes, keep the connection
+                    if self._closed:
+                        return
                 dst.sendall(data)
                 moved += len(data)
                 with self._lock:
@@ -169,6 +184,12 @@ class SlowLink:
             with contextlib.suppress(OSError):
                 dst.shutdown(socket.SHUT_WR)
 
+    def pause(self) -> None:
+        self._moving.clear()
+
+    def resume(self) -> None:
+        self._moving.set()
+
     def wait_bytes(self, direction: str, nbytes: int, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         while self.sent[direction] < nbytes:
@@ -178,6 +199,7 @@ class SlowLink:
 
     def close(self) -> None:
         self._closed = True
+        self._moving.set()
         self._listener.close()
         with self._lock:
             for s in self._sockets:

@@ -3,13 +3,14 @@
 The transfer runs through ``SlowLink`` (a throttled TCP relay to the real S3 server), so the
 kill lands while bytes are moving, not by luck. After a kill during a push the remote has no
 READY.json (readers see nothing) and the node's to-push record makes the restarted daemon
-upload it again; after a kill during a pull the node's store holds no artifact and its staging
-is wiped at the restart.
+upload it again; after a kill during a pull the node's store holds no artifact, its staging
+is wiped at the restart, and the acquire that waited for the pull gets ``DaemonUnavailable`` at once.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 
 from hwr.client import connect
-from hwr.client.errors import HwrError
+from hwr.client.errors import DaemonUnavailable, HwrError
 
 from . import fleet_fixtures
 from .fleet_fixtures import S3Server, SlowLink, artifact_dirs, node, staging_dirs
@@ -87,22 +88,26 @@ def test_sigkill_during_pull_leaves_no_partial_artifact(crash_fleet: dict[str, A
     key = publish_on(a, "fleet/crash-pull", tensors)
     wait_ready(env["s3"], env["bucket"], key)
     b = start(env, "b", slow=True)
-    errors: list[BaseException] = []
+    errors: list[tuple[BaseException, float]] = []
 
     def acquire() -> None:
         try:
             with connect(b.socket) as client:
-                client.acquire(key, timeout=120).close()
+                client.acquire(key, timeout=120).close()  # a waiter for the pull
         except HwrError as exc:  # the daemon dies under the call
-            errors.append(exc)
+            errors.append((exc, time.monotonic()))
 
     worker = threading.Thread(target=acquire)
     worker.start()
     env["link"].wait_bytes("down", 8 * MIB)
     assert staging_dirs(b.root), "the pull should be writing its staging now"
     b.kill()  # SIGKILL mid-download
+    killed = time.monotonic()
     worker.join(60)
     assert errors, "the acquire cannot have succeeded"
+    error, when = errors[0]
+    assert isinstance(error, DaemonUnavailable), error  # a clear error: hwrd went away ...
+    assert when - killed < 30, when - killed  # ... at once, not at the acquire's timeout
     assert artifact_dirs(b.root) == []  # nothing committed
     assert remote_names(env, key) == ["READY.json", "manifest.json", "model-00001.safetensors"]  # untouched
     b = start(env, "b", slow=False)

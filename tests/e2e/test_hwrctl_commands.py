@@ -45,9 +45,10 @@ CASES: dict[str, Case] = {
     "remote": lambda c: (["ls"], 1),
     "pull": lambda c: ([c["key"]], 1),
     "push": lambda c: ([c["key"]], 1),
+    "channel": lambda c: (["ls"], 0),  # tests/e2e/test_channels.py runs every channel action
 }
 ORDER = ["status", "ls", "show", "leases", "completion", "verify", "pin", "unpin", "deny", "allow",
-         "checkpoints", "prewarm", "usage", "gc", "evict", "remote", "pull", "push"]
+         "checkpoints", "prewarm", "usage", "gc", "evict", "remote", "pull", "push", "channel"]
 
 
 def registered() -> list[str]:

@@ -48,7 +48,10 @@ def staging_entries(root: Path) -> list[str]:
 
 
 def producer_children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    # -ww: whole command lines. Without it ps may cut them at 80 columns (it does under pytest),
+    # which drops "producers.worker" once the interpreter's path is long (a venv in a deep folder).
+    out = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True,
+                         text=True).stdout
     return [int(line.split()[0]) for line in out.splitlines() if "producers.worker" in line]
 
 

@@ -84,14 +84,16 @@ class KeepAliveResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., lease_count: _Optional[int] = ..., publication_count: _Optional[int] = ...) -> None: ...
 
 class ArtifactRef(_message.Message):
-    __slots__ = ("identity_json", "key", "checkpoint")
+    __slots__ = ("identity_json", "key", "checkpoint", "channel")
     IDENTITY_JSON_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
     identity_json: bytes
     key: str
     checkpoint: CheckpointRef
-    def __init__(self, identity_json: _Optional[bytes] = ..., key: _Optional[str] = ..., checkpoint: _Optional[_Union[CheckpointRef, _Mapping]] = ...) -> None: ...
+    channel: str
+    def __init__(self, identity_json: _Optional[bytes] = ..., key: _Optional[str] = ..., checkpoint: _Optional[_Union[CheckpointRef, _Mapping]] = ..., channel: _Optional[str] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
     __slots__ = ("artifact",)
@@ -160,32 +162,44 @@ class TensorPlacement(_message.Message):
     def __init__(self, name: _Optional[str] = ..., file_index: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class BeginPublicationRequest(_message.Message):
-    __slots__ = ("identity_json", "tensors", "wait_timeout_ms", "format_metadata_json")
+    __slots__ = ("identity_json", "tensors", "wait_timeout_ms", "format_metadata_json", "channel", "non_durable", "overlap_hashing", "reuse_base", "reuse_tensors")
     IDENTITY_JSON_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     WAIT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     FORMAT_METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    NON_DURABLE_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_HASHING_FIELD_NUMBER: _ClassVar[int]
+    REUSE_BASE_FIELD_NUMBER: _ClassVar[int]
+    REUSE_TENSORS_FIELD_NUMBER: _ClassVar[int]
     identity_json: bytes
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     wait_timeout_ms: int
     format_metadata_json: bytes
-    def __init__(self, identity_json: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., wait_timeout_ms: _Optional[int] = ..., format_metadata_json: _Optional[bytes] = ...) -> None: ...
+    channel: str
+    non_durable: bool
+    overlap_hashing: bool
+    reuse_base: str
+    reuse_tensors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, identity_json: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., wait_timeout_ms: _Optional[int] = ..., format_metadata_json: _Optional[bytes] = ..., channel: _Optional[str] = ..., non_durable: _Optional[bool] = ..., overlap_hashing: _Optional[bool] = ..., reuse_base: _Optional[str] = ..., reuse_tensors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BeginPublicationResponse(_message.Message):
-    __slots__ = ("outcome", "key", "publication_id", "publication_token", "files", "placements")
+    __slots__ = ("outcome", "key", "publication_id", "publication_token", "files", "placements", "reused")
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     PUBLICATION_ID_FIELD_NUMBER: _ClassVar[int]
     PUBLICATION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
+    REUSED_FIELD_NUMBER: _ClassVar[int]
     outcome: BeginOutcome
     key: str
     publication_id: str
     publication_token: str
     files: _containers.RepeatedCompositeFieldContainer[PayloadFile]
     placements: _containers.RepeatedCompositeFieldContainer[TensorPlacement]
-    def __init__(self, outcome: _Optional[_Union[BeginOutcome, str]] = ..., key: _Optional[str] = ..., publication_id: _Optional[str] = ..., publication_token: _Optional[str] = ..., files: _Optional[_Iterable[_Union[PayloadFile, _Mapping]]] = ..., placements: _Optional[_Iterable[_Union[TensorPlacement, _Mapping]]] = ...) -> None: ...
+    reused: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, outcome: _Optional[_Union[BeginOutcome, str]] = ..., key: _Optional[str] = ..., publication_id: _Optional[str] = ..., publication_token: _Optional[str] = ..., files: _Optional[_Iterable[_Union[PayloadFile, _Mapping]]] = ..., placements: _Optional[_Iterable[_Union[TensorPlacement, _Mapping]]] = ..., reused: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CommitPublicationRequest(_message.Message):
     __slots__ = ("publication_id", "expected_sha256")
@@ -277,7 +291,7 @@ class InspectArtifactRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ..., paged: _Optional[bool] = ..., tensor_offset: _Optional[int] = ..., tensor_limit: _Optional[int] = ...) -> None: ...
 
 class InspectArtifactResponse(_message.Message):
-    __slots__ = ("artifact", "identity_json", "manifest_json", "tensors_json", "tensor_count", "next_tensor_offset", "remote_state")
+    __slots__ = ("artifact", "identity_json", "manifest_json", "tensors_json", "tensor_count", "next_tensor_offset", "remote_state", "channels", "non_durable")
     ARTIFACT_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_JSON_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -285,6 +299,8 @@ class InspectArtifactResponse(_message.Message):
     TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
     NEXT_TENSOR_OFFSET_FIELD_NUMBER: _ClassVar[int]
     REMOTE_STATE_FIELD_NUMBER: _ClassVar[int]
+    CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    NON_DURABLE_FIELD_NUMBER: _ClassVar[int]
     artifact: ArtifactInfo
     identity_json: bytes
     manifest_json: bytes
@@ -292,7 +308,9 @@ class InspectArtifactResponse(_message.Message):
     tensor_count: int
     next_tensor_offset: int
     remote_state: str
-    def __init__(self, artifact: _Optional[_Union[ArtifactInfo, _Mapping]] = ..., identity_json: _Optional[bytes] = ..., manifest_json: _Optional[bytes] = ..., tensors_json: _Optional[bytes] = ..., tensor_count: _Optional[int] = ..., next_tensor_offset: _Optional[int] = ..., remote_state: _Optional[str] = ...) -> None: ...
+    channels: _containers.RepeatedScalarFieldContainer[str]
+    non_durable: bool
+    def __init__(self, artifact: _Optional[_Union[ArtifactInfo, _Mapping]] = ..., identity_json: _Optional[bytes] = ..., manifest_json: _Optional[bytes] = ..., tensors_json: _Optional[bytes] = ..., tensor_count: _Optional[int] = ..., next_tensor_offset: _Optional[int] = ..., remote_state: _Optional[str] = ..., channels: _Optional[_Iterable[str]] = ..., non_durable: _Optional[bool] = ...) -> None: ...
 
 class LeaseInfo(_message.Message):
     __slots__ = ("lease_id", "key", "session_id", "pid", "uid", "client_name", "acquired_at")
@@ -337,7 +355,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("version", "root", "socket", "artifacts", "leases", "sessions", "publications", "store_bytes", "uptime_s", "pid", "remote")
+    __slots__ = ("version", "root", "socket", "artifacts", "leases", "sessions", "publications", "store_bytes", "uptime_s", "pid", "remote", "channels")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROOT_FIELD_NUMBER: _ClassVar[int]
     SOCKET_FIELD_NUMBER: _ClassVar[int]
@@ -349,6 +367,7 @@ class GetStatusResponse(_message.Message):
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     REMOTE_FIELD_NUMBER: _ClassVar[int]
+    CHANNELS_FIELD_NUMBER: _ClassVar[int]
     version: str
     root: str
     socket: str
@@ -360,7 +379,8 @@ class GetStatusResponse(_message.Message):
     uptime_s: float
     pid: int
     remote: RemoteStatus
-    def __init__(self, version: _Optional[str] = ..., root: _Optional[str] = ..., socket: _Optional[str] = ..., artifacts: _Optional[int] = ..., leases: _Optional[int] = ..., sessions: _Optional[int] = ..., publications: _Optional[int] = ..., store_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ..., pid: _Optional[int] = ..., remote: _Optional[_Union[RemoteStatus, _Mapping]] = ...) -> None: ...
+    channels: _containers.RepeatedCompositeFieldContainer[ChannelInfo]
+    def __init__(self, version: _Optional[str] = ..., root: _Optional[str] = ..., socket: _Optional[str] = ..., artifacts: _Optional[int] = ..., leases: _Optional[int] = ..., sessions: _Optional[int] = ..., publications: _Optional[int] = ..., store_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ..., pid: _Optional[int] = ..., remote: _Optional[_Union[RemoteStatus, _Mapping]] = ..., channels: _Optional[_Iterable[_Union[ChannelInfo, _Mapping]]] = ...) -> None: ...
 
 class CheckpointRef(_message.Message):
     __slots__ = ("checkpoint_id",)
@@ -665,7 +685,7 @@ class GetStoreUsageResponse(_message.Message):
     def __init__(self, store_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., store_limit_bytes: _Optional[int] = ..., artifact_limit_bytes: _Optional[int] = ..., min_free_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., locked_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., artifacts: _Optional[_Iterable[_Union[ArtifactUsage, _Mapping]]] = ...) -> None: ...
 
 class RemoteStatus(_message.Message):
-    __slots__ = ("url", "reachable", "error", "push", "pending_pushes", "pulls_in_flight", "bytes_pulled", "bytes_pushed")
+    __slots__ = ("url", "reachable", "error", "push", "pending_pushes", "pulls_in_flight", "bytes_pulled", "bytes_pushed", "pulls")
     URL_FIELD_NUMBER: _ClassVar[int]
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -674,6 +694,7 @@ class RemoteStatus(_message.Message):
     PULLS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     BYTES_PULLED_FIELD_NUMBER: _ClassVar[int]
     BYTES_PUSHED_FIELD_NUMBER: _ClassVar[int]
+    PULLS_FIELD_NUMBER: _ClassVar[int]
     url: str
     reachable: bool
     error: str
@@ -682,7 +703,38 @@ class RemoteStatus(_message.Message):
     pulls_in_flight: int
     bytes_pulled: int
     bytes_pushed: int
-    def __init__(self, url: _Optional[str] = ..., reachable: _Optional[bool] = ..., error: _Optional[str] = ..., push: _Optional[bool] = ..., pending_pushes: _Optional[int] = ..., pulls_in_flight: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., bytes_pushed: _Optional[int] = ...) -> None: ...
+    pulls: _containers.RepeatedCompositeFieldContainer[RemotePull]
+    def __init__(self, url: _Optional[str] = ..., reachable: _Optional[bool] = ..., error: _Optional[str] = ..., push: _Optional[bool] = ..., pending_pushes: _Optional[int] = ..., pulls_in_flight: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., pulls: _Optional[_Iterable[_Union[RemotePull, _Mapping]]] = ...) -> None: ...
+
+class RemotePull(_message.Message):
+    __slots__ = ("key", "phase", "done_bytes", "total_bytes", "started_at", "waiters")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    DONE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    WAITERS_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    phase: str
+    done_bytes: int
+    total_bytes: int
+    started_at: float
+    waiters: _containers.RepeatedCompositeFieldContainer[PullWaiter]
+    def __init__(self, key: _Optional[str] = ..., phase: _Optional[str] = ..., done_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., started_at: _Optional[float] = ..., waiters: _Optional[_Iterable[_Union[PullWaiter, _Mapping]]] = ...) -> None: ...
+
+class PullWaiter(_message.Message):
+    __slots__ = ("session_id", "pid", "uid", "client_name", "since")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    pid: int
+    uid: int
+    client_name: str
+    since: float
+    def __init__(self, session_id: _Optional[str] = ..., pid: _Optional[int] = ..., uid: _Optional[int] = ..., client_name: _Optional[str] = ..., since: _Optional[float] = ...) -> None: ...
 
 class RemoteArtifact(_message.Message):
     __slots__ = ("key", "size_bytes", "complete", "local")
@@ -755,3 +807,105 @@ class PushArtifactResponse(_message.Message):
     outcome: str
     size_bytes: int
     def __init__(self, key: _Optional[str] = ..., outcome: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class ChannelHistoryEntry(_message.Message):
+    __slots__ = ("key", "generation", "set_at", "set_by", "durable")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SET_AT_FIELD_NUMBER: _ClassVar[int]
+    SET_BY_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    generation: int
+    set_at: float
+    set_by: str
+    durable: bool
+    def __init__(self, key: _Optional[str] = ..., generation: _Optional[int] = ..., set_at: _Optional[float] = ..., set_by: _Optional[str] = ..., durable: _Optional[bool] = ...) -> None: ...
+
+class ChannelInfo(_message.Message):
+    __slots__ = ("name", "key", "generation", "durable", "durable_key", "switches", "watchers", "created_at", "updated_at", "history")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_KEY_FIELD_NUMBER: _ClassVar[int]
+    SWITCHES_FIELD_NUMBER: _ClassVar[int]
+    WATCHERS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    key: str
+    generation: int
+    durable: bool
+    durable_key: str
+    switches: int
+    watchers: int
+    created_at: float
+    updated_at: float
+    history: _containers.RepeatedCompositeFieldContainer[ChannelHistoryEntry]
+    def __init__(self, name: _Optional[str] = ..., key: _Optional[str] = ..., generation: _Optional[int] = ..., durable: _Optional[bool] = ..., durable_key: _Optional[str] = ..., switches: _Optional[int] = ..., watchers: _Optional[int] = ..., created_at: _Optional[float] = ..., updated_at: _Optional[float] = ..., history: _Optional[_Iterable[_Union[ChannelHistoryEntry, _Mapping]]] = ...) -> None: ...
+
+class SetChannelRequest(_message.Message):
+    __slots__ = ("name", "key")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    key: str
+    def __init__(self, name: _Optional[str] = ..., key: _Optional[str] = ...) -> None: ...
+
+class SetChannelResponse(_message.Message):
+    __slots__ = ("channel", "changed")
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    channel: ChannelInfo
+    changed: bool
+    def __init__(self, channel: _Optional[_Union[ChannelInfo, _Mapping]] = ..., changed: _Optional[bool] = ...) -> None: ...
+
+class GetChannelRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class GetChannelResponse(_message.Message):
+    __slots__ = ("channel",)
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    channel: ChannelInfo
+    def __init__(self, channel: _Optional[_Union[ChannelInfo, _Mapping]] = ...) -> None: ...
+
+class ListChannelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListChannelsResponse(_message.Message):
+    __slots__ = ("channels",)
+    CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    channels: _containers.RepeatedCompositeFieldContainer[ChannelInfo]
+    def __init__(self, channels: _Optional[_Iterable[_Union[ChannelInfo, _Mapping]]] = ...) -> None: ...
+
+class DeleteChannelRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DeleteChannelResponse(_message.Message):
+    __slots__ = ("channel",)
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    channel: ChannelInfo
+    def __init__(self, channel: _Optional[_Union[ChannelInfo, _Mapping]] = ...) -> None: ...
+
+class WatchChannelRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class WatchChannelResponse(_message.Message):
+    __slots__ = ("exists", "channel")
+    EXISTS_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    exists: bool
+    channel: ChannelInfo
+    def __init__(self, exists: _Optional[bool] = ..., channel: _Optional[_Union[ChannelInfo, _Mapping]] = ...) -> None: ...

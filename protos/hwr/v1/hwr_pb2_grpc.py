@@ -160,6 +160,31 @@ class HostWeightRuntimeStub:
                 request_serializer=hwr_dot_v1_dot_hwr__pb2.PushArtifactRequest.SerializeToString,
                 response_deserializer=hwr_dot_v1_dot_hwr__pb2.PushArtifactResponse.FromString,
                 _registered_method=True)
+        self.SetChannel = channel.unary_unary(
+                '/hwr.v1.HostWeightRuntime/SetChannel',
+                request_serializer=hwr_dot_v1_dot_hwr__pb2.SetChannelRequest.SerializeToString,
+                response_deserializer=hwr_dot_v1_dot_hwr__pb2.SetChannelResponse.FromString,
+                _registered_method=True)
+        self.GetChannel = channel.unary_unary(
+                '/hwr.v1.HostWeightRuntime/GetChannel',
+                request_serializer=hwr_dot_v1_dot_hwr__pb2.GetChannelRequest.SerializeToString,
+                response_deserializer=hwr_dot_v1_dot_hwr__pb2.GetChannelResponse.FromString,
+                _registered_method=True)
+        self.ListChannels = channel.unary_unary(
+                '/hwr.v1.HostWeightRuntime/ListChannels',
+                request_serializer=hwr_dot_v1_dot_hwr__pb2.ListChannelsRequest.SerializeToString,
+                response_deserializer=hwr_dot_v1_dot_hwr__pb2.ListChannelsResponse.FromString,
+                _registered_method=True)
+        self.DeleteChannel = channel.unary_unary(
+                '/hwr.v1.HostWeightRuntime/DeleteChannel',
+                request_serializer=hwr_dot_v1_dot_hwr__pb2.DeleteChannelRequest.SerializeToString,
+                response_deserializer=hwr_dot_v1_dot_hwr__pb2.DeleteChannelResponse.FromString,
+                _registered_method=True)
+        self.WatchChannel = channel.unary_stream(
+                '/hwr.v1.HostWeightRuntime/WatchChannel',
+                request_serializer=hwr_dot_v1_dot_hwr__pb2.WatchChannelRequest.SerializeToString,
+                response_deserializer=hwr_dot_v1_dot_hwr__pb2.WatchChannelResponse.FromString,
+                _registered_method=True)
 
 
 class HostWeightRuntimeServicer:
@@ -356,7 +381,7 @@ class HostWeightRuntimeServicer:
 
     def EvictArtifact(self, request, context):
         """Evicts one artifact by hand. Refused with FAILED_PRECONDITION (ACTIVE_LEASE, details.reason
-        = leased | pinned | mapped | held | publishing) when it is in use.
+        = leased | pinned | channel | mapped | held | publishing) when it is in use.
         Status: OK; NOT_FOUND; FAILED_PRECONDITION (ACTIVE_LEASE).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -410,6 +435,60 @@ class HostWeightRuntimeServicer:
         """Uploads one local artifact to the remote now (READY.json last), joining an upload in
         flight. Status: OK; NOT_FOUND; FAILED_PRECONDITION (ARTIFACT_DENIED); UNIMPLEMENTED;
         UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetChannel(self, request, context):
+        """--- channels: named, mutable pointers to artifact keys (live weight updates) ---
+        A channel name is [a-z0-9][a-z0-9._-]{0,63}; it is never a path. Every change of any
+        channel takes the next generation of one node-wide counter (durable, never reused).
+        Acquiring through a channel (ArtifactRef.channel) leases the key it points to at that
+        moment. A key a channel points to (and its last durable key, what a restart falls back
+        to) is never evicted. Common: INVALID_ARGUMENT (a bad name); NOT_FOUND
+        (CHANNEL_NOT_FOUND: no such channel).
+
+        Points a channel at an artifact (full key or unique prefix), creating the channel. Durable
+        (fsynced before the answer) unless the artifact itself is non-durable (then the change is
+        lost at a restart, like the artifact). Setting the key it already has changes nothing.
+        Status: OK; PERMISSION_DENIED (needs the operator role); NOT_FOUND (LOCAL_MISS: no such
+        artifact); FAILED_PRECONDITION (ARTIFACT_DENIED); RESOURCE_EXHAUSTED (too many channels).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetChannel(self, request, context):
+        """One channel with its history, watchers and switch count. Status: OK; NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListChannels(self, request, context):
+        """Every channel, by name. Status: OK.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteChannel(self, request, context):
+        """Removes a channel (durably); its keys become evictable once no lease holds them. Watchers
+        stay subscribed (they hear of the name again if it is set again).
+        Status: OK; PERMISSION_DENIED (needs the operator role); NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchChannel(self, request, context):
+        """Subscribes the calling session to a channel. The first message tells the state at
+        subscription (exists=false while the channel does not exist); each later one a newer state.
+        Coalesced: a slow reader gets the newest state, never a queue of old ones. Removal is not
+        reported. The stream ends with UNAUTHENTICATED (SESSION_INVALID) when the session ends and
+        with UNAVAILABLE when hwrd stops: re-subscribe on a new session.
+        Status: OK; UNAUTHENTICATED; RESOURCE_EXHAUSTED (too many watches in one session).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -542,6 +621,31 @@ def add_HostWeightRuntimeServicer_to_server(servicer, server):
                     servicer.PushArtifact,
                     request_deserializer=hwr_dot_v1_dot_hwr__pb2.PushArtifactRequest.FromString,
                     response_serializer=hwr_dot_v1_dot_hwr__pb2.PushArtifactResponse.SerializeToString,
+            ),
+            'SetChannel': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetChannel,
+                    request_deserializer=hwr_dot_v1_dot_hwr__pb2.SetChannelRequest.FromString,
+                    response_serializer=hwr_dot_v1_dot_hwr__pb2.SetChannelResponse.SerializeToString,
+            ),
+            'GetChannel': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetChannel,
+                    request_deserializer=hwr_dot_v1_dot_hwr__pb2.GetChannelRequest.FromString,
+                    response_serializer=hwr_dot_v1_dot_hwr__pb2.GetChannelResponse.SerializeToString,
+            ),
+            'ListChannels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListChannels,
+                    request_deserializer=hwr_dot_v1_dot_hwr__pb2.ListChannelsRequest.FromString,
+                    response_serializer=hwr_dot_v1_dot_hwr__pb2.ListChannelsResponse.SerializeToString,
+            ),
+            'DeleteChannel': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteChannel,
+                    request_deserializer=hwr_dot_v1_dot_hwr__pb2.DeleteChannelRequest.FromString,
+                    response_serializer=hwr_dot_v1_dot_hwr__pb2.DeleteChannelResponse.SerializeToString,
+            ),
+            'WatchChannel': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchChannel,
+                    request_deserializer=hwr_dot_v1_dot_hwr__pb2.WatchChannelRequest.FromString,
+                    response_serializer=hwr_dot_v1_dot_hwr__pb2.WatchChannelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1220,6 +1324,141 @@ class HostWeightRuntime:
             '/hwr.v1.HostWeightRuntime/PushArtifact',
             hwr_dot_v1_dot_hwr__pb2.PushArtifactRequest.SerializeToString,
             hwr_dot_v1_dot_hwr__pb2.PushArtifactResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetChannel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hwr.v1.HostWeightRuntime/SetChannel',
+            hwr_dot_v1_dot_hwr__pb2.SetChannelRequest.SerializeToString,
+            hwr_dot_v1_dot_hwr__pb2.SetChannelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetChannel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hwr.v1.HostWeightRuntime/GetChannel',
+            hwr_dot_v1_dot_hwr__pb2.GetChannelRequest.SerializeToString,
+            hwr_dot_v1_dot_hwr__pb2.GetChannelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListChannels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hwr.v1.HostWeightRuntime/ListChannels',
+            hwr_dot_v1_dot_hwr__pb2.ListChannelsRequest.SerializeToString,
+            hwr_dot_v1_dot_hwr__pb2.ListChannelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteChannel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hwr.v1.HostWeightRuntime/DeleteChannel',
+            hwr_dot_v1_dot_hwr__pb2.DeleteChannelRequest.SerializeToString,
+            hwr_dot_v1_dot_hwr__pb2.DeleteChannelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchChannel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/hwr.v1.HostWeightRuntime/WatchChannel',
+            hwr_dot_v1_dot_hwr__pb2.WatchChannelRequest.SerializeToString,
+            hwr_dot_v1_dot_hwr__pb2.WatchChannelResponse.FromString,
             options,
             channel_credentials,
             insecure,
