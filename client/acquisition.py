@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hwr.client.channels import check_channel_name
-from hwr.client.errors import DaemonUnavailable, DeadlineExceeded, HwrError, InvalidRequest
+from hwr.client.errors import DaemonUnavailable, DeadlineExceeded, HwrError, InvalidRequest, ManifestCorrupt
 from hwr.client.identity import ArtifactIdentity, is_key
 from hwr.client.manifest import Manifest
 from hwr.client.wire import close_fds
@@ -121,7 +121,10 @@ class Acquirer:
         when given; or of the key ``channel`` points to, then ``key`` is the one it pointed to
         last, or "") within ``deadline`` (``time.monotonic()``; None: the connection's timeout;
         while hwrd reports a pull of the key, the deadline bounds each silence instead, see the
-        module docstring): (lease id, key, manifest, descriptors)."""
+        module docstring): (lease id, key, manifest, descriptors). A reply for another artifact
+        than the one asked for (its key; through a channel, whatever key it names; or its
+        manifest's identity, or manifest bytes that do not hash to the digest sent with them) is
+        ``ManifestCorrupt``: the lease is released and its descriptors closed."""
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
             raise DeadlineExceeded("the acquire's deadline passed before hwrd was asked")
@@ -150,8 +153,14 @@ class Acquirer:
                                              str(reply["manifest_sha256"]))
             except KeyError:
                 raise DaemonUnavailable("malformed acquire reply from hwrd") from None
+            if channel is None and got_key != key:
+                raise ManifestCorrupt(f"hwrd answered an acquire of {key[:16]} with artifact {got_key[:16]}",
+                                      details={"key": key, "reply_key": got_key[:64]})
             if tail:
                 manifest = _parse_manifest(tail)
+                if manifest.key != got_key or hashlib.sha256(tail).hexdigest() != digest:
+                    raise ManifestCorrupt(f"hwrd answered an acquire of {got_key[:16]} with the manifest of "
+                                          f"artifact {manifest.key[:16]}", details={"key": got_key[:64]})
                 if len(_MANIFESTS) > 256:
                     _MANIFESTS.clear()
                 _MANIFESTS[got_key] = (digest, manifest)

@@ -90,8 +90,24 @@ class AdminCalls:
         return out
 
     def leases(self) -> list[dict[str, Any]]:
-        r: pb.ListLeasesResponse = self._connection.call("ListLeases", pb.ListLeasesRequest())
-        return [_lease_dict(x) for x in r.leases]
+        """Every live lease, fetched in pages (any number fits gRPC's message limit); sorted by
+        lease id. Leases granted or released while the pages come may be missing."""
+        out: list[dict[str, Any]] = []
+        for r in self._pages("ListLeases", pb.ListLeasesRequest):
+            out += [_lease_dict(x) for x in r.leases]
+        return out
+
+    def _pages(self, method: str, request: Callable[..., Any]) -> Iterator[Any]:
+        """The responses of a paged listing (``paged``/``after`` -> ``next_after``), first to last."""
+        after = ""
+        while True:
+            r = self._connection.call(method, request(paged=True, after=after))
+            yield r
+            if not r.next_after:
+                return
+            if r.next_after <= after:
+                raise HwrError(f"hwrd returned a {method} page that does not advance", details={"after": after})
+            after = r.next_after
 
     def keepalive(self) -> dict[str, Any]:
         r: pb.KeepAliveResponse = self._connection.call("KeepAlive", pb.KeepAliveRequest())
@@ -233,9 +249,11 @@ class AdminCalls:
     # fleet tier (the daemon's remote object store) ------------------------------------------
     def remote_list(self) -> list[dict[str, Any]]:
         """The remote's artifacts: ``key``, ``size_bytes``, ``state`` (complete | incomplete), ``local``."""
-        r: pb.ListRemoteResponse = self._connection.call("ListRemote", pb.ListRemoteRequest())
-        return [{"key": a.key, "size_bytes": a.size_bytes, "state": "complete" if a.complete else "incomplete",
-                 "local": a.local, "remote": r.url} for a in r.artifacts]
+        out: list[dict[str, Any]] = []
+        for r in self._pages("ListRemote", pb.ListRemoteRequest):
+            out += [{"key": a.key, "size_bytes": a.size_bytes, "state": "complete" if a.complete else "incomplete",
+                     "local": a.local, "remote": r.url} for a in r.artifacts]
+        return out
 
     def pull(self, key: str, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
         """Pull an artifact from the remote into the store (verified); ``progress(done, total)``.

@@ -5,7 +5,9 @@ authentication, the session's liveness, descriptor passing, and the lease hot pa
 ``hwr.daemon.peer.channel``), the session token that control calls carry, and a gRPC channel opened on
 the first call that needs it (a client that only acquires and releases never opens one).
 Closing it, or the process exiting, ends the session and the daemon releases every lease the
-session still holds.
+session still holds. Every connection of the peer channel (the first and each reconnect) is
+checked before a byte is sent on it: the daemon's uid and the place of both sockets
+(``hwr.client.daemon_trust``; ``UntrustedDaemon`` otherwise).
 
 Contract:
 - ``call`` (gRPC) and ``exchange`` (one peer request/reply) raise a typed ``HwrError`` for every
@@ -44,6 +46,7 @@ from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 import grpc
 
 from hwr import __version__
+from hwr.client.daemon_trust import check_daemon
 from hwr.client.errors import DaemonUnavailable, DeadlineExceeded, HwrError, PermissionDeniedError
 from hwr.client.paths import peer_path
 from hwr.client.wire import (
@@ -403,6 +406,7 @@ def open_peer(socket_path: Path, timeout: float) -> socket.socket:
                 time.sleep(min(delay, left))
                 delay = min(delay * 2, 0.1)
         sock.settimeout(timeout)
+        check_daemon(socket_path, sock)  # before a byte is sent to it (hwr.client.daemon_trust)
     except DaemonUnavailable:
         sock.close()
         raise

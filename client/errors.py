@@ -51,6 +51,7 @@ __all__ = [
     "StoreLimitExceeded",
     "StoreLocked",
     "Unsupported",
+    "UntrustedDaemon",
     "UntrustedStore",
     "error_from_code",
 ]
@@ -159,7 +160,8 @@ class Unsupported(HwrError, NotImplementedError):
 
 
 class UntrustedStore(HwrError, PermissionError):
-    """The store root has unsafe permissions or lives on a filesystem type that is not allowed."""
+    """The store root or the socket directory has unsafe permissions, or the store lives on a
+    filesystem type that is not allowed."""
 
     code = "DOMAIN_POLICY_MISMATCH"
 
@@ -248,6 +250,14 @@ class DaemonUnavailable(HwrError, ConnectionError):
 
     code = "DAEMON_UNAVAILABLE"
     retryable = True
+
+
+class UntrustedDaemon(DaemonUnavailable):
+    """The process answering on the socket is not one this client may trust with its weights
+    (another user's hwrd, or sockets in a place others control: ``hwr.client.daemon_trust``).
+    A ``DaemonUnavailable`` so that a caller that can do without hwrd does."""
+
+    code = "UNTRUSTED_DAEMON"
 
 
 class DeadlineExceeded(HwrError, TimeoutError):

@@ -34,11 +34,41 @@ __all__ = [
     "SourceIdentity",
     "WeightRepresentation",
     "canonical_json",
+    "find_lone_surrogate",
+    "has_lone_surrogate",
     "is_key",
     "parse_canonical",
 ]
 
 KEY_PATTERN = re.compile(r"^[0-9a-f]{64}$")
+#: A surrogate code point in a ``str`` is always a lone one (JSON's escaped pairs decode to one
+#: character): not Unicode text, it cannot be encoded as UTF-8, so no identity, name or document
+#: may hold one.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def has_lone_surrogate(text: str) -> bool:
+    return _SURROGATE.search(text) is not None
+
+
+def find_lone_surrogate(value: object, path: str = "$") -> str | None:
+    """The path of the first string (or key) in a decoded JSON ``value`` that holds a lone
+    surrogate, or None."""
+    if isinstance(value, str):
+        return path if has_lone_surrogate(value) else None
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            found = find_lone_surrogate(item, f"{path}[{i}]")
+            if found is not None:
+                return found
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str) and has_lone_surrogate(key):
+                return f"{path}.{key.encode('utf-8', 'backslashreplace').decode()}"
+            found = find_lone_surrogate(item, f"{path}.{key}")
+            if found is not None:
+                return found
+    return None
 
 
 def is_key(value: object) -> bool:
@@ -47,6 +77,9 @@ def is_key(value: object) -> bool:
 
 
 def _check_json(value: object, path: str) -> Any:
+    if isinstance(value, str) and has_lone_surrogate(value):
+        raise IdentityError(f"{_printable(path)} holds a lone surrogate (not Unicode text)",
+                            details={"path": _printable(path)})
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
@@ -60,11 +93,18 @@ def _check_json(value: object, path: str) -> Any:
         for key in value:
             if not isinstance(key, str):
                 raise IdentityError(f"{path} contains a non-string key", details={"path": path})
+            if has_lone_surrogate(key):
+                raise IdentityError(f"a key of {_printable(path)} holds a lone surrogate (not Unicode text)",
+                                    details={"path": _printable(path)})
             out[key] = _check_json(value[key], f"{path}.{key}")
         return out
     raise IdentityError(
         f"{path} has unsupported type {type(value).__qualname__}", details={"path": path}
     )
+
+
+def _printable(path: str) -> str:
+    return path.encode("utf-8", "backslashreplace").decode()
 
 
 def canonical_json(value: object) -> bytes:

@@ -36,6 +36,7 @@ import grpc
 import msgspec
 
 from hwr.client.errors import DaemonUnavailable, DeadlineExceeded, HwrError, InvalidRequest, error_from_code
+from hwr.client.identity import find_lone_surrogate
 
 __all__ = [
     "ERROR_CODE_KEY",
@@ -160,7 +161,10 @@ def encode_frame(obj: Mapping[str, Any], tail: bytes = b"") -> bytes:
 def decode_body(body: bytes) -> dict[str, Any]:
     """A frame's JSON object. msgspec decodes; what it refuses but JSON-with-extensions takes
     (NaN, integers past 64 bits) goes to ``json``. Raises ``ConnectionError`` for anything that
-    is not a JSON object (nesting too deep for a decoder included)."""
+    is not a JSON object (nesting too deep for a decoder included), and ``InvalidRequest`` for
+    an object holding a lone surrogate (``"\\ud800"``: valid JSON, not Unicode text; msgspec
+    refuses it, ``json`` would not): the frame is consumed, so the channel stays in step and
+    the sender gets a typed error."""
     try:
         obj = _decode(body)
     except RecursionError as exc:  # nesting deeper than any request has
@@ -170,6 +174,13 @@ def decode_body(body: bytes) -> dict[str, Any]:
             obj = json.loads(body or b"")
         except (ValueError, RecursionError) as exc:
             raise ConnectionError("malformed peer frame") from exc
+        try:
+            where = find_lone_surrogate(obj)
+        except RecursionError as exc:
+            raise ConnectionError("malformed peer frame") from exc
+        if where is not None:
+            raise InvalidRequest(f"{where} holds a lone surrogate (not Unicode text)",
+                                 details={"field": where}) from None
     if not isinstance(obj, dict):
         raise ConnectionError("malformed peer frame")
     return obj
@@ -322,8 +333,9 @@ def recv_final_reply(sock: socket.socket, *, want_fds: bool,
 
 def _recv_with_fds(sock: socket.socket, size: int) -> tuple[bytes, list[int]]:
     """Up to ``size`` bytes and the descriptors riding on them (at most ``MAX_FDS``; more is a
-    ``ConnectionError``, with the ones received closed)."""
-    data, ancdata, flags, _addr = sock.recvmsg(size, _CMSG_SPACE)
+    ``ConnectionError``, with the ones received closed). The descriptors arrive close-on-exec
+    (``MSG_CMSG_CLOEXEC``, atomically): a child another thread spawns meanwhile never inherits one."""
+    data, ancdata, flags, _addr = sock.recvmsg(size, _CMSG_SPACE, socket.MSG_CMSG_CLOEXEC)
     fds: list[int] = []
     for level, kind, payload in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:

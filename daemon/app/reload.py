@@ -14,8 +14,8 @@ key                                            on SIGHUP
 roles (``publish_uids``, ``publish_gids``,      swapped atomically; judged at each call, so
 ``operator_uids``, ``operator_gids``)           existing sessions get the new roles at once
 ``log_level``                                  applied to every hwrd logger
-``max_leases_per_session``                     applied to later Acquires (leases held above a
-                                               lowered limit are kept)
+``max_leases_per_session``,                    applied to later Acquires (leases held above a
+``max_leases_per_uid``                         lowered limit are kept)
 capacity (``store_limit_bytes``,               applied when the daemon has a capacity policy
 ``artifact_limit_bytes``, ``min_free_bytes``)  (``Daemon.set_capacity``), else refused
 ``publication_wait_timeout_s``,                applied: read at each use
@@ -53,7 +53,7 @@ __all__ = ["ALWAYS_RELOADABLE", "CAPACITY_KEYS", "ReloadPlan", "Reloader", "plan
 
 log = logging.getLogger("hwrd.reload")
 ALWAYS_RELOADABLE = frozenset({"allow_uids", "allow_gids", "log_level", "max_leases_per_session",
-                               "publication_wait_timeout_s", "shutdown_grace_s"})
+                               "max_leases_per_uid", "publication_wait_timeout_s", "shutdown_grace_s"})
 ROLE_KEYS = frozenset({"publish_uids", "publish_gids", "operator_uids", "operator_gids"})
 CAPACITY_KEYS = frozenset({"store_limit_bytes", "artifact_limit_bytes", "min_free_bytes"})
 
@@ -118,6 +118,8 @@ class Reloader:
             daemon.set_allow_list(config.allow_uids, config.allow_gids)
         if "max_leases_per_session" in plan.applied:
             daemon.registry.max_leases_per_session = config.max_leases_per_session
+        if "max_leases_per_uid" in plan.applied:
+            daemon.registry.max_leases_per_uid = config.max_leases_per_uid
         if ROLE_KEYS & set(plan.applied):
             from hwr.daemon.service.roles import roles_from
 

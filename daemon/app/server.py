@@ -7,13 +7,14 @@ below. No handler reaches through it: the transports get ``Leasing``/``PeerPubli
 ``RpcCollaborators``, and the reload (``hwr.daemon.app.reload``) swaps ``config`` and ``roles``
 here, which the handlers read through this object typed as ``Settings`` (those two only).
 
-Start order: open the store (takes the root's lock, recovers staging, validates artifacts) ->
-the node service -> the fleet tier -> checkpoints -> bind the peer channel -> bind gRPC (health
-SERVING last). Stop order (SIGTERM): health NOT_SERVING -> stop accepting peers -> gRPC
-``stop(grace)`` lets in-flight RPCs finish -> close peer connections (ends sessions, aborts
-staged publications) -> fleet -> node service -> close the store (drops the lock). A publication
-in COMMITTING during shutdown finishes inside the grace period or is left as staging, which the
-next start reclaims: the store is consistent at every step.
+Start order: check the socket directory (``fsguard.socket_dir_problem``) -> open the store (takes
+the root's lock, recovers staging, validates artifacts) -> the node service -> the fleet tier ->
+checkpoints -> bind the peer channel -> bind gRPC (health SERVING last). Stop order (SIGTERM):
+health NOT_SERVING -> stop accepting peers -> gRPC ``stop(grace)`` lets in-flight RPCs finish ->
+close peer connections (ends sessions, aborts staged publications) -> fleet -> node service ->
+close the store (drops the lock). A publication in COMMITTING during shutdown finishes inside the
+grace period or is left as staging, which the next start reclaims: the store is consistent at every
+step.
 
 Socket activation (``hwr.daemon.system.activation``): sockets inherited from systemd replace the
 binds of the peer channel and/or gRPC (gRPC then listens on a private ``<socket>.grpc`` behind a
@@ -56,8 +57,10 @@ from hwr.daemon.service.sessions import Registry, Session
 from hwr.daemon.service.store_service import StoreService
 from hwr.daemon.store.memfd_staging import MemfdStagings
 from hwr.daemon.store.root import Store
+from hwr.daemon.system import fsguard
 from hwr.daemon.system.activation import Assignment, GrpcRelay, private_grpc_path
 from hwr.daemon.system.config import DaemonConfig
+from hwr.daemon.system.grpc_gate import GrpcGate
 from hwr.daemon.system.metrics import Instruments, MetricsServer
 from hwr.daemon.system.peercred import AllowList, daemon_allow_list
 from hwr.protos.hwr.v1 import hwr_pb2_grpc
@@ -66,6 +69,12 @@ __all__ = ["Daemon"]
 
 log = logging.getLogger("hwrd")
 SERVICE_NAME = "hwr.v1.HostWeightRuntime"
+#: The largest gRPC request (a publication's tensor list can be long; artifact bytes never
+#: travel over gRPC) and the most calls one connection may have in flight (a client's further
+#: calls wait for a free stream, HTTP/2's own flow control). With ``max_grpc_connections_per_uid``
+#: they bound what one admitted uid can make hwrd buffer; a refused peer makes it buffer nothing.
+GRPC_MAX_MESSAGE_BYTES = 16 << 20
+GRPC_MAX_STREAMS_PER_CONNECTION = 8
 
 
 class Daemon:
@@ -76,7 +85,8 @@ class Daemon:
         self.inherited = inherited or Assignment()
         self.metrics = Instruments()
         self.socket_path = Path(config.socket)
-        self.registry = Registry(max_leases_per_session=config.max_leases_per_session)
+        self.registry = Registry(max_leases_per_session=config.max_leases_per_session,
+                                 max_leases_per_uid=config.max_leases_per_uid)
         # Built by start(), in this order; stop() closes whichever exist (the order above).
         self._store: Store | None = None
         self._store_service: StoreService | None = None
@@ -87,6 +97,7 @@ class Daemon:
         self._allow: AllowList = daemon_allow_list(config.allow_uids, config.allow_gids)
         self._metrics_server: MetricsServer | None = None
         self._relay: GrpcRelay | None = None
+        self.grpc_gate = GrpcGate(lambda: self._allow, config.max_grpc_connections_per_uid)
         self._grpc: grpc.aio.Server | None = None
         self._peer: PeerServer | None = None
         self._health = health.aio.HealthServicer()
@@ -96,6 +107,7 @@ class Daemon:
     async def start(self) -> None:
         config = self.config
         root = Path(config.root)
+        _prepare_socket_dir(self.socket_path)  # first: a directory others control is refused at once
         adoption = None
         if config.adopt:  # a root written by vLLM-Omni 0.30's in-process store
             from hwr.daemon.store import adoption as adopt
@@ -128,7 +140,6 @@ class Daemon:
         await asyncio.to_thread(checkpoints.open)
         leasing = Leasing(catalog, self.registry, journal=store_service.journal, checkpoints=checkpoints,
                           on_acquire=self.metrics.observe_acquire, settings=self)
-        _prepare_socket_dir(self.socket_path)
         for path in self._owned_socket_paths():
             _claim_socket_path(path)
         self._peer = PeerServer(
@@ -138,7 +149,8 @@ class Daemon:
             publishing=PeerPublishing(publications, self), channels=channels,
         )
         await self._peer.start()
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
+                                          ("grpc.max_concurrent_streams", GRPC_MAX_STREAMS_PER_CONNECTION)])
         servicer = Servicer(RpcCollaborators(
             settings=self, registry=self.registry, catalog=catalog, leasing=leasing,
             publications=publications, store=store, store_service=store_service, checkpoints=checkpoints,
@@ -148,18 +160,20 @@ class Daemon:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        grpc_path = self._grpc_bind_path()
+        grpc_path = private_grpc_path(self.socket_path)
         if server.add_insecure_port(f"unix:{grpc_path}") == 0:
             raise OSError(f"cannot bind {grpc_path}")
-        # Before start() accepts anyone (the socket file exists once bound), so no client ever
-        # sees the umask's mode. The private path behind the relay is for the daemon's user
-        # only; clients use the unit's.
-        grpc_path.chmod(0o600 if self.inherited.grpc is not None else config.socket_mode)
+        # Before start() accepts anyone (the socket file exists once bound): the private path is
+        # for the daemon's user only; clients reach gRPC through the relay on ``<socket>``, which
+        # judges each connection's peer credentials before reading a byte of it.
+        grpc_path.chmod(0o600)
         await server.start()
         self._grpc = server
-        if self.inherited.grpc is not None:
-            self._relay = GrpcRelay(self.inherited.grpc, grpc_path)
-            await self._relay.start()
+        listen = self.inherited.grpc
+        if listen is None:
+            listen = _listen(self.socket_path, config.socket_mode)
+        self._relay = GrpcRelay(listen, grpc_path, admit=self.grpc_gate.admit)
+        await self._relay.start()
         if config.metrics_listen:
             self._metrics_server = MetricsServer(config.metrics_listen, self._scrape)
             await self._metrics_server.start()
@@ -197,12 +211,11 @@ class Daemon:
                 path.unlink()
         log.info("hwrd stopped")
 
-    def _grpc_bind_path(self) -> Path:
-        return private_grpc_path(self.socket_path) if self.inherited.grpc is not None else self.socket_path
-
     def _owned_socket_paths(self) -> list[Path]:
         """Socket paths this process binds (and unlinks): never the ones systemd passed in."""
-        paths = [self._grpc_bind_path()]
+        paths = [private_grpc_path(self.socket_path)]
+        if self.inherited.grpc is None:
+            paths.append(self.socket_path)
         if self.inherited.peer is None:
             paths.append(peer_path(self.socket_path))
         return paths
@@ -258,6 +271,20 @@ def _prepare_socket_dir(path: Path) -> None:
     parent = path.parent
     if not parent.exists():
         parent.mkdir(parents=True, mode=0o755)
+    fsguard.check_socket_dir(parent)
+
+
+def _listen(path: Path, mode: int) -> socket.socket:
+    """hwrd's own listening socket at ``path`` for the gRPC relay, at ``mode`` before it listens."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(str(path))
+        path.chmod(mode)
+        sock.listen(512)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _claim_socket_path(path: Path) -> None:

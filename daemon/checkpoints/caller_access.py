@@ -112,7 +112,7 @@ class CallerOpener:
                 mine.settimeout(HELPER_TIMEOUT_S)
                 for path in paths:
                     try:
-                        data, fds, _flags, _addr = socket.recv_fds(mine, 16, 1)
+                        data, fds, _flags, _addr = socket.recv_fds(mine, 16, 1, socket.MSG_CMSG_CLOEXEC)
                     except OSError:  # timeout included
                         data, fds = b"", []
                     if data == b"ok" and len(fds) == 1:

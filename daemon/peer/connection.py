@@ -165,9 +165,12 @@ class PeerConnection(asyncio.Protocol):
                 log.debug("peer protocol error: %s", exc)
                 self.abort()
                 return
-            if request is None:
-                return
-            result = self.server._handle_now(self.session, request)
+            except InvalidRequest as exc:  # a whole frame, but not text (decode_body): answered, in step
+                request, result = None, (error_frame(exc), [], b"")
+            else:
+                if request is None:
+                    return
+                result = self.server._handle_now(self.session, request)
             if result is LATER:
                 self._later(self._serve_later(request))
                 return

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hwr.client.errors import InvalidRequest
-from hwr.client.identity import RuntimeLayout, canonical_json
+from hwr.client.identity import RuntimeLayout, canonical_json, find_lone_surrogate
 from hwr.client.safetensors_header import DTYPES
 from hwr.daemon.producers.base import FLOAT_CODES, OutputTensor, Producer, SourceTensor, dtype_code, row_blocks
 from hwr.daemon.producers.cast import matches_any, stream_tensor
@@ -44,13 +44,18 @@ def parse_plan(data: bytes | str | Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(data, Mapping):
         raw: Any = dict(data)
     else:
-        text = data.decode("utf-8", "strict") if isinstance(data, bytes) else data
+        try:
+            text = data.decode("utf-8", "strict") if isinstance(data, bytes) else data
+        except UnicodeDecodeError:
+            raise InvalidRequest("the TP plan is not UTF-8 text", details={"field": "tp_plan"}) from None
         if len(text) > 1 << 20:
             raise InvalidRequest("the TP plan is larger than 1 MiB", details={"field": "tp_plan"})
         try:
             raw = json.loads(text) if text.lstrip().startswith("{") else tomllib.loads(text)
-        except (ValueError, tomllib.TOMLDecodeError) as exc:
+        except (ValueError, RecursionError, tomllib.TOMLDecodeError) as exc:
             raise InvalidRequest(f"the TP plan is neither JSON nor TOML: {exc}", details={"field": "tp_plan"}) from None
+        if find_lone_surrogate(raw) is not None:
+            raise InvalidRequest("the TP plan holds a lone surrogate (not Unicode text)", details={"field": "tp_plan"})
     if not isinstance(raw, dict) or set(raw) - {"default", "rules"}:
         raise InvalidRequest("a TP plan has only 'default' and 'rules'", details={"field": "tp_plan"})
     default = raw.get("default", "replicate")

@@ -122,7 +122,7 @@ def _receive_job(fd: int, idle_s: float) -> dict[str, Any] | None:
     sock = socket.socket(fileno=fd)
     sock.settimeout(idle_s)
     try:
-        head, fds, _flags, _addr = socket.recv_fds(sock, 8, 1024)
+        head, fds, _flags, _addr = socket.recv_fds(sock, 8, 1024, socket.MSG_CMSG_CLOEXEC)
     except (TimeoutError, OSError):
         return None
     finally:

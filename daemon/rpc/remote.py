@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from hwr.client.errors import ArtifactNotFound, HwrError, Unsupported
 from hwr.client.identity import is_key
+from hwr.daemon.policy.cursor_pages import cursor_page
 from hwr.daemon.policy.key_prefix import is_prefix, unique_prefix
 from hwr.daemon.rpc.collaborators import Ctx, Handlers
 from hwr.daemon.rpc.support import abort_with, rpc
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
 __all__ = ["RemoteRpc", "remote_status"]
 
 PROGRESS_INTERVAL_S = 0.2
+#: Keys per page of the paged ListRemote: a RemoteArtifact is about 85 bytes (~1.7 MiB a page).
+REMOTE_PAGE = 20_000
 
 
 def _fleet(fleet: Fleet | None) -> Fleet:
@@ -66,7 +69,12 @@ class RemoteRpc(Handlers):
         fleet = _fleet(self.c.fleet)
         entries = await fleet.entries()
         local = await self.c.catalog.known_keys()
-        return pb.ListRemoteResponse(url=fleet.location.display, artifacts=[
+        total, next_after = 0, ""
+        if request.paged:
+            entries = sorted(entries, key=lambda e: e.key)
+            total = len(entries)
+            entries, next_after = cursor_page(entries, lambda e: e.key, request.after, request.limit, REMOTE_PAGE)
+        return pb.ListRemoteResponse(url=fleet.location.display, next_after=next_after, total=total, artifacts=[
             pb.RemoteArtifact(key=e.key, size_bytes=e.size_bytes, complete=e.ready, local=e.key in local)
             for e in entries])
 

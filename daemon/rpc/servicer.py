@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from hwr import __version__
 from hwr.client.errors import InvalidRequest
 from hwr.client.identity import is_key
+from hwr.daemon.policy.cursor_pages import cursor_page
 from hwr.daemon.rpc.channels import ChannelsRpc, channel_info
 from hwr.daemon.rpc.checkpoints import CheckpointsMixin
 from hwr.daemon.rpc.collaborators import Ctx, Handlers, RpcCollaborators
@@ -34,6 +35,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Servicer"]
 
+#: Leases per page of the paged ListLeases: a LeaseInfo is at most ~650 bytes (client names are
+#: at most 128 characters), so a page stays under ~1.3 MiB.
+LEASE_PAGE = 2000
 _KIND_NAMES = {pb.TENSOR_KIND_PARAMETER: "parameter", pb.TENSOR_KIND_BUFFER: "buffer",
                pb.TENSOR_KIND_UNSPECIFIED: "parameter"}
 
@@ -179,7 +183,12 @@ class Servicer(ChannelsRpc, RemoteRpc, StoreAdminRpc, CheckpointsMixin, Handlers
     @rpc
     async def ListLeases(self, request: pb.ListLeasesRequest, context: Ctx) -> pb.ListLeasesResponse:
         self._session(context)
-        return pb.ListLeasesResponse(leases=lease_infos(self.c.registry.leases()))
+        leases = self.c.registry.leases()
+        if not request.paged:
+            return pb.ListLeasesResponse(leases=lease_infos(leases))
+        leases.sort(key=lambda x: x.lease_id)
+        page, after = cursor_page(leases, lambda x: x.lease_id, request.after, request.limit, LEASE_PAGE)
+        return pb.ListLeasesResponse(leases=lease_infos(page), next_after=after, total=len(leases))
 
     @rpc
     async def GetStatus(self, request: pb.GetStatusRequest, context: Ctx) -> pb.GetStatusResponse:

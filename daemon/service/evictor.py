@@ -286,6 +286,7 @@ def _nothing_protected(key: str) -> bool:
 
 @dataclass(frozen=True)
 class _FileId:
+    path: str
     device: int
     inode: int
 
@@ -300,5 +301,5 @@ class _FilesOnly:
             for name in os.listdir(path):
                 with contextlib.suppress(OSError):
                     st = os.lstat(path / name)
-                    files.append(_FileId(st.st_dev, st.st_ino))
+                    files.append(_FileId(str(path / name), st.st_dev, st.st_ino))
         self.files = tuple(files)

@@ -16,6 +16,13 @@ with just those holds and the lessee uids, and is compacted the same way wheneve
 a bound. The daemon treats a held artifact as in use until the process exits or reattaches
 (acquires the key again from a new session).
 
+Compaction while the daemon serves runs off the event loop (a journal of a million leases
+takes seconds to rewrite): the loop takes a snapshot of the live holds and lessee uids (a list
+copy), a worker thread writes it to a temp file, and back on the loop the records written
+meanwhile (to the old file, which stays the journal until then) are appended to the temp file
+before it replaces the old one. A crash at any point leaves the old file, complete; a stale temp
+file is removed at the next open.
+
 No fsync, on purpose: the journal must survive the daemon's death, not the machine's; the page
 cache outlives a killed process, and after a machine crash there is no process left to protect.
 
@@ -107,6 +114,7 @@ class LeaseJournal:
         self._lines = 0
         self._pending: list[bytes] = []
         self._scheduled = False
+        self._since: list[bytes] | None = None  # written while a compaction runs (None: none runs)
         self.recovered: list[Hold] = []
         self.writes = 0  # os.write calls for records (a benchmark/diagnostic counter)
         self.failures = 0  # failed flushes since the last one that succeeded
@@ -114,6 +122,9 @@ class LeaseJournal:
     @classmethod
     def open(cls, path: Path) -> LeaseJournal:
         journal = cls(path)
+        for stale in path.parent.glob(f".{path.name}.*.tmp"):  # a compaction a crash interrupted
+            with contextlib.suppress(OSError):
+                stale.unlink()
         journal._replay()
         journal.recovered = [h for h in journal._live.values() if same_process(h.pid, h.start)]
         journal._live = {h.lease_id: h for h in journal.recovered}
@@ -141,12 +152,18 @@ class LeaseJournal:
             except (ValueError, KeyError, TypeError):
                 continue  # a torn last line or a foreign one: ignore it
 
-    def _compact(self) -> None:
+    def _snapshot(self) -> tuple[list[Hold], dict[str, tuple[int, ...]]]:
+        """What a compacted journal holds, copied (cheap: the holds are immutable)."""
+        return list(self._live.values()), {key: tuple(sorted(uids)) for key, uids in self._uids.items()}
+
+    def _write_snapshot(self, live: list[Hold], uids: dict[str, tuple[int, ...]]) -> tuple[Path, int]:
+        """Write a compacted journal of ``live`` and ``uids`` to a new temp file beside the
+        journal (any thread; touches no state of this object): (its path, its line count)."""
         lines = [self._line({"op": "acquire", "lease": h.lease_id, "key": h.key, "pid": h.pid,
-                             "start": h.start, "uid": h.uid}) for h in self._live.values()]
+                             "start": h.start, "uid": h.uid}) for h in live]
         # Lessee uids of keys without a live hold travel as acquire+release pairs.
-        for key, uids in self._uids.items():
-            for uid in sorted(uids):
+        for key, key_uids in uids.items():
+            for uid in key_uids:
                 marker = f"uid-{uuid.uuid4().hex[:12]}"
                 lines.append(self._line({"op": "acquire", "lease": marker, "key": key, "pid": 0, "start": 0,
                                          "uid": uid}))
@@ -160,15 +177,68 @@ class LeaseJournal:
                 os.close(fd)
             if error is not None:
                 raise error
-            os.rename(tmp, self.path)
         except BaseException:  # a full disk: the journal stays as it was, nothing half-written replaces it
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return tmp, len(lines)
+
+    def _install(self, tmp: Path, lines: int, since: list[bytes]) -> None:
+        """Append ``since`` (records written after the snapshot) to ``tmp`` and make it the journal."""
+        try:
+            if since:
+                fd = os.open(tmp, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW)
+                try:
+                    _rest, error = _write_all(fd, b"".join(since))
+                finally:
+                    os.close(fd)
+                if error is not None:
+                    raise error
+            os.rename(tmp, self.path)
+        except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
         old, self._fd = self._fd, os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW)
         if old is not None:
             os.close(old)
-        self._lines = len(lines)
+        self._lines = lines + sum(chunk.count(b"\n") for chunk in since)
+
+    def _compact(self) -> None:
+        """Compact now, in this thread (at open, or without an event loop)."""
+        tmp, lines = self._write_snapshot(*self._snapshot())
+        self._install(tmp, lines, [])
+
+    def _start_compaction(self) -> None:
+        """Compact off the event loop (module docstring); inline when there is no loop."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            try:
+                self._compact()
+            except OSError as exc:
+                log.warning("lease journal compaction failed, journal kept as it is: %s", exc)
+            return
+        self._since = []
+        log.debug("compacting the lease journal (%d records, %d live)", self._lines, len(self._live))
+        future = loop.run_in_executor(None, self._write_snapshot, *self._snapshot())
+        future.add_done_callback(self._finish_compaction)
+
+    def _finish_compaction(self, future: asyncio.Future[tuple[Path, int]]) -> None:
+        since, self._since = self._since or [], None
+        try:
+            tmp, lines = future.result()
+        except OSError as exc:
+            log.warning("lease journal compaction failed, journal kept as it is: %s", exc)
+            return
+        if self._fd is None:  # closed meanwhile: the old file is the journal
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            return
+        try:
+            self._install(tmp, lines, since)
+        except OSError as exc:
+            log.warning("lease journal compaction failed, journal kept as it is: %s", exc)
 
     @staticmethod
     def _line(entry: dict[str, object]) -> bytes:
@@ -228,11 +298,10 @@ class LeaseJournal:
             self.failures = 0
         self.writes += 1
         self._lines += n
-        if self._lines > 2 * (len(self._live) + len(self._uids)) + COMPACT_SLACK:
-            try:
-                self._compact()
-            except OSError as exc:
-                log.warning("lease journal compaction failed, journal kept as it is: %s", exc)
+        if self._since is not None:
+            self._since.append(data)
+        elif self._lines > 2 * (len(self._live) + len(self._uids)) + COMPACT_SLACK:
+            self._start_compaction()
 
     # ------------------------------------------------------------------ recording
     def acquired(self, lease_id: str, key: str, pid: int, start: int, uid: int) -> None:

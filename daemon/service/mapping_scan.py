@@ -4,7 +4,11 @@ An eviction round must not remove an artifact that some process maps. ``MappingS
 scans every process's maps once for the payload (dev, inode)s of a batch of artifacts, off the
 event loop (``hwr.daemon.system.mappings``), and attributes the hits back to keys. A process whose
 maps are unreadable counts as mapping every artifact its uid ever leased (the lease journal's
-lessee uids) and every artifact it holds from before a restart.
+lessee uids) and every artifact it holds from before a restart, unless a write-lease probe of
+each payload (``hwr.daemon.system.exclusive.opened_elsewhere``) proves that no open file
+description of it exists anywhere: that clears the suspicion. A daemon that is not root reads
+no other uid's maps, so without the probe every artifact a worker's uid ever leased would stay
+unevictable as long as that uid runs any process.
 
 The scan is skipped, per key, when it provably has no mapping outside the daemon: committed
 payloads reach another process only through a lease (a staging file's writer is proven gone at
@@ -27,7 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from hwr.daemon.system import mappings
+from hwr.daemon.system import exclusive, mappings
 
 if TYPE_CHECKING:
     from hwr.daemon.service.lease_holds import LeaseHolds
@@ -35,7 +39,27 @@ if TYPE_CHECKING:
 __all__ = ["MappingScan", "PayloadFiles"]
 
 
+def _unopened(records: Sequence[PayloadFiles]) -> list[str]:
+    """Keys none of whose files has an open file description outside this call (blocking)."""
+    return [r.key for r in records if r.files and all(_unopened_file(fp) for fp in r.files)]
+
+
+def _unopened_file(fp: FileIdentity) -> bool:
+    try:
+        st = os.lstat(fp.path)
+    except OSError:  # gone (its inode may live on in a mapping): nothing can be proven
+        return False
+    if (st.st_dev, st.st_ino) == (fp.device, fp.inode) and st.st_uid != os.geteuid():
+        # Put there behind the daemon's back: every descriptor a lease sends is of a validated
+        # file the daemon's user owns, so no lessee received this one from it.
+        return True
+    return exclusive.opened_elsewhere(fp.path, fp.device, fp.inode) is False
+
+
 class FileIdentity(Protocol):
+    @property
+    def path(self) -> str: ...
+
     @property
     def device(self) -> int: ...
 
@@ -99,6 +123,11 @@ class MappingScan:
         result = await asyncio.to_thread(mappings.scan, list(by_file), skip_pids={os.getpid()},
                                          reader=self.maps_reader)
         out = self._attribute(records, by_file, result)
+        suspected = {key for key in out if key not in {by_file[fid] for fid in result.mapped}}
+        if suspected:  # only unreadable processes implicate these: a probe may clear them
+            cleared = await asyncio.to_thread(_unopened, [r for r in records if r.key in suspected])
+            for key in cleared:
+                del out[key]
         if len(self._unmapped_at) > 65536:
             self._unmapped_at.clear()
         for key, generation in generations.items():

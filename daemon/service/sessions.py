@@ -56,12 +56,16 @@ class Session:
 class Registry:
     """Sessions by id and token, leases by id, lease counts by artifact key."""
 
-    def __init__(self, *, max_leases_per_session: int = 4096) -> None:
+    def __init__(self, *, max_leases_per_session: int = 4096, max_leases_per_uid: int = 65536) -> None:
         self._sessions: dict[str, Session] = {}
         self._by_token: dict[str, Session] = {}
         self._leases: dict[str, LeaseRecord] = {}
         self._per_key: Counter[str] = Counter()
+        self._per_uid: Counter[int] = Counter()
         self.max_leases_per_session = max_leases_per_session
+        # One uid's leases over all its sessions: every lease costs the daemon memory and a
+        # lease-journal record, so one uid's sessions may not hold without bound.
+        self.max_leases_per_uid = max_leases_per_uid
         self.leases_granted = 0
         self.leases_released = 0
         # Called with ("acquire" | "release", lease) after each change (the persistent lease
@@ -106,6 +110,12 @@ class Registry:
                 "too many leases in one session",
                 details={"limit": self.max_leases_per_session},
             )
+        if self._per_uid[session.cred.uid] >= self.max_leases_per_uid:
+            raise InvalidRequest(
+                f"uid {session.cred.uid} holds {self.max_leases_per_uid} leases, the most hwrd allows one uid; "
+                "release some",
+                details={"limit": self.max_leases_per_uid, "reason": "LEASES_PER_UID"},
+            )
         lease = LeaseRecord(
             lease_id=secrets.token_hex(8),
             token=secrets.token_hex(24),
@@ -119,6 +129,7 @@ class Registry:
         session.leases[lease.lease_id] = lease
         self._leases[lease.lease_id] = lease
         self._per_key[key] += 1
+        self._per_uid[lease.uid] += 1
         self.leases_granted += 1
         for observer in self.observers:
             observer("acquire", lease)
@@ -146,6 +157,9 @@ class Registry:
         self._per_key[lease.key] -= 1
         if self._per_key[lease.key] <= 0:
             del self._per_key[lease.key]
+        self._per_uid[lease.uid] -= 1
+        if self._per_uid[lease.uid] <= 0:
+            del self._per_uid[lease.uid]
         self.leases_released += 1
         for observer in self.observers:
             observer("release", lease)

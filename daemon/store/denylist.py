@@ -121,7 +121,7 @@ class DenyList:
         target = self._quarantine_dir / f"{key}.{reason}.{uuid.uuid4().hex}"
         try:
             with self._usage.moved(path.name if path.parent == self._artifacts else None, None):
-                store_io.rename(path, target)
+                store_io.move_out(path, target)
             store_io.fsync_dir(path.parent)
         except OSError as exc:
             if exc.errno != errno.ENOENT:

@@ -74,6 +74,37 @@ def rename(src: Path, dst: Path) -> None:
     os.rename(src, dst)
 
 
+#: The mode a committed directory gets for a move out of its parent (``move_out``); at this mode
+#: with its ``READY.json`` a crash leaves a complete artifact that recovery makes 0555 again.
+MOVABLE_DIR_MODE = 0o700
+
+
+def move_out(src: Path, dst: Path) -> None:
+    """Rename ``src`` into another parent directory (retirement into ``tmp/``, quarantine).
+
+    Moving a directory to another parent rewrites its ``..`` entry, which needs write permission
+    on the directory itself: an owner without ``CAP_DAC_OVERRIDE`` (hwrd as an ordinary user)
+    gets ``EACCES`` for a 0555 artifact directory. So a directory without owner write permission
+    is made ``MOVABLE_DIR_MODE`` first, and gets its mode back when the rename fails. Raises the
+    rename's (or the chmod's) ``OSError``."""
+    try:
+        st = os.lstat(src)
+    except FileNotFoundError:
+        os.rename(src, dst)  # raises the rename's own error
+        return
+    restore = None
+    if stat.S_ISDIR(st.st_mode) and not st.st_mode & stat.S_IWUSR:
+        restore = stat.S_IMODE(st.st_mode)
+        os.chmod(src, MOVABLE_DIR_MODE, follow_symlinks=False)
+    try:
+        os.rename(src, dst)
+    except OSError:
+        if restore is not None:
+            with contextlib.suppress(OSError):
+                os.chmod(src, restore, follow_symlinks=False)
+        raise
+
+
 def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
     """Write all of ``data`` at ``offset`` (pwrite may write less than asked, e.g. past 2 GiB)."""
     view = memoryview(data).cast("B")

@@ -1,7 +1,8 @@
 """Retirement: artifacts moved out of ``artifacts/`` into trash, and the trash deleted later.
 
 ``retire`` renames ``artifacts/<key>`` to ``tmp/<key>.removed.<unique>`` under the key's lock
-(fast: no fsync, so the event loop can evict inline); its bytes stay on disk until
+(fast: no fsync, so the event loop can evict inline; ``fileio.move_out`` makes the 0555
+directory movable for a daemon that is not root); its bytes stay on disk until
 ``delete``, which first makes the retirement durable. Deleting before the rename out is durable
 could let a crash bring back a half-deleted artifact, so ``delete`` runs an ``artifacts/`` fsync
 unless one that started after every retirement has already completed (typically the caller's
@@ -80,7 +81,7 @@ class Retirement:
             log.debug("retiring artifact %s", key)
             try:
                 with self._usage.moved(key, None):
-                    store_io.rename(path, trash)
+                    store_io.move_out(path, trash)
             except OSError as exc:
                 raise store_io.io_error(exc, "remove") from None
             self._volatile.clear(key)  # under the key's lock: a new commit of the key marks after

@@ -10,17 +10,19 @@ variables are removed from ``os.environ`` so children do not inherit them), and
 =================================  ========================================================
 an inherited socket bound to ...   serves
 =================================  ========================================================
-``<socket>`` or named ``grpc``     gRPC, through ``GrpcRelay`` (below)
+``<socket>`` or named ``grpc``     gRPC, through ``GrpcRelay`` (below; hwrd's own socket too)
 ``<socket>.peer`` or named ``peer`` the peer channel, accepted directly by ``PeerServer``
 anything else                      nothing: logged and closed
 =================================  ========================================================
 
 Why a relay for gRPC: grpcio's Python server has no public API to adopt a listening
 descriptor (``add_insecure_port`` only binds addresses, and binding the unit's own path would
-unlink systemd's socket and break the next activation). So with an inherited gRPC socket hwrd
-binds gRPC on a private ``<socket>.grpc`` (mode 0600, the daemon's user only) and
-``GrpcRelay`` accepts on the inherited socket and splices bytes both ways. Clients see the
-unit's socket; gRPC carries only small control messages here (descriptors go over the peer
+unlink systemd's socket and break the next activation), and it reads a whole request before
+anything can look at the caller. So hwrd always binds gRPC on a private ``<socket>.grpc`` (mode
+0600, the daemon's user only), and ``GrpcRelay`` accepts on the public socket (systemd's, or
+hwrd's own ``<socket>``), asks ``admit`` about each connection's peer credentials before reading
+a byte of it (``hwr.daemon.system.grpc_gate``), and splices the admitted ones both ways. Clients
+see the public socket; gRPC carries only small control messages (descriptors go over the peer
 channel), so the extra hop costs one copy of a few KiB per call. Limits: the relay keeps no
 per-connection state besides the two streams, and a connection queued in the inherited backlog
 while hwrd restarts is served by the new process (systemd keeps the socket open), which is the
@@ -33,7 +35,7 @@ import asyncio
 import logging
 import os
 import socket
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,11 +137,16 @@ def _is_listening_stream(sock: socket.socket) -> bool:
 
 
 class GrpcRelay:
-    """Accept on an inherited listening socket and splice each connection to gRPC's private path."""
+    """Accept on a listening socket (systemd's, or hwrd's own ``<socket>``) and splice each
+    connection to gRPC's private path. ``admit(conn)``, when given, is asked before a byte of a
+    connection is read: None closes it unread, else its result is called once the connection
+    ends (``hwr.daemon.system.grpc_gate``)."""
 
-    def __init__(self, listen: socket.socket, target: Path) -> None:
+    def __init__(self, listen: socket.socket, target: Path,
+                 admit: Callable[[socket.socket], Callable[[], None] | None] | None = None) -> None:
         self._listen = listen
         self._target = target
+        self._admit = admit
         self._accept: asyncio.Task[None] | None = None
         self._conns: set[asyncio.Task[None]] = set()
 
@@ -165,9 +172,14 @@ class GrpcRelay:
         acceptor = Acceptor(self._listen, "gRPC relay")
         while True:
             conn = await acceptor.accept()
+            release = self._admit(conn) if self._admit is not None else _nothing
+            if release is None:
+                conn.close()  # unread: a refused peer never makes the daemon buffer its bytes
+                continue
             task = loop.create_task(self._splice(conn))
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
+            task.add_done_callback(lambda _t, done=release: done())
 
     async def _splice(self, conn: socket.socket) -> None:
         try:
@@ -186,6 +198,10 @@ class GrpcRelay:
         finally:
             for writer in (client_w, server_w):
                 writer.close()
+
+
+def _nothing() -> None:
+    return None
 
 
 async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -47,6 +47,7 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     allow_uids: tuple[int, ...] = ()
     allow_gids: tuple[int, ...] = ()
     max_leases_per_session: int = 4096
+    max_leases_per_uid: int = 65536  # over all the uid's sessions (hwr.daemon.service.sessions)
     # --- peer channel limits against careless or hostile local clients (hwr.daemon.peer.limits) ---
     # Open sessions (peer connections) per uid; a connection past it gets a typed refusal.
     max_sessions_per_uid: int = 1024
@@ -60,6 +61,9 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     peer_buffer_budget_bytes: int = 64 << 20
     # A request frame that is not complete this long after its first byte ends the session.
     peer_frame_timeout_s: float = 10.0
+    # gRPC connections per uid (hwr.daemon.system.grpc_gate): one more is closed before a byte of
+    # it is read. A client holds one; hwrctl one per command.
+    max_grpc_connections_per_uid: int = 32
     publication_wait_timeout_s: float = 600.0
     shutdown_grace_s: float = 10.0
     log_level: str = "info"
@@ -110,8 +114,10 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         if self.max_leases_per_session < 1:
             raise ConfigError("max_leases_per_session must be positive",
                               details={"key": "max_leases_per_session"})
+        if self.max_leases_per_uid < 1:
+            raise ConfigError("max_leases_per_uid must be positive", details={"key": "max_leases_per_uid"})
         for name in ("max_sessions_per_uid", "max_inflight_fds_per_connection", "max_inflight_fds_per_uid",
-                     "peer_buffer_budget_bytes", "peer_frame_timeout_s"):
+                     "peer_buffer_budget_bytes", "peer_frame_timeout_s", "max_grpc_connections_per_uid"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive", details={"key": name})
         if self.log_level not in ("debug", "info", "warning", "error"):

@@ -12,6 +12,10 @@ support report ``Unsupported``.
 A refusal names the processes seen holding the file (``holder_pids``: a scan of
 ``/proc/<pid>/fd`` made only on refusal, so it sees the processes whose descriptors the
 daemon's user may read, and misses a mapping whose descriptor was closed).
+
+``opened_elsewhere(path)`` is the same check as a question, for eviction: it needs no right on
+other processes, so it answers for workers whose ``/proc/<pid>/maps`` a daemon that is not root
+may not read.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pathlib import Path
 
 from hwr.client.errors import PublicationFailed, Unsupported
 
-__all__ = ["RETRIES", "holders", "open_sole"]
+__all__ = ["RETRIES", "holders", "open_sole", "opened_elsewhere"]
 
 #: Tries of the write lease before a refusal, the n-th after ``n * RETRY_DELAY_S`` (100 ms in all).
 RETRIES = 5
@@ -84,3 +88,28 @@ def open_sole(path: Path) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def opened_elsewhere(path: str, device: int, inode: int) -> bool | None:
+    """Whether an open file description of the file ``(device, inode)`` at ``path`` exists besides
+    the one this call opens (a descriptor or a mapping in any process, or a descriptor in flight
+    on a socket): True or False, from a write lease taken and dropped at once; None when the file
+    cannot be opened, is another file by now, is not this process's user's, or its filesystem
+    has no leases (the caller then knows nothing). Exact only while nobody can open the file
+    anew meanwhile (the caller stops handing out its descriptors first)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != (device, inode):
+            return None
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+    except OSError as exc:
+        return True if exc.errno in (errno.EAGAIN, errno.EBUSY) else None
+    else:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        return False
+    finally:
+        os.close(fd)

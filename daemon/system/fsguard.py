@@ -15,6 +15,12 @@ on top of a remote lower layer is not detected; the check is made once, at open.
 Permission policy: the root and its subdirectories must be directories (not symlinks) owned by
 the effective uid and not writable by group or others; other users could otherwise swap files
 under a daemon that trusts them. A new root is created 0700.
+
+Socket directory policy (``socket_dir_problem``): the directory of the sockets belongs to the
+daemon's uid or to root, and others may not write it unless it is sticky (``/tmp`` itself):
+otherwise another user could have made it (``/tmp/hwrd-$UID`` before its owner) or could move
+the daemon's sockets away and answer in its place. Clients check the same from their side
+(``hwr.client.daemon_trust``).
 """
 
 from __future__ import annotations
@@ -34,9 +40,11 @@ __all__ = [
     "FS_MAGIC",
     "FilesystemVerdict",
     "check_filesystem",
+    "check_socket_dir",
     "check_trusted_dir",
     "classify_filesystem",
     "permission_problem",
+    "socket_dir_problem",
     "statfs_magic",
 ]
 
@@ -151,3 +159,24 @@ def check_trusted_dir(path: Path, *, euid: int | None = None) -> os.stat_result:
     if problem:
         raise UntrustedStore(f"store directory {path} {problem}", details={"path": str(path)})
     return st
+
+
+def socket_dir_problem(mode: int, uid: int, euid: int) -> str | None:
+    """Why a daemon of uid ``euid`` must not serve from a socket directory with this ``stat``
+    mode and owner (module docstring), or None."""
+    if not stat.S_ISDIR(mode):
+        return "is not a directory"
+    if uid not in (euid, 0):
+        return f"belongs to uid {uid}, neither this daemon's ({euid}) nor root's"
+    if mode & (stat.S_IWGRP | stat.S_IWOTH) and not mode & stat.S_ISVTX:
+        return f"is writable by group or others (mode {stat.S_IMODE(mode):04o}): they could replace the sockets"
+    return None
+
+
+def check_socket_dir(path: Path) -> None:
+    """Raise ``UntrustedStore`` unless the socket directory ``path`` (symlinks followed) passes
+    ``socket_dir_problem``."""
+    st = os.stat(path)
+    problem = socket_dir_problem(st.st_mode, st.st_uid, os.geteuid())
+    if problem:
+        raise UntrustedStore(f"socket directory {path} {problem}", details={"path": str(path)})

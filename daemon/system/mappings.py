@@ -14,9 +14,12 @@ leased to a session of its uid (the daemon's store is private, so bytes reach an
 through a lease; the journal keeps those uids across restarts), except that an unreadable
 process of the daemon's own uid is more privileged than a worker (non-dumpable, another user
 namespace, a container's init) and counts only if the journal holds a lease of its pid. That
-makes a non-dumpable worker of the daemon's own uid invisible (limit). Processes hidden entirely
-(``/proc`` mounted with ``hidepid``) cannot be seen at all: then the lease journal is the only
-protection, so run hwrd as root or with ``CAP_SYS_PTRACE`` on such nodes.
+makes a non-dumpable worker of the daemon's own uid invisible (limit). A daemon that is not root
+reads no other uid's maps at all, so the caller clears that suspicion with a write-lease probe
+of the payloads (``hwr.daemon.system.exclusive.opened_elsewhere``: no open file description of
+them anywhere means nobody maps them). Processes hidden entirely (``/proc`` mounted with
+``hidepid``) cannot be seen at all: then the lease journal is the only protection, so run hwrd as
+root or with ``CAP_SYS_PTRACE`` on such nodes.
 
 Limits: a scan is a snapshot (the caller blocks new leases on the keys first); a process that
 holds a descriptor without mapping it (not something ``hwr.client`` does beyond the instant

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hwr.client.errors import PublicationFailed
-from hwr.daemon.system.exclusive import holders, open_sole
+from hwr.daemon.system.exclusive import holders, open_sole, opened_elsewhere
 
 
 def test_a_file_nobody_else_holds_is_opened(tmp_path: Path) -> None:
@@ -54,3 +54,31 @@ def test_another_descriptor_of_this_process_is_named_too(tmp_path: Path) -> None
         assert info.value.details["holder_pids"] == [os.getpid()]
     finally:
         os.close(writer)
+
+
+@pytest.mark.timeout(60)
+def test_opened_elsewhere_sees_a_mapping_whose_descriptor_was_closed(tmp_path: Path) -> None:
+    """The eviction probe: a read-only mapping in another process (its descriptor closed) is an
+    open file description; once that process is gone there is none."""
+    path = tmp_path / "payload.safetensors"
+    path.write_bytes(b"x" * 4096)
+    st = os.stat(path)
+    assert opened_elsewhere(str(path), st.st_dev, st.st_ino) is False
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import mmap, os, sys\nfd = os.open(sys.argv[1], os.O_RDONLY)\n"
+         "m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)\nos.close(fd)\nprint('mapped', flush=True)\nsys.stdin.read()",
+         str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "mapped"
+        assert opened_elsewhere(str(path), st.st_dev, st.st_ino) is True
+    finally:
+        child.communicate("", timeout=30)
+    assert opened_elsewhere(str(path), st.st_dev, st.st_ino) is False
+
+
+def test_opened_elsewhere_knows_nothing_of_another_file_at_the_path(tmp_path: Path) -> None:
+    path = tmp_path / "payload.safetensors"
+    path.write_bytes(b"x")
+    st = os.stat(path)
+    assert opened_elsewhere(str(path), st.st_dev, st.st_ino + 1) is None
+    assert opened_elsewhere(str(tmp_path / "missing"), st.st_dev, st.st_ino) is None

@@ -163,3 +163,43 @@ def test_a_failed_compaction_keeps_the_journal_and_leaves_no_temp_file(tmp_path:
     assert [p.name for p in tmp_path.iterdir()] == ["leases.journal"]
     journal.close()
     assert [h.lease_id for h in LeaseJournal.open(path).recovered] == ["held"]
+
+
+def test_compaction_runs_off_the_event_loop_and_keeps_what_was_written_meanwhile(tmp_path: Path) -> None:
+    """A journal of many live leases is compacted in a worker thread: the flush that starts it
+    returns at once, the loop serves (and writes records) while it runs, and the compacted
+    journal holds the snapshot plus every record written meanwhile."""
+    path = tmp_path / "leases.journal"
+    journal = LeaseJournal.open(path)
+    pid, start = os.getpid(), process_start(os.getpid()) or 0
+    live = 60_000
+
+    async def run() -> tuple[bool, bool, int]:
+        for i in range(live):
+            journal.acquired(f"held{i}", KEY, pid, start, 0)
+        journal.flush()
+        # Churn until the file passes its bound: the flush that passes it starts a compaction.
+        i = 0
+        while journal._since is None:
+            journal.acquired(f"churn{i}", KEY, pid, start, 0)
+            journal.released(f"churn{i}")
+            journal.flush()
+            i += 1
+        in_flight_after_flush = journal._since is not None
+        served: list[bool] = []
+        # While the thread writes the snapshot, the loop runs and records keep coming.
+        asyncio.get_running_loop().call_soon(lambda: served.append(journal._since is not None))
+        journal.released("held0")
+        journal.acquired("late", KEY, pid, start, 7)
+        await asyncio.sleep(0)
+        while journal._since is not None:
+            await asyncio.sleep(0.01)
+        return in_flight_after_flush, served == [True], journal._lines
+
+    in_flight, loop_served_meanwhile, lines = asyncio.run(run())
+    assert in_flight and loop_served_meanwhile
+    assert lines < live + 100  # compacted: the churn is gone
+    journal.close()
+    holds = {h.lease_id: h for h in LeaseJournal.open(path).recovered}
+    assert "held0" not in holds and "late" in holds and len(holds) == live
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]

@@ -22,6 +22,7 @@ def _tensors(value: float) -> dict[str, torch.Tensor]:
     return {"w": torch.full((1 << 18,), value)}
 
 
+@pytest.mark.usefixtures("daemon_user")  # root and the unit's unprivileged user
 @pytest.mark.timeout(120)
 def test_a_lease_released_during_the_grace_makes_room(spawn_daemon: Callable[..., DaemonProcess]) -> None:
     daemon = spawn_daemon("--store-limit-bytes", str(ART))
@@ -38,6 +39,7 @@ def test_a_lease_released_during_the_grace_makes_room(spawn_daemon: Callable[...
         assert first not in {a["key"] for a in publisher.list_artifacts()}  # evicted to make room
 
 
+@pytest.mark.usefixtures("daemon_user")  # root and the unit's unprivileged user
 @pytest.mark.timeout(120)
 def test_a_lease_held_past_the_grace_is_the_typed_error_after_it(spawn_daemon: Callable[..., DaemonProcess]) -> None:
     daemon = spawn_daemon("--store-limit-bytes", str(ART))

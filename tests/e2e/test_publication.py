@@ -105,6 +105,7 @@ def test_second_publisher_with_zero_wait_is_told_to_come_back(shared_hwrd: Daemo
         assert second.publish(identity, tensors) == key
 
 
+@pytest.mark.usefixtures("daemon_user")  # root and the unit's unprivileged user
 @pytest.mark.timeout(60)
 def test_publication_that_can_never_fit_evicts_nothing(spawn_daemon: Callable[..., DaemonProcess]) -> None:
     daemon = spawn_daemon()

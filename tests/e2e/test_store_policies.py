@@ -29,6 +29,7 @@ from .helpers import rot_a_byte
 MIB = 1 << 20
 
 
+@pytest.mark.usefixtures("daemon_user")  # root and the unit's unprivileged user
 def test_background_scrub_at_a_bandwidth_cap_quarantines_a_flipped_byte(spawn_daemon) -> None:
     daemon = spawn_daemon()
     with connect(daemon.socket) as client:
@@ -106,6 +107,7 @@ def test_pins_lock_pages_within_the_mlock_budget(spawn_daemon) -> None:
         client.unpin(b)
 
 
+@pytest.mark.usefixtures("daemon_user")  # root and the unit's unprivileged user
 def test_a_publication_waits_for_room_held_by_publications_in_flight(spawn_daemon) -> None:
     art = 2 * MIB + 136
     limit = art + art // 2
@@ -165,6 +167,7 @@ def _run_threads(*targets: Callable[[], None]) -> None:
         t.join(60)
 
 
+@pytest.mark.usefixtures("daemon_user")  # root and the unit's unprivileged user
 def test_acquires_racing_evictions_never_deny_an_artifact(spawn_daemon) -> None:
     """Clients acquire artifacts that other clients' publications are evicting (a store with
     room for 4): an acquire either leases the artifact or gets ArtifactNotFound. An eviction

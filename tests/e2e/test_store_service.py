@@ -57,6 +57,7 @@ def _ctl(sock: Path, *args: str) -> int:
     return ctl.main(["--socket", str(sock), *args])
 
 
+@pytest.mark.usefixtures("daemon_user")  # root and the unit's unprivileged user
 def test_eviction_is_lru_and_spares_leased_pinned_and_mapped(spawn_daemon, short_tmp: Path) -> None:
     daemon = spawn_daemon("--store-limit-bytes", str(4 * ART))
     with connect(daemon.socket) as client:
@@ -114,6 +115,7 @@ def test_lru_order_survives_a_clean_restart(spawn_daemon) -> None:
         assert second not in keys and keys == {first, third, newer}
 
 
+@pytest.mark.usefixtures("daemon_user")  # root and the unit's unprivileged user
 def test_concurrent_publications_never_exceed_the_store_limit(spawn_daemon) -> None:
     limit = 3 * ART
     daemon = spawn_daemon("--store-limit-bytes", str(limit))
@@ -190,6 +192,7 @@ def test_stalled_publisher_is_cancelled_at_its_deadline(spawn_daemon) -> None:
         staller.wait()
 
 
+@pytest.mark.usefixtures("daemon_user")  # root and the unit's unprivileged user
 def test_verify_catches_a_flipped_byte_and_stops_handing_it_out(spawn_daemon) -> None:
     daemon = spawn_daemon()
     with connect(daemon.socket) as client:
@@ -212,6 +215,7 @@ def test_verify_catches_a_flipped_byte_and_stops_handing_it_out(spawn_daemon) ->
         lease.close()
 
 
+@pytest.mark.usefixtures("daemon_user")  # root and the unit's unprivileged user
 def test_pins_survive_restart_and_ctl_commands(spawn_daemon, short_tmp: Path, capsys) -> None:
     daemon = spawn_daemon()
     with connect(daemon.socket) as client:

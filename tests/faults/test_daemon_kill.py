@@ -28,6 +28,8 @@ import re
 import time
 from pathlib import Path
 
+import pytest
+
 from hwr.client import connect
 
 from .faultkit import Outcome, Worker, check_invariants, check_on_disk, fd_count, publish, wait_for
@@ -52,6 +54,7 @@ def retired(log: Path) -> set[str]:
     return set(RETIRED.findall(log.read_text(errors="replace")))
 
 
+@pytest.mark.usefixtures("daemon_user")  # root and the unit's unprivileged user
 def test_sigkill_of_the_daemon_under_load_loses_nothing(spawn, fault_tmp: Path, outcome: Outcome) -> None:
     outcome.kind = "daemon SIGKILL under load (held artifacts and acknowledged publications)"
     rounds = ROUNDS or 6

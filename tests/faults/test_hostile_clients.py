@@ -9,8 +9,9 @@ each attack reaches them in seconds.
 
 Counted after the checks, per attack: attacks tried, daemon crashes (gone, not answering, or a
 traceback in its log), other clients' operations failed; printed at the end of the run
-(``hwr hostile clients: ...``). A failing run prints non-zero counts, or ``incomplete`` for a
-test that stopped before counting.
+(``hwr hostile clients: ...``), with a total line: attack kinds, handled (the kind's test passed:
+every defence it checks held), daemon crashes, innocent-client failures. A failing run prints
+non-zero counts, or ``incomplete`` for a test that stopped before counting.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+from daemon_proc import NOBODY as NOBODY_USER
+from daemon_proc import STRANGER, RunAs, as_user, make_daemon, requested_user
 
 from hwr.client import Client, connect
 from hwr.client.errors import DaemonUnavailable, HwrError
@@ -39,6 +42,7 @@ from hwr.daemon.app.launcher import DaemonProcess
 from .faultkit import publish
 
 WORKER = Path(__file__).with_name("hostile_worker.py")
+GRPC_ATTACKER = Path(__file__).with_name("grpc_attacker.py")
 NOBODY = 65534
 MIB = 1 << 20
 
@@ -56,6 +60,7 @@ class Attack:
     crashes: int = 0
     others_failed: int = 0
     complete: bool = False
+    handled: bool = False  # the test passed: set at teardown
 
 
 ATTACKS: list[Attack] = []
@@ -69,7 +74,12 @@ class _Summary:
         for a in ATTACKS:
             terminalreporter.write_line(
                 f"hwr hostile clients: {a.name}: {a.tried} attacks tried, daemon crashes {a.crashes}, "
-                f"other clients' operations failed {a.others_failed}" + ("" if a.complete else " (incomplete)"))
+                f"other clients' operations failed {a.others_failed}" + ("" if a.complete else " (incomplete)")
+                + ("" if a.handled else " (NOT handled)"))
+        terminalreporter.write_line(
+            f"hwr hostile clients: total: {len(ATTACKS)} attack kinds, {sum(a.handled for a in ATTACKS)} handled, "
+            f"daemon crashes {sum(a.crashes for a in ATTACKS)}, "
+            f"innocent-client failures {sum(a.others_failed for a in ATTACKS)}")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -80,10 +90,12 @@ def _summary(request: pytest.FixtureRequest) -> None:
 
 
 @pytest.fixture
-def attack(request: pytest.FixtureRequest) -> Attack:
+def attack(request: pytest.FixtureRequest) -> Iterator[Attack]:
     record = Attack(request.node.name.removeprefix("test_"))
     ATTACKS.append(record)
-    return record
+    yield record
+    # The fault suite's conftest records the call's outcome (pytest_runtest_makereport).
+    record.handled = record.complete and getattr(request.node, "hwr_call_outcome", "failed") == "passed"
 
 
 # ------------------------------------------------------------------------------ the parts
@@ -101,11 +113,17 @@ def open_dir(fault_tmp: Path) -> Path:
 
 
 @pytest.fixture
-def start(spawn: Callable[..., DaemonProcess], open_dir: Path) -> Callable[..., DaemonProcess]:
+def start(spawn: Callable[..., DaemonProcess], open_dir: Path,
+          request: pytest.FixtureRequest) -> Callable[..., DaemonProcess]:
+    """Start the attacked daemon: root without capabilities, or (a test that asks for
+    ``daemon_user``) also the unit's unprivileged user, which has none either."""
+    user = requested_user(request)
+
     def run(*extra: str) -> DaemonProcess:
-        daemon = Uncapable(open_dir / "store", open_dir / "hwrd.sock", "--socket-mode", "666",
-                           "--allow-uid", str(NOBODY), *extra)
-        return spawn(daemon=daemon)
+        flags = ("--socket-mode", "666", "--allow-uid", str(NOBODY), *extra)
+        if user is not None:
+            return spawn(daemon=make_daemon(open_dir, *flags, user=user))
+        return spawn(daemon=Uncapable(open_dir / "store", open_dir / "hwrd.sock", *flags))
     return run
 
 
@@ -459,4 +477,188 @@ def test_escape_sequences_in_client_strings(artifact: Callable[..., tuple[Daemon
     assert report == {"named": True, "descriptors": 1}, report
     assert not raw and all(out.returncode == 0 for out in outputs), [out.stderr for out in outputs]
     assert "client\\x1b[2J" in outputs[0].stdout and "model\\x1b[2J" in outputs[1].stdout + outputs[2].stdout
+    assert attack.crashes == 0
+
+
+@pytest.mark.usefixtures("daemon_user")  # root without capabilities, and the unit's user
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("allowed", [False, True], ids=["uid-not-allowed", "uid-allowed"])
+def test_large_grpc_messages_on_concurrent_calls(artifact: Callable[..., tuple[DaemonProcess, str, str]],
+                                                 attack: Attack, allowed: bool) -> None:
+    """32 connections at once, each sending a 60 MiB request without a session: from a uid the
+    allow-list refuses, the connection is closed before a byte is read; from an admitted uid the
+    request is refused at its length prefix (over the 16 MiB limit). Either way the daemon's
+    memory stays flat (it grew by 70-86 MiB per call when it read them all)."""
+    daemon, key, _digest = artifact()  # nobody is allowed, STRANGER is not
+    before = rss_mib(daemon.pid)
+    peak = [before]
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_mib(daemon.pid))
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    innocent = Innocent(daemon, key, 7.0)
+    innocent.start()
+    try:
+        out = _grpc_attacker("flood", str(daemon.socket), "32", str(60 * MIB),
+                             user=NOBODY_USER if allowed else STRANGER)
+    finally:
+        ops, failures = innocent.finish()
+        done.set()
+        watcher.join(10)
+    report = out
+    attack.tried = report["calls"]
+    attack.crashes = crashes(daemon)
+    attack.others_failed = len(failures)
+    attack.complete = True
+    grew = peak[0] - before
+    print(f"\nlarge gRPC messages ({'allowed' if allowed else 'not allowed'}): {report}; daemon RSS {before:.0f} "
+          f"-> peak {peak[0]:.0f} MiB; innocent: {ops} operations, failures {failures[:3]}")
+    expected = "RESOURCE_EXHAUSTED" if allowed else "UNAVAILABLE"
+    assert report["codes"] == {expected: 32}, report
+    assert grew < 64, f"the daemon buffered {grew:.0f} MiB of requests"
+    assert ops > 10 and not failures
+    assert attack.crashes == 0
+
+
+@pytest.mark.usefixtures("daemon_user")  # root without capabilities, and the unit's user
+@pytest.mark.timeout(180)
+def test_grpc_connections_per_uid(artifact: Callable[..., tuple[DaemonProcess, str, str]], attack: Attack) -> None:
+    """An admitted uid holding ``max_grpc_connections_per_uid`` gRPC connections: one more is closed
+    unread; other uids' calls are served."""
+    daemon, _key, _digest = artifact("--allow-uid", str(NOBODY), "--max-grpc-connections-per-uid", "4")
+    report = _grpc_attacker("hold", str(daemon.socket), "6")
+    with connect(daemon.socket) as client:  # root: a budget of its own
+        status = client.status()
+    attack.tried = report["connections"]
+    attack.crashes = crashes(daemon)
+    attack.others_failed = 0 if status["pid"] == daemon.pid else 1
+    attack.complete = True
+    print(f"\ngRPC connections per uid: {report}")
+    assert report["codes"] == {"open": 4, "closed": 2}, report
+    assert attack.crashes == 0 and attack.others_failed == 0
+
+
+def _grpc_attacker(*args: str, user: RunAs = NOBODY_USER) -> dict:
+    out = subprocess.run(as_user(user, [sys.executable, str(GRPC_ATTACKER), *args]), capture_output=True,
+                         text=True, timeout=240, cwd="/")
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1].removeprefix("result "))
+
+
+LEASE_HOARDER = """
+import json, sys
+from hwr.client import connect
+from hwr.client.errors import HwrError
+sock, key, sessions = sys.argv[1], sys.argv[2], int(sys.argv[3])
+held, refusals, clients = [], {}, []
+for _ in range(sessions):
+    client = connect(sock)
+    clients.append(client)
+    while True:
+        try:
+            held.append(client.acquire(key))
+        except HwrError as exc:
+            reason = f"{exc.code}:{exc.details.get('reason', 'LEASES_PER_SESSION')}"
+            refusals[reason] = refusals.get(reason, 0) + 1
+            break
+print("result " + json.dumps({"held": len(held), "refusals": refusals}), flush=True)
+"""
+
+
+@pytest.mark.usefixtures("daemon_user")  # root without capabilities, and the unit's user
+@pytest.mark.timeout(240)
+def test_leases_per_uid(artifact: Callable[..., tuple[DaemonProcess, str, str]], attack: Attack) -> None:
+    """One uid hoarding leases over several sessions stops at ``max_leases_per_uid`` with a typed
+    refusal; another uid still acquires."""
+    daemon, key, _digest = artifact("--max-leases-per-session", "40", "--max-leases-per-uid", "100")
+    innocent = Innocent(daemon, key, 7.0)
+    innocent.start()
+    try:
+        out = subprocess.run(as_user(NOBODY_USER, [sys.executable, "-c", LEASE_HOARDER, str(daemon.socket), key, "4"]),
+                             capture_output=True, text=True, timeout=200, cwd="/")
+    finally:
+        ops, failures = innocent.finish()
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1].removeprefix("result "))
+    attack.tried = report["held"] + sum(report["refusals"].values())
+    attack.crashes = crashes(daemon)
+    attack.others_failed = len(failures)
+    attack.complete = True
+    print(f"\nleases per uid: {report}; innocent: {ops} operations, failures {failures[:3]}")
+    # 40 + 40 + 20 (the uid's cap) and refused; the fourth session is refused at once.
+    assert report == {"held": 100, "refusals": {"INVALID_ARGUMENT:LEASES_PER_SESSION": 2,
+                                                "INVALID_ARGUMENT:LEASES_PER_UID": 2}}, report
+    assert ops > 10 and not failures
+    assert attack.crashes == 0
+
+
+SURROGATE_NAMER = r"""
+import json, os, socket, struct, sys
+path, key = sys.argv[1], sys.argv[2]
+def frame(text):
+    body = text.encode()
+    return struct.pack(">I", len(body)) + body
+def read(sock):
+    head = b""
+    while len(head) < 4:
+        head += sock.recv(4 - len(head))
+    n, body = struct.unpack(">I", head)[0], b""
+    while len(body) < n:
+        msg, anc, _f, _a = sock.recvmsg(n - len(body), socket.CMSG_SPACE(64 * 4))
+        for _l, _k, data in anc:
+            for i in range(0, len(data) - len(data) % 4, 4):
+                os.close(struct.unpack("i", data[i:i + 4])[0])
+        body += msg
+    return json.loads(body)
+sock = socket.socket(socket.AF_UNIX)
+sock.connect(path)
+read(sock)  # the greeting
+codes = []
+for name in ('"evil\\ud800"', '"\\udfff"', '"ok\\ud83d"'):  # lone surrogates, escaped as JSON allows
+    sock.sendall(frame('{"op":"hello","client_name":' + name + ',"client_version":"1"}'))
+    codes.append(read(sock).get("code", "ok"))
+sock.sendall(frame(json.dumps({"op": "acquire", "key": key, "have": "0" * 64})))
+codes.append(read(sock).get("code", "ok"))
+print("ready", flush=True)
+sys.stdin.readline()
+print("result " + json.dumps({"codes": codes}), flush=True)
+"""
+
+
+@pytest.mark.usefixtures("daemon_user")  # root without capabilities, and the unit's user
+@pytest.mark.timeout(180)
+def test_lone_surrogates_in_a_client_name(artifact: Callable[..., tuple[DaemonProcess, str, str]],
+                                          attack: Attack) -> None:
+    """A session named with lone surrogates (``"\\ud800"``: valid JSON, not text) while holding a
+    lease: the names are refused with a typed error, the session keeps serving, and the
+    operator's listings work for everyone."""
+    daemon, key, _digest = artifact()
+    proc = subprocess.Popen(as_user(NOBODY_USER, [sys.executable, "-c", SURROGATE_NAMER, f"{daemon.socket}.peer",
+                                                  key]), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            cwd="/")
+    try:
+        assert _readline(proc, 60).strip() == "ready"
+        outputs = [subprocess.run([sys.executable, "-m", "hwr.daemon.ctl.cli", "--socket", str(daemon.socket),
+                                   *args, "--json"], capture_output=True, text=True, timeout=60)
+                   for args in (["leases"], ["ls"], ["status"])]
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        report = json.loads(_readline(proc, 60).removeprefix("result "))
+    finally:
+        proc.kill()
+        proc.wait(30)
+    attack.tried = len(report["codes"])
+    attack.crashes = crashes(daemon)
+    attack.others_failed = sum(out.returncode != 0 for out in outputs)
+    attack.complete = True
+    print(f"\nlone surrogates: {report}; hwrctl exit codes {[out.returncode for out in outputs]}")
+    assert report["codes"] == ["INVALID_ARGUMENT"] * 3 + ["ok"], report
+    assert all(out.returncode == 0 for out in outputs), [out.stderr for out in outputs]
+    assert NOBODY in [x["uid"] for x in json.loads(outputs[0].stdout)]
     assert attack.crashes == 0

@@ -201,6 +201,7 @@ def _rewrite(path: Path, offset: int) -> None:
     os.chmod(path, 0o444)
 
 
+@pytest.mark.usefixtures("daemon_user")  # root and the unit's unprivileged user
 def test_store_files_changed_behind_the_daemons_back(spawn, outcome: Outcome) -> None:
     outcome.kind = "store files changed behind the daemon"
     daemon = spawn()

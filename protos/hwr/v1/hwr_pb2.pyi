@@ -331,14 +331,24 @@ class LeaseInfo(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., key: _Optional[str] = ..., session_id: _Optional[str] = ..., pid: _Optional[int] = ..., uid: _Optional[int] = ..., client_name: _Optional[str] = ..., acquired_at: _Optional[float] = ...) -> None: ...
 
 class ListLeasesRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("paged", "after", "limit")
+    PAGED_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    paged: bool
+    after: str
+    limit: int
+    def __init__(self, paged: _Optional[bool] = ..., after: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class ListLeasesResponse(_message.Message):
-    __slots__ = ("leases",)
+    __slots__ = ("leases", "next_after", "total")
     LEASES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
     leases: _containers.RepeatedCompositeFieldContainer[LeaseInfo]
-    def __init__(self, leases: _Optional[_Iterable[_Union[LeaseInfo, _Mapping]]] = ...) -> None: ...
+    next_after: str
+    total: int
+    def __init__(self, leases: _Optional[_Iterable[_Union[LeaseInfo, _Mapping]]] = ..., next_after: _Optional[str] = ..., total: _Optional[int] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()
@@ -741,16 +751,26 @@ class RemoteArtifact(_message.Message):
     def __init__(self, key: _Optional[str] = ..., size_bytes: _Optional[int] = ..., complete: _Optional[bool] = ..., local: _Optional[bool] = ...) -> None: ...
 
 class ListRemoteRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("paged", "after", "limit")
+    PAGED_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    paged: bool
+    after: str
+    limit: int
+    def __init__(self, paged: _Optional[bool] = ..., after: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class ListRemoteResponse(_message.Message):
-    __slots__ = ("url", "artifacts")
+    __slots__ = ("url", "artifacts", "next_after", "total")
     URL_FIELD_NUMBER: _ClassVar[int]
     ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
     url: str
     artifacts: _containers.RepeatedCompositeFieldContainer[RemoteArtifact]
-    def __init__(self, url: _Optional[str] = ..., artifacts: _Optional[_Iterable[_Union[RemoteArtifact, _Mapping]]] = ...) -> None: ...
+    next_after: str
+    total: int
+    def __init__(self, url: _Optional[str] = ..., artifacts: _Optional[_Iterable[_Union[RemoteArtifact, _Mapping]]] = ..., next_after: _Optional[str] = ..., total: _Optional[int] = ...) -> None: ...
 
 class PullArtifactRequest(_message.Message):
     __slots__ = ("key",)

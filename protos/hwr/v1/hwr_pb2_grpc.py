@@ -283,7 +283,7 @@ class HostWeightRuntimeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListLeases(self, request, context):
-        """Lists live leases of every session. Status: OK.
+        """Lists live leases of every session; paged on request (ListLeasesRequest). Status: OK.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -412,7 +412,8 @@ class HostWeightRuntimeServicer:
         remote does not answer.
 
         Lists the remote's artifacts: complete ones (READY.json present) and incomplete uploads,
-        each with whether the local store has it too. Status: OK; UNIMPLEMENTED; UNAVAILABLE.
+        each with whether the local store has it too; paged on request (ListRemoteRequest).
+        Status: OK; UNIMPLEMENTED; UNAVAILABLE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
