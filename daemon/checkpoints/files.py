@@ -19,19 +19,23 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from hwr.client.errors import CheckpointNotFound, StoreIOError
+from hwr.client.errors import CheckpointNotFound, InvalidRequest, StoreIOError
 from hwr.client.identity import canonical_json
 from hwr.daemon.policy.key_prefix import unique_prefix
 from hwr.daemon.store import fileio as store_io
 from hwr.daemon.system.peercred import PeerCred
 
 __all__ = [
-    "MAX_DEPTH", "FileFingerprint", "HfBlobLink", "checkpoint_id_for", "hf_blob_link", "load_json",
+    "MAX_DEPTH", "MAX_WALK_ENTRIES", "FileFingerprint", "HfBlobLink", "checkpoint_id_for", "hf_blob_link", "load_json",
     "plain_path", "registry_entry", "resolve_checkpoint_prefix", "safetensors_files", "write_json",
 ]
 
 log = logging.getLogger("hwrd.checkpoints")
 MAX_DEPTH = 3
+#: Directory entries the walk of one checkpoint directory may visit. A real checkpoint (a diffusers
+#: folder, an HF snapshot) holds hundreds; ``/`` or a home directory holds millions, and walking
+#: them (``/proc`` and ``/sys`` included) would hold an operator's request for minutes.
+MAX_WALK_ENTRIES = 20_000
 _REV = re.compile(r"^[0-9a-f]{40}$")
 _BLOB = re.compile(r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$")
 
@@ -102,7 +106,16 @@ def resolve_checkpoint_prefix(prefix: str, ids: Sequence[str]) -> str:
 
 
 def safetensors_files(root: Path) -> Iterator[str]:
+    """Names of ``*.safetensors`` files under ``root`` (relative, at most ``MAX_DEPTH`` levels, hidden
+    entries skipped). Raises ``InvalidRequest`` once the walk has seen ``MAX_WALK_ENTRIES`` entries:
+    such a directory is not a checkpoint directory, and the caller learns it at once."""
+    seen = 0
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        seen += len(dirnames) + len(filenames)
+        if seen > MAX_WALK_ENTRIES:
+            raise InvalidRequest(f"{root} holds more than {MAX_WALK_ENTRIES} entries within {MAX_DEPTH} levels: "
+                                 "pass the checkpoint's own directory",
+                                 details={"path": str(root), "limit": MAX_WALK_ENTRIES})
         depth = len(Path(dirpath).relative_to(root).parts)
         if depth >= MAX_DEPTH:
             dirnames.clear()

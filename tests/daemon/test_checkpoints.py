@@ -158,3 +158,29 @@ def test_bad_directories_and_duplicate_tensors_are_invalid_requests(short_tmp: P
         registry.add(dup)
     with pytest.raises(CheckpointNotFound):
         registry.get("abcd")
+
+
+def test_a_directory_too_large_to_be_a_checkpoint_is_refused_fast(
+        short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``checkpoints add /`` (or a home directory) must not walk millions of entries: past the
+    walk's bound the request fails with a typed error naming the limit, before reading any file."""
+    from hwr.daemon.checkpoints import files as ckfiles
+
+    monkeypatch.setattr(ckfiles, "MAX_WALK_ENTRIES", 50)
+    big = short_tmp / "big"
+    for i in range(6):
+        sub = big / f"d{i}"
+        sub.mkdir(parents=True)
+        for j in range(10):
+            (sub / f"f{j}.txt").write_bytes(b"")
+    save_file({"w": torch.ones(2)}, big / "d0" / "model.safetensors")
+    registry = Checkpoints(short_tmp / "state")
+    registry.open()
+    with pytest.raises(InvalidRequest) as err:
+        registry.add(big)
+    assert err.value.details["limit"] == 50, err.value.details
+    small = short_tmp / "small"
+    small.mkdir()
+    save_file({"w": torch.ones(2)}, small / "model.safetensors")
+    ckpt, added = registry.add(small)  # a real checkpoint directory stays well inside the bound
+    assert added and len(ckpt.files) == 1
