@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
@@ -73,3 +73,40 @@ def test_repository_has_no_work_diary_wording() -> None:
     hits = diary_hits(files)
     assert not hits, ("work-diary wording (say what the product does or what was measured; history lives "
                       "in git):\n" + "\n".join(hits))
+
+
+#: A document a module names: ``ARCHITECTURE.md``, ``benchmarks/report_template.md`` (a word
+#: ending in ``.md``; the path is read from the repository root, or from the module's folder).
+DOC_NAME = re.compile(r"(?<![\w./-])([\w-]+(?:/[\w.-]+)*\.md)\b")
+#: The product's packages and scripts, whose docstrings and comments speak to users (tests build
+#: throwaway reports with invented names, so they are not scanned).
+PRODUCT_DIRS = ("client", "daemon", "dlo_backend", "hwr", "protos", "benchmarks", "scripts")
+
+
+def missing_documents(files: Iterable[tuple[str, str]], exists: Callable[[str], bool]) -> list[str]:
+    """``path:line: name`` for every ``.md`` a product file names that is not in the repository."""
+    hits = []
+    for path, text in files:
+        if not path.startswith(tuple(d + "/" for d in PRODUCT_DIRS)):
+            continue
+        folder = path.rsplit("/", 1)[0]
+        for number, line in enumerate(text.splitlines(), 1):
+            for name in DOC_NAME.findall(line):
+                if not (exists(name) or exists(f"{folder}/{name}")):
+                    hits.append(f"{path}:{number}: {name}")
+    return hits
+
+
+def test_the_document_check_flags_a_file_outside_the_repository() -> None:
+    present = {"ARCHITECTURE.md", "benchmarks/report_template.md"}
+    files = [("daemon/x.py", '"""As fixed in ARCHITECTURE.md and DESIGN.md."""\n'),
+             ("benchmarks/r.py", 'TEMPLATE = HERE / "report_template.md"\n'),
+             ("tests/t.py", "# writes scaling.md\n")]
+    assert missing_documents(files, present.__contains__) == ["daemon/x.py:1: DESIGN.md"]
+
+
+def test_every_document_a_module_names_is_in_the_repository() -> None:
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout: nothing to list")
+    hits = missing_documents(repository_files(), lambda name: (ROOT / name).is_file())
+    assert not hits, "a module names a document the repository does not hold:\n" + "\n".join(hits)
