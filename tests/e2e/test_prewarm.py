@@ -210,8 +210,11 @@ def test_hwrctl_sigint_cancels_and_a_publisher_joins_a_running_build(short_tmp: 
     ckpt = json.loads(added.stdout)["checkpoint_id"]
     listed = subprocess.run([*ctl, "checkpoints"], env=env, capture_output=True, text=True, timeout=60)
     assert ckpt[:16] in listed.stdout
+    # hwrctl as a user's terminal starts it: SIGINT at its default. A suite started in the
+    # background by a non-interactive shell inherits SIGINT ignored, and so would hwrctl.
     proc = subprocess.Popen([*ctl, "prewarm", ckpt, "--producer", "cast"], env=env, stderr=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stderr is not None
     first = proc.stderr.readline()  # the progress bar's first line: the build is running
     assert "rank 0" in first, first
