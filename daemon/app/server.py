@@ -1,9 +1,11 @@
 """hwrd assembled: every object built with its collaborators, then started and stopped in order.
 
-``Daemon`` is wiring only: it builds the store, the node service (``StoreService``, the read API
-``Catalog``, ``Leasing``, ``Publications``), the fleet tier, the checkpoint registry and the two
-transports, hands each its collaborators in its constructor, and runs the start and stop order
-below. No handler reaches through it: the transports get ``Leasing``/``PeerPublishing`` and
+``Daemon`` is wiring only: it builds the store, the node service's collaborators (the read API
+``Catalog``, ``Capacity``, ``Pinning``, ``Leasing``, ``Publications``, the scrubber and the
+housekeeping tick, over the pins, the lease holds, the recency of use and the mapping scan), the
+fleet tier, the checkpoint registry and the two transports, hands each its collaborators in its
+constructor, and runs the start and stop order below (the node service's background tasks:
+housekeeping, pin restore, scrub). No handler reaches through it: the transports get ``Leasing``/``PeerPublishing`` and
 ``RpcCollaborators``, and the reload (``hwr.daemon.app.reload``) swaps ``config`` and ``roles``
 here, which the handlers read through this object typed as ``Settings`` (those two only).
 
@@ -26,9 +28,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import time
+from collections.abc import Coroutine
 from pathlib import Path
 
 import grpc
@@ -48,13 +52,23 @@ from hwr.daemon.policy.capacity import CapacityPolicy
 from hwr.daemon.rpc.collaborators import RpcCollaborators
 from hwr.daemon.rpc.decode import add_servicer
 from hwr.daemon.rpc.servicer import Servicer
+from hwr.daemon.service.access_times import AccessTimes
+from hwr.daemon.service.capacity import Capacity
 from hwr.daemon.service.catalog import Catalog
 from hwr.daemon.service.channels import Channels
+from hwr.daemon.service.evictor import EvictionMarks
+from hwr.daemon.service.housekeeping import Housekeeping
+from hwr.daemon.service.lease_holds import LeaseHolds
+from hwr.daemon.service.lease_journal import LeaseJournal
 from hwr.daemon.service.leasing import Leasing
+from hwr.daemon.service.mapping_scan import MappingScan
+from hwr.daemon.service.pinning import Pinning
+from hwr.daemon.service.pins import PinSet, Residency
 from hwr.daemon.service.publications import Publications
+from hwr.daemon.service.recency import Recency
 from hwr.daemon.service.roles import Roles, roles_from
+from hwr.daemon.service.scrubber import Scrubber
 from hwr.daemon.service.sessions import Registry, Session
-from hwr.daemon.service.store_service import StoreService
 from hwr.daemon.store.memfd_staging import MemfdStagings
 from hwr.daemon.store.root import Store
 from hwr.daemon.system import fsguard
@@ -89,7 +103,11 @@ class Daemon:
                                  max_leases_per_uid=config.max_leases_per_uid)
         # Built by start(), in this order; stop() closes whichever exist (the order above).
         self._store: Store | None = None
-        self._store_service: StoreService | None = None
+        self._capacity: Capacity | None = None
+        self._pinning: Pinning | None = None
+        self._lease_holds: LeaseHolds | None = None
+        self._recency: Recency | None = None
+        self._tasks: list[asyncio.Task[None]] = []  # the node service's: housekeeping, pin restore, scrub
         self._publications: Publications | None = None
         self._fleet: Fleet | None = None
         self._checkpoints: Checkpoints | None = None
@@ -117,28 +135,43 @@ class Daemon:
         self._store = store
         if adoption is not None:
             await asyncio.to_thread(adopt.finish, store, adoption)
-        store_service = StoreService(config, store, self.registry)
-        self._store_service = store_service
-        store_service.on_evict = self.metrics.count_eviction
-        publications = Publications(store, gate=store_service, commit_threads=config.commit_threads,
+        pins = PinSet.open(root)
+        marks = EvictionMarks()  # an acquire (or pin) of a key an eviction round marked waits for it
+        catalog = Catalog(store, marks, pins=pins, on_verification_failure=self.metrics.count_verification_failure)
+        lease_holds = LeaseHolds(LeaseJournal.open(root / "leases.journal"))
+        self._lease_holds = lease_holds
+        recency = Recency(AccessTimes(root / "access.json"), store, catalog)
+        self._recency = recency
+        capacity = Capacity(config, store, catalog, self.registry, marks=marks, pins=pins, holds=lease_holds,
+                            recency=recency, scan=MappingScan(lease_holds))
+        self._capacity = capacity
+        capacity.evictor.on_evict = self.metrics.count_eviction
+        self.registry.observers.append(capacity.on_lease)
+        pinning = Pinning(catalog, pins, Residency(config.mlock_budget_bytes))
+        self._pinning = pinning
+        publications = Publications(store, capacity=capacity, commit_threads=config.commit_threads,
                                     on_phase=self.metrics.observe_publication_phase, on_commit=self._committed)
         publications.memfd_staging = MemfdStagings(config.memfd_staging_max_bytes)
         self._publications = publications
-        channels = await asyncio.to_thread(Channels.open, root, store.is_volatile, store_service.lookup)
+        channels = await asyncio.to_thread(Channels.open, root, store.is_volatile,
+                                           functools.partial(catalog.lookup, pull=False))
         self._channels = channels
-        store_service.evictor.protected = channels.protects  # a channel's keys are never evicted
+        capacity.evictor.protected = channels.protects  # a channel's keys are never evicted
         publications.channels = channels
-        await store_service.start(publications)
+        self._start_tasks(Housekeeping(config, store, lease_holds, recency).run(publications))
+        if pins.keys():
+            self._start_tasks(pinning.restore())
+        if config.scrub_bandwidth_mib_s > 0:
+            self._start_tasks(Scrubber(config, store).run())
         fleet = Fleet.open(config, store, publications)
         self._fleet = fleet
         if fleet is not None:
             await fleet.start()
-        catalog = Catalog(store, store_service, on_verification_failure=self.metrics.count_verification_failure)
         catalog.fetcher = fleet
         checkpoints = Checkpoints(root / "checkpoints")
         self._checkpoints = checkpoints
         await asyncio.to_thread(checkpoints.open)
-        leasing = Leasing(catalog, self.registry, journal=store_service.journal, checkpoints=checkpoints,
+        leasing = Leasing(catalog, self.registry, journal=lease_holds.journal, checkpoints=checkpoints,
                           on_acquire=self.metrics.observe_acquire, settings=self)
         for path in self._owned_socket_paths():
             _claim_socket_path(path)
@@ -153,7 +186,7 @@ class Daemon:
                                           ("grpc.max_concurrent_streams", GRPC_MAX_STREAMS_PER_CONNECTION)])
         servicer = Servicer(RpcCollaborators(
             settings=self, registry=self.registry, catalog=catalog, leasing=leasing,
-            publications=publications, store=store, store_service=store_service, checkpoints=checkpoints,
+            publications=publications, store=store, capacity=capacity, pinning=pinning, checkpoints=checkpoints,
             fleet=fleet, metrics=self.metrics, socket_path=self.socket_path, started=self._started,
             channels=channels))
         add_servicer(hwr_pb2_grpc.add_HostWeightRuntimeServicer_to_server, servicer, server)
@@ -200,8 +233,7 @@ class Daemon:
             await self._metrics_server.close()
         if self._fleet is not None:
             await self._fleet.stop()
-        if self._store_service is not None:
-            await self._store_service.stop()
+        await self._stop_node_service()
         if self._store is not None:
             await asyncio.to_thread(self._store.close)
         if self._checkpoints is not None:
@@ -210,6 +242,26 @@ class Daemon:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
         log.info("hwrd stopped")
+
+    def _start_tasks(self, work: Coroutine[object, object, None]) -> None:
+        self._tasks.append(asyncio.get_running_loop().create_task(work))
+
+    async def _stop_node_service(self) -> None:
+        """Stop the node service's tasks, then save the access times, close the lease journal,
+        release resident pins and wait for the deletions of retired bytes handed over."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self._recency is not None:
+            self._recency.access.flush()
+        if self._lease_holds is not None:
+            self._lease_holds.close()
+        if self._pinning is not None:
+            await self._pinning.close()
+        if self._capacity is not None:
+            self._capacity.close()
 
     def _owned_socket_paths(self) -> list[Path]:
         """Socket paths this process binds (and unlinks): never the ones systemd passed in."""
@@ -232,8 +284,8 @@ class Daemon:
 
     def set_capacity(self, config: DaemonConfig) -> None:
         """Apply new capacity limits (SIGHUP); reservations already granted stay granted."""
-        if self._store_service is not None:
-            self._store_service.policy = CapacityPolicy(
+        if self._capacity is not None:
+            self._capacity.policy = CapacityPolicy(
                 config.store_limit_bytes, config.artifact_limit_bytes, config.min_free_bytes)
 
     def set_allow_list(self, allow_uids: tuple[int, ...], allow_gids: tuple[int, ...]) -> None:

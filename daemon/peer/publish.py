@@ -34,9 +34,9 @@ RPCs (one domain implementation: ``hwr.daemon.service.publications``; the same r
 Typed errors are error frames with the code, message and details the RPC would carry.
 
 Staging descriptors (in the ``publish_begin`` reply, and for the channel's ``open_staging``
-request): a sealed memfd per file for a publication small enough
-(``hwr.daemon.store.memfd_staging``: it cannot grow by one byte), else the staging files opened
-``O_RDWR|O_NOFOLLOW``. Each needs the publish role, checked on every operation as the RPCs do.
+request) are opened by the service (``Publications.staging_descriptors``: sealed memfds for a
+small publication, else the staging files); this module only sends them. Each operation needs
+the publish role, checked on every operation as the RPCs do.
 
 Limit: the peer channel serves one request per connection at a time, so a request that waits
 (another publisher of the same identity is building; a commit hashing gigabytes) holds up that
@@ -47,7 +47,6 @@ falling back to the RPCs otherwise (``hwr.client.publisher``); the daemon does n
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 from hwr.client.errors import InvalidRequest
@@ -79,20 +78,7 @@ class PeerPublishing:
     def staging_fds(self, session: Session, publication_id: str, token: str) -> list[int]:
         """The staging descriptors of a publication ``session`` staged (its token checked)."""
         self._require(session, "open staging descriptors")
-        publications = self._publications
-        pub = publications.writable_publication(session, publication_id, token)
-        memfds = publications.memfd_staging
-        if memfds is not None and memfds.eligible(pub.staging):  # sealed: cannot grow at all
-            return memfds.descriptors(pub.publication_id, pub.staging)
-        fds: list[int] = []
-        try:
-            for path in publications.staging_paths(session, publication_id, token):
-                fds.append(os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC))
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            raise
-        return fds
+        return self._publications.staging_descriptors(session, publication_id, token)
 
     def file_done(self, session: Session, req: dict[str, Any]) -> dict[str, Any]:
         """``publish_file_done``: the writer handed a staging file over (answered at once)."""

@@ -18,7 +18,7 @@ preallocated it also counts against free space (after that the filesystem's own 
 already reflects it).
 
 A request that does not fit after eviction while other publications hold reservations is not
-refused at once: ``StoreService.reserve`` waits (up to the publication's wait timeout) for a
+refused at once: ``Capacity.reserve`` waits (up to the publication's wait timeout) for a
 reservation to end or a lease to be released, evicts again, and only then raises.
 
 Contract: called on the daemon's event loop (no locks). Limits: ``need`` is the payload size

@@ -15,7 +15,7 @@ An artifact is *evictable* only when nothing on the node uses it::
 least-recently-used evictable keys whose sizes cover ``shortfall``; ``fits`` says whether they
 do. Ties in ``last_access`` break by key so the order is deterministic.
 
-Limit: the flags are a snapshot; the adapter (``hwr.daemon.service.store_service``) makes them hold by
+Limit: the flags are a snapshot; the evictor (``hwr.daemon.service.evictor``) makes them hold by
 marking the chosen keys as being evicted (new leases on them are refused) before it scans the
 mappings, and by re-checking leases right before each removal.
 """

@@ -20,13 +20,14 @@ from hwr.daemon.service.roles import Role
 if TYPE_CHECKING:
     from hwr.daemon.checkpoints.registry import Checkpoints
     from hwr.daemon.fleet.tier import Fleet
+    from hwr.daemon.service.capacity import Capacity
     from hwr.daemon.service.catalog import Catalog
     from hwr.daemon.service.channels import Channels
     from hwr.daemon.service.leasing import Leasing
+    from hwr.daemon.service.pinning import Pinning
     from hwr.daemon.service.publications import Publications
     from hwr.daemon.service.sessions import Registry, Session
     from hwr.daemon.service.settings import Settings
-    from hwr.daemon.service.store_service import StoreService
     from hwr.daemon.store.root import Store
     from hwr.daemon.system.metrics import Instruments
 
@@ -44,7 +45,8 @@ class RpcCollaborators:
     leasing: Leasing
     publications: Publications
     store: Store  # the admin RPCs' writes: verify, deny, allow, usage rescan
-    store_service: StoreService  # pins, eviction, garbage collection, usage
+    capacity: Capacity  # eviction, garbage collection, usage
+    pinning: Pinning  # pin, unpin
     checkpoints: Checkpoints
     fleet: Fleet | None  # None: no remote tier configured
     metrics: Instruments

@@ -1,9 +1,10 @@
 """gRPC handlers of store administration: verify, deny/allow, pin/unpin, evict, gc, usage.
 
-A thin adapter over ``hwr.daemon.service.store_service.StoreService`` (``self.c.store_service``),
-with keys resolved by the read API (``Catalog.resolve``: one namespace for every command); the
-status codes of each RPC are documented in ``hwr.proto``. Verification streams progress at most
-every 100 ms and then one verdict; a checksum mismatch is a verdict (ok=false), not a failure.
+A thin adapter over the service's ``Capacity`` (``self.c.capacity``: evict, gc, usage) and
+``Pinning`` (``self.c.pinning``), with keys resolved by the read API (``Catalog.resolve``: one
+namespace for every command); the status codes of each RPC are documented in ``hwr.proto``.
+Verification streams progress at most every 100 ms and then one verdict; a checksum mismatch is
+a verdict (ok=false), not a failure.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ class StoreAdminRpc(Handlers):
     async def PinArtifact(self, request: pb.PinArtifactRequest, context: Ctx) -> pb.PinArtifactResponse:
         self._authorize(context, OPERATOR, "pin")
         key = await self.c.catalog.resolve(request.key)
-        already, size, locked, residency = await self.c.store_service.pin(key)
+        already, size, locked, residency = await self.c.pinning.pin(key)
         return pb.PinArtifactResponse(key=key, already_pinned=already, size_bytes=size, locked_bytes=locked,
                                       residency=residency)
 
@@ -108,19 +109,19 @@ class StoreAdminRpc(Handlers):
     async def UnpinArtifact(self, request: pb.UnpinArtifactRequest, context: Ctx) -> pb.UnpinArtifactResponse:
         self._authorize(context, OPERATOR, "unpin")
         key = await self.c.catalog.resolve(request.key)
-        return pb.UnpinArtifactResponse(key=key, was_pinned=await self.c.store_service.unpin(key))
+        return pb.UnpinArtifactResponse(key=key, was_pinned=await self.c.pinning.unpin(key))
 
     @rpc
     async def EvictArtifact(self, request: pb.EvictArtifactRequest, context: Ctx) -> pb.EvictArtifactResponse:
         self._authorize(context, OPERATOR, "evict")
         key = await self.c.catalog.resolve(request.key)
-        return pb.EvictArtifactResponse(key=key, freed_bytes=await self.c.store_service.evict(key))
+        return pb.EvictArtifactResponse(key=key, freed_bytes=await self.c.capacity.evict(key))
 
     @rpc
     async def CollectGarbage(self, request: pb.CollectGarbageRequest, context: Ctx) -> pb.CollectGarbageResponse:
         self._authorize(context, OPERATOR, "gc")
         target = request.target_bytes if request.HasField("target_bytes") else None
-        report, store_bytes, target_bytes, staging = await self.c.store_service.collect_garbage(target)
+        report, store_bytes, target_bytes, staging = await self.c.capacity.collect_garbage(target)
         return pb.CollectGarbageResponse(
             evicted=report.evicted, freed_bytes=report.freed_bytes, store_bytes=store_bytes,
             target_bytes=target_bytes, staging_reclaimed=staging,
@@ -129,16 +130,17 @@ class StoreAdminRpc(Handlers):
     @rpc
     async def GetStoreUsage(self, request: pb.GetStoreUsageRequest, context: Ctx) -> pb.GetStoreUsageResponse:
         self._session(context)
-        svc = self.c.store_service
+        svc, pins = self.c.capacity, self.c.pinning
         sizes = await asyncio.to_thread(self.c.store.rescan_usage)  # the disk's truth for an operator
         usage = await svc.usage()
-        pinned = svc.pins.keys()
+        pinned = pins.pins.keys()
         return pb.GetStoreUsageResponse(
             store_bytes=usage.committed_bytes, reserved_bytes=usage.reserved_bytes,
             store_limit_bytes=svc.policy.store_limit_bytes, artifact_limit_bytes=svc.policy.artifact_limit_bytes,
             min_free_bytes=svc.policy.min_free_bytes, free_bytes=usage.free_bytes,
-            pinned_bytes=sum(sizes.get(k, 0) for k in pinned), locked_bytes=svc.residency.locked_bytes,
-            evictions=svc.evictions,
-            artifacts=[pb.ArtifactUsage(key=k, size_bytes=n, last_access=svc.access.get(k, 0.0), pinned=k in pinned,
-                                        leases=self.c.registry.lease_count(k), held_by_pids=svc.held_pids(k))
+            pinned_bytes=sum(sizes.get(k, 0) for k in pinned), locked_bytes=pins.residency.locked_bytes,
+            evictions=svc.evictor.evictions,
+            artifacts=[pb.ArtifactUsage(key=k, size_bytes=n, last_access=svc.recency.last_use(k, 0.0),
+                                        pinned=k in pinned, leases=self.c.registry.lease_count(k),
+                                        held_by_pids=svc.holds.held_pids(k))
                        for k, n in sorted(sizes.items())])

@@ -5,7 +5,7 @@ Contract: ``touch``/``forget``/``get``/``snapshot`` run on the event loop (one t
 may run in any thread, one at a time (a lock), and never replaces a newer saved snapshot with an
 older one. A save is atomic (temp file + rename, mode 0600) but not fsynced: after a crash or a
 power loss the file holds the last save that reached the disk, or none (then every artifact
-counts as used at its commit time, ``StoreService``'s default). A missing or unreadable file
+counts as used at its commit time: ``Recency.sync``). A missing or unreadable file
 starts empty. Cost: ``snapshot`` encodes every key (msgspec: about 0.2 ms per 3,000 artifacts,
 where ``json.dumps`` took 2.7 ms on the loop); the file I/O goes to ``write``.
 """

@@ -20,7 +20,7 @@ a key means the same thing everywhere:
 
 Contract: async methods run on the daemon's event loop; disk work hops to a worker thread.
 Limits: the catalog adds no lock of its own; the ordering arguments are the store's
-(``hwr.daemon.store.root``) and the eviction gate's (``StoreService.lookup``).
+(``hwr.daemon.store.root``) and the eviction marks' (``hwr.daemon.service.evictor.EvictionMarks``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ from hwr.client.errors import ArtifactNotFound, ChecksumMismatch, ManifestCorrup
 from hwr.daemon.policy.key_prefix import unique_prefix
 
 if TYPE_CHECKING:
-    from hwr.daemon.service.store_service import StoreService
+    from hwr.daemon.service.evictor import EvictionMarks
+    from hwr.daemon.service.mapping_scan import PayloadFiles
+    from hwr.daemon.service.pins import PinSet
     from hwr.daemon.store.root import Store
     from hwr.daemon.store.validation import ArtifactRecord
 
@@ -103,10 +105,11 @@ class Entry:
 
 
 class Catalog:
-    def __init__(self, store: Store, gate: StoreService, *,
+    def __init__(self, store: Store, gate: EvictionMarks, *, pins: PinSet | None = None,
                  on_verification_failure: Callable[[str], None] | None = None) -> None:
         self._store = store
-        self._gate = gate  # the eviction gate: lookup waits out a round that marked the key
+        self._gate = gate  # the eviction marks: lookup waits out a round that marked the key
+        self._pins = pins  # pinned keys resolve too
         self._on_verification_failure = on_verification_failure
         #: Filled by the wiring when a remote tier is configured (it is built after the catalog).
         self.fetcher: MissFetcher | None = None
@@ -116,17 +119,26 @@ class Catalog:
 
     # ---------------------------------------------------------------- lookups
     def lookup_now(self, key: str) -> ArtifactRecord | None:
-        return self._gate.lookup_now(key)
+        return None if key in self._gate.evicting else self._store.cached(key)
+
+    async def _lookup_settled(self, key: str) -> ArtifactRecord:
+        """``Store.lookup`` that waits while ``key`` is being evicted. No await follows the final
+        check, so the caller's lease (or pin) lands before any later eviction round can mark it."""
+        record = await asyncio.to_thread(self._store.lookup, key)
+        while key in self._gate.evicting:
+            await self._gate.settled.wait()
+            record = await asyncio.to_thread(self._store.lookup, key)
+        return record
 
     async def lookup(self, key: str, *, pull: bool = True, how: MissPolicy = WAIT) -> ArtifactRecord:
         """``pull=False``: a miss stays a miss (an operator's push names a local artifact)."""
         try:
-            return await self._gate.lookup(key)  # waits while the key is being evicted
+            return await self._lookup_settled(key)  # waits while the key is being evicted
         except ArtifactNotFound:
             if self.fetcher is None or not pull:
                 raise
             await self.fetcher.pull_on_miss(key, how)  # a miss here: pull it from the remote tier, then
-            return await self._gate.lookup(key)  # the eviction gate again (see its docstring)
+            return await self._lookup_settled(key)  # the eviction marks again (see its docstring)
         except (ManifestCorrupt, ManifestIncompatible, ChecksumMismatch) as exc:
             if self._on_verification_failure is not None:
                 self._on_verification_failure(exc.code)
@@ -139,7 +151,7 @@ class Catalog:
     def lookup_sync(self, key: str) -> ArtifactRecord:
         """For a key a lease already holds (the peer channel's descriptor request, off the
         await path): the cached record, else the store's full lookup in this thread."""
-        return self._gate.lookup_now(key) or self._store.lookup(key)
+        return self.lookup_now(key) or self._store.lookup(key)
 
     def open_payloads(self, record: ArtifactRecord) -> list[int]:
         return [fd for _name, fd in self._store.open_payloads(record)]
@@ -160,7 +172,7 @@ class Catalog:
     # ---------------------------------------------------------------- keys and listings
     async def resolve(self, prefix: str) -> str:
         """A full key from a key or a unique prefix (see the module docstring's namespace)."""
-        return unique_prefix(prefix, await self.known_keys() | self._gate.pins.keys())
+        return unique_prefix(prefix, await self.known_keys() | (self._pins.keys() if self._pins is not None else set()))
 
     async def known_keys(self) -> set[str]:
         """Keys present in ``artifacts/`` or carrying a deny marker."""
@@ -187,3 +199,31 @@ class Catalog:
             if denied == key:
                 return record
         raise ArtifactNotFound("no artifact with that key", details={"key": key})
+
+    # ---------------------------------------------------------------- capacity's reads (blocking unless said)
+    def listed(self, key: str) -> ArtifactRecord | None:
+        """The record of a validated, listed artifact from memory (no disk), else None."""
+        return self._store.listed(key)
+
+    def committed_bytes(self) -> int:
+        """Bytes of the artifacts in ``artifacts/`` (the store's in-memory accounting)."""
+        return self._store.committed_bytes()
+
+    def usage_by_key(self) -> dict[str, int]:
+        """Each artifact's bytes, rescanned from the disk (an operator's truth)."""
+        return self._store.rescan_usage()
+
+    def inspected(self, key: str) -> PayloadFiles | None:
+        """The validated record, else a fresh inspection of a denied artifact (its payload
+        inodes, for the mapping scan); None when neither reads."""
+        from hwr.client.errors import HwrError
+        from hwr.daemon.store.validation import inspect_artifact
+
+        try:
+            return self._store.lookup(key)
+        except HwrError:
+            pass
+        try:
+            return inspect_artifact(self._store.root / "artifacts" / key, key, self._store.euid)
+        except HwrError:
+            return None

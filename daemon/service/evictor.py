@@ -1,26 +1,29 @@
 """LRU eviction: rounds that free a shortfall, and the removal of one artifact by hand.
 
-One round (``Evictor.round``; the caller holds the capacity lock, ``CapacityGate.lock``)::
+One round (``Evictor.round``; the caller, ``hwr.daemon.service.capacity.Capacity``, holds its
+capacity lock)::
 
     1. candidates = artifacts that are not leased, pinned, a channel's, held (journal),
        publishing or denied
     2. mark them EVICTING: an Acquire of a marked key waits until the round ends
-       (``StoreService.lookup`` waits on ``settled``)
+       (``Catalog.lookup`` waits on ``settled`` of the ``EvictionMarks``)
     3. scan /proc/*/maps once for their payload (dev, inode)s, off the event loop; skipped for
        keys never leased (nobody can map them) and for keys a scan found unmapped that nobody
        acquired since (``MappingScan``)
     4. plan = LRU candidates not mapped, until the shortfall is covered (``policy.eviction``)
     5. remove the planned keys (no lease can have appeared: step 2), unmark everything. With
        ``defer`` (a publication's reservation) the keys are only *retired* (renamed into tmp/
-       trash, on the loop) and the trash returned in the report; the caller purges it
-       (``CapacityGate.reserve`` says when).
+       trash, on the loop) and the trash returned in the report; ``Capacity`` purges it
+       (``Capacity.reserve`` says when); the trash never leaves ``hwr.daemon.service.capacity``.
 
 Because a lease is the only way to obtain a descriptor, and step 2 blocks new leases before the
 scan, a mapping that the scan did not see cannot appear before the removal. Denied artifacts are
 never evicted automatically (an operator may want to inspect them); ``evict`` removes them.
 
 Contract: on the daemon's event loop only; blocking store work runs in worker threads. The
-marks (``evicting``) and ``settled`` are this class's state and need no lock (one thread); each
+records come from the read API (``hwr.daemon.service.catalog``); only the removals
+(``Store.retire``/``remove``) are direct store calls. The marks (``EvictionMarks``: ``evicting``
+and ``settled``, shared with the read API, which waits on them) need no lock (one thread); each
 round and each ``evict`` runs under the capacity lock, which the caller holds, so rounds never
 overlap. ``settled`` is replaced at the end of every round: a waiter waits on the event it read.
 """
@@ -36,10 +39,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hwr.client.errors import ActiveLease, ArtifactNotFound, HwrError
+from hwr.client.errors import ActiveLease, ArtifactNotFound
 from hwr.daemon.policy.eviction import Candidate, Plan, plan
 
 if TYPE_CHECKING:
+    from hwr.daemon.policy.capacity import Reservations
+    from hwr.daemon.service.catalog import Catalog
     from hwr.daemon.service.lease_holds import LeaseHolds
     from hwr.daemon.service.mapping_scan import MappingScan, PayloadFiles
     from hwr.daemon.service.pins import PinSet
@@ -49,9 +54,24 @@ if TYPE_CHECKING:
     from hwr.daemon.store.root import Store
     from hwr.daemon.store.validation import ArtifactRecord
 
-__all__ = ["EvictionReport", "Evictor"]
+__all__ = ["EvictionMarks", "EvictionReport", "Evictor"]
 
 log = logging.getLogger("hwrd.store")
+
+
+class EvictionMarks:
+    """The keys an eviction round (or an eviction by hand) has marked, and the event set when
+    they are unmarked. The read API waits on them (an acquire of a marked key waits for the
+    round to end); a round never waits on a reader. ``settled`` is replaced at each ``settle``:
+    a waiter waits on the event it read."""
+
+    def __init__(self) -> None:
+        self.evicting: set[str] = set()
+        self.settled = asyncio.Event()
+
+    def settle(self) -> None:
+        self.settled.set()
+        self.settled = asyncio.Event()
 
 
 @dataclass
@@ -65,35 +85,33 @@ class EvictionReport:
 class Evictor:
     """Eviction rounds and manual eviction over one store (see the module contract).
 
-    ``in_flight(key)``: True while a publication of ``key`` holds a reservation or builds it
-    (never an eviction candidate; the capacity gate and the publications know).
+    ``reservations``: the capacity's ledger; a key reserved by a publication (from its admission
+    until it is finished, its build included) is never an eviction candidate.
     ``protected(key)``: True while a channel needs ``key`` (``Channels.protects``; set by the
     daemon, none by default).
     """
 
-    def __init__(self, store: Store, registry: Registry, recency: Recency, holds: LeaseHolds,
-                 scan: MappingScan, pins: PinSet, purger: Purger, in_flight: Callable[[str], bool]) -> None:
-        self.store = store
+    def __init__(self, store: Store, catalog: Catalog, marks: EvictionMarks, registry: Registry, recency: Recency,
+                 holds: LeaseHolds, scan: MappingScan, pins: PinSet, purger: Purger,
+                 reservations: Reservations) -> None:
+        self.store = store  # removals only; records come from ``catalog``
+        self.catalog = catalog
+        self.marks = marks
         self.registry = registry
         self.recency = recency
         self.holds = holds
         self.scan = scan
         self.pins = pins
         self.purger = purger
-        self.in_flight = in_flight
+        self.reservations = reservations
         self.on_evict: Callable[[str], None] | None = None  # metrics hook: reason is a fixed word
         self.protected: Callable[[str], bool] = _nothing_protected
-        self.evicting: set[str] = set()
         self.evictions = 0
-        self.settled = asyncio.Event()  # set (and replaced) when a round's marks are gone
-
-    def _settle(self) -> None:
-        self.settled.set()
-        self.settled = asyncio.Event()
 
     def is_busy(self, key: str) -> bool:
-        """Being evicted, reserved or published: never an eviction candidate."""
-        return key in self.evicting or self.in_flight(key)
+        """Being evicted, or reserved by a publication (admitted and not yet finished): never
+        an eviction candidate."""
+        return key in self.marks.evicting or self.reservations.holds(key)
 
     def flags(self, key: str, size: int, default_access: float) -> Candidate:
         busy = self.is_busy(key)
@@ -133,7 +151,7 @@ class Evictor:
                         break
                     popped.append(entry)
                     last, key = entry
-                    record = self.store.listed(key)
+                    record = self.catalog.listed(key)
                     if record is None:  # removed or denied since: it comes back through Recency.sync
                         lru.forget(key)
                         continue
@@ -150,7 +168,7 @@ class Evictor:
                         covered += size
                 if not batch:
                     break
-                self.evicting |= set(batch)
+                self.marks.evicting |= set(batch)
                 mapped.update(await self.scan.mapped([records[key] for key in batch]))
             flagged = [replace(c, mapped=True) if c.key in mapped else c for c in candidates]
             chosen: Plan = plan(flagged, shortfall)
@@ -171,7 +189,7 @@ class Evictor:
                     continue
                 keys.append(key)
             # Each key counts as freed only once removed. Retiring (``defer``: a flock and a rename
-            # per key, no fsync) runs inline for the reason given in ``CapacityGate.usage``; the
+            # per key, no fsync) runs inline for the reason given in ``Capacity.usage``; the
             # key locks it takes are free (publications of these keys are excluded as busy) except
             # in the rare instant a verify quarantines one. Full removal (fsync + delete) takes a
             # thread.
@@ -190,8 +208,8 @@ class Evictor:
         finally:
             walk.close()
             lru.restore(popped)
-            self.evicting -= free
-            self._settle()
+            self.marks.evicting -= free
+            self.marks.settle()
         if report.evicted:  # DEBUG: a round per publication under churn (counted in the metrics)
             log.debug("evicted %d artifacts (%d bytes): %s", len(report.evicted), report.freed_bytes,
                       ",".join(k[:12] for k in report.evicted))
@@ -230,7 +248,7 @@ class Evictor:
     async def evict(self, key: str) -> int:
         """Evict ``key`` by hand (the caller holds the capacity lock); ``ActiveLease``
         (details.reason) when anything uses it."""
-        sizes = await asyncio.to_thread(self.store.rescan_usage)
+        sizes = await asyncio.to_thread(self.catalog.usage_by_key)
         if key not in sizes:
             raise ArtifactNotFound("no artifact with that key", details={"key": key})
         c = self.flags(key, sizes[key], 0.0)
@@ -252,7 +270,7 @@ class Evictor:
         if c.busy:
             raise ActiveLease(f"artifact {key[:16]} is being published or evicted",
                               details={"key": key, "reason": "publishing"})
-        self.evicting.add(key)
+        self.marks.evicting.add(key)
         try:
             record = await asyncio.to_thread(self._record_any, key)
             mapped = await self.scan.mapped([record]) if record is not None else {}
@@ -262,22 +280,14 @@ class Evictor:
                                   details={"key": key, "reason": "mapped", "pids": ",".join(map(str, pids))})
             await self._remove(key, "manual")
         finally:
-            self.evicting.discard(key)
-            self._settle()
+            self.marks.evicting.discard(key)
+            self.marks.settle()
         return sizes[key]
 
     def _record_any(self, key: str) -> PayloadFiles:
         """The validated record, or a fresh inspection of a denied artifact (for its inodes)."""
-        from hwr.daemon.store.validation import inspect_artifact
-
-        try:
-            return self.store.lookup(key)
-        except HwrError:
-            pass
-        try:
-            return inspect_artifact(self.store.root / "artifacts" / key, key, self.store.euid)
-        except HwrError:
-            return _FilesOnly(key, self.store.root / "artifacts" / key)
+        record = self.catalog.inspected(key)
+        return record if record is not None else _FilesOnly(key, self.store.root / "artifacts" / key)
 
 
 def _nothing_protected(key: str) -> bool:

@@ -22,7 +22,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from hwr.daemon.policy.admission import overdue
+from hwr.daemon.policy.deadline import overdue
 
 if TYPE_CHECKING:
     from hwr.daemon.service.lease_holds import LeaseHolds

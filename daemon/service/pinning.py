@@ -5,14 +5,15 @@ payloads are kept resident in the daemon (``Residency``: mapped, and ``mlock``-e
 budget); ``hwr.daemon.service.pins`` holds both adapters, this module the order of the steps.
 
 Contract: on the daemon's event loop; the pins file and the residency's system calls run in
-worker threads. A pin takes effect on the loop right after ``lookup``'s final check, which waits
-out an eviction round that marked the key (``StoreService.lookup``), so no later round can
-choose a pinned key.
+worker threads. Records and payload descriptors come from the read API
+(``hwr.daemon.service.catalog``). A pin takes effect on the loop right after ``Catalog.lookup``'s
+final check, which waits out an eviction round that marked the key, so no later round can choose
+a pinned key.
 
 Lock order: ``_lock`` (an ``asyncio.Lock``, loop) serializes the residency's ``hold``/``drop``
 (``Residency`` has no lock of its own), held across the worker thread that runs them; under it
-only ``Store.open_payloads``. ``PinSet.save`` serializes itself (a ``threading.Lock`` in the
-worker thread) and is never called under ``_lock``. The capacity lock (``CapacityGate``) is never
+only ``Catalog.open_payloads``. ``PinSet.save`` serializes itself (a ``threading.Lock`` in the
+worker thread) and is never called under ``_lock``. The capacity lock (``Capacity.lock``) is never
 taken under ``_lock``, nor ``_lock`` under it.
 """
 
@@ -22,14 +23,13 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from hwr.client.errors import HwrError
 
 if TYPE_CHECKING:
+    from hwr.daemon.service.catalog import Catalog
     from hwr.daemon.service.pins import PinSet, Residency
-    from hwr.daemon.store.root import Store
     from hwr.daemon.store.validation import ArtifactRecord
 
 __all__ = ["Pinning"]
@@ -38,17 +38,12 @@ log = logging.getLogger("hwrd.store")
 
 
 class Pinning:
-    """Pin, unpin and keep pinned artifacts resident (see the module contract).
+    """Pin, unpin and keep pinned artifacts resident (see the module contract)."""
 
-    ``lookup(key)``: the validated record, waiting while the key is being evicted.
-    """
-
-    def __init__(self, store: Store, pins: PinSet, residency: Residency,
-                 lookup: Callable[[str], Awaitable[ArtifactRecord]]) -> None:
-        self.store = store
+    def __init__(self, catalog: Catalog, pins: PinSet, residency: Residency) -> None:
+        self.catalog = catalog
         self.pins = pins
         self.residency = residency
-        self.lookup = lookup
         self._lock = asyncio.Lock()  # the pin lock: see the lock order in the module docstring
 
     async def restore(self) -> None:
@@ -61,14 +56,14 @@ class Pinning:
 
     async def hold_resident(self, key: str, record: ArtifactRecord | None = None) -> str:
         if record is None:
-            record = await asyncio.to_thread(self.store.lookup, key)
+            record = await asyncio.to_thread(self.catalog.lookup_sync, key)
 
         def hold() -> str:
-            fds = self.store.open_payloads(record)
+            fds = self.catalog.open_payloads(record)
             try:
-                return self.residency.hold(key, [fd for _, fd in fds])
+                return self.residency.hold(key, fds)
             finally:
-                for _, fd in fds:
+                for fd in fds:
                     os.close(fd)
 
         async with self._lock:
@@ -81,7 +76,7 @@ class Pinning:
         unmarked), before any await: no later round can choose the key. A pin that fails
         (pins.json not written, payloads not mappable) leaves the key as it was; a cancelled
         one may stand."""
-        record = await self.lookup(key)
+        record = await self.catalog.lookup(key, pull=False)  # waits out a round that marked the key
         added = self.pins.add(key)
         try:
             if added:

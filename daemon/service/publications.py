@@ -32,7 +32,7 @@ import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from hwr.client.channels import check_channel_name
 from hwr.client.errors import (
@@ -48,17 +48,18 @@ from hwr.daemon.service import handover
 from hwr.daemon.service.sessions import Session
 from hwr.daemon.store.prehash import prehash
 from hwr.daemon.store.reuse import ReuseSource, open_reuse
-from hwr.daemon.store.staging import overlap_file_bytes
+from hwr.daemon.store.staging import overlap_file_bytes, plan_payloads
 from hwr.daemon.system.exclusive import open_sole
 
 if TYPE_CHECKING:
+    from hwr.daemon.service.capacity import Capacity, Claim
     from hwr.daemon.service.channels import Channels
     from hwr.daemon.store.memfd_staging import MemfdStagings
     from hwr.daemon.store.root import Store
     from hwr.daemon.store.staging import ProducerDigests, Staging, TensorSpec
     from hwr.daemon.store.validation import ArtifactRecord
 
-__all__ = ["DAEMON_OWNER", "BeginResult", "Gate", "PubState", "Publication", "Publications", "Ticket"]
+__all__ = ["DAEMON_OWNER", "BeginResult", "PubState", "Publication", "Publications"]
 
 #: ``session_id`` of publications that daemon-side builds (prewarm producers) own.
 DAEMON_OWNER = "hwrd"
@@ -67,27 +68,6 @@ DAEMON_OWNER = "hwrd"
 #: lock after its system calls, and concurrent commits share the ``artifacts/`` directory fsync
 #: (``store_io.GroupSync``), so more threads than cores finish more commits per second.
 COMMIT_THREADS = 8
-
-
-class Ticket(Protocol):
-    """A gate's admission + capacity reservation for one publication."""
-
-    def take_trash(self) -> list[Path]: ...
-
-
-class Gate(Protocol):
-    """The admission and capacity gate a publication passes (``StoreService``): ``admit`` before
-    staging, ``allocated`` once preallocated, ``finished`` at the end; ``purge_sync`` frees the
-    bytes that eviction retired to make room (in the worker thread that stages or commits)."""
-
-    async def admit(self, key: str, specs: Sequence[TensorSpec], wait_timeout: float,
-                    max_file_bytes: int | None = None) -> Ticket: ...
-
-    def allocated(self, ticket: Ticket) -> None: ...
-
-    def finished(self, ticket: Ticket, committed: bool) -> None: ...
-
-    def purge_sync(self, trash: list[Path]) -> None: ...
 
 
 class PubState(enum.Enum):
@@ -108,7 +88,7 @@ class Publication:
     state: PubState = PubState.STAGED
     done: asyncio.Event = field(default_factory=asyncio.Event)
     started_at: float = 0.0  # loop time when staged (the stalled-publisher deadline counts from it)
-    ticket: Ticket | None = None  # the gate's admission + capacity reservation
+    claim: Claim | None = None  # its admission + capacity reservation (``service.capacity``)
     channel: str | None = None  # pointed at the key as part of the commit
     durable: bool = True  # False: no fsync, removed at the next start (store.volatile)
     # Files handed over by the writer (``file_done``), by index: their hashing in flight or done
@@ -132,15 +112,15 @@ class BeginResult:
 
 class Publications:
     def __init__(self, store: Store, *, on_commit: Callable[[str], None] | None = None,
-                 gate: Gate | None = None, commit_threads: int = COMMIT_THREADS,
+                 capacity: Capacity | None = None, commit_threads: int = COMMIT_THREADS,
                  on_phase: Callable[[str, float], None] | None = None) -> None:
         self._store = store
         # ``on_phase(phase, seconds)`` after each successful phase of a publication (admission,
         # staging, writing, commit: ``hwr.daemon.system.metrics.PUBLICATION_PHASES``), on the loop.
         self._on_phase = on_phase
-        # Optional admission/capacity gate: ``admit(key, specs, wait_timeout)`` -> ticket before
-        # staging, ``allocated(ticket)`` once preallocated, ``finished(ticket, committed)`` at end.
-        self._gate = gate
+        # The store's capacity (None: unlimited, no admission): ``admit`` -> a claim before
+        # staging, ``allocated`` once preallocated, ``finished`` at the end.
+        self._capacity = capacity
         self._cancelled: dict[str, str] = {}
         self._by_id: dict[str, Publication] = {}
         self._by_key: dict[str, Publication] = {}
@@ -234,20 +214,23 @@ class Publications:
         self._by_id[pub.publication_id] = pub
         phase = self._on_phase
         try:
-            if self._gate is not None:
+            # Planned once (this validates the specs): capacity reserves its bytes, the store lays it out.
+            plans = plan_payloads(list(specs), max_file_bytes)
+            capacity = self._capacity
+            if capacity is not None:
                 began = loop.time()
-                pub.ticket = await self._gate.admit(key, specs, deadline - loop.time(), max_file_bytes)
+                pub.claim = await capacity.admit(key, sum(p.size for p in plans), deadline - loop.time())
                 if phase is not None:
                     phase("admission", loop.time() - began)
-            ticket = pub.ticket
+            claim = pub.claim
 
             def stage() -> tuple[Staging, ReuseSource | None]:  # one worker hop: free, stage, open the base
-                if ticket is not None and not ticket.purge_after_commit:
-                    self._gate.purge_sync(ticket.take_trash())
+                if capacity is not None and claim is not None:
+                    capacity.before_staging(claim)
                 source = self._open_reuse(reuse_base, reuse, specs) if reuse_base and reuse else None
                 try:
                     return self._store.begin(identity, specs, format_metadata=format_metadata,
-                                             max_file_bytes=max_file_bytes), source
+                                             max_file_bytes=max_file_bytes, plans=plans), source
                 except BaseException:
                     if source is not None:
                         source.close()
@@ -255,8 +238,8 @@ class Publications:
 
             began = loop.time()
             pub.staging, pub.reuse = await loop.run_in_executor(self._commit_pool, stage)
-            if self._gate is not None:
-                self._gate.allocated(pub.ticket)
+            if capacity is not None and claim is not None:
+                capacity.allocated(claim)
         except BaseException:
             self._finish(pub, PubState.FAILED)
             raise
@@ -324,9 +307,24 @@ class Publications:
         loop = asyncio.get_running_loop()
         pub.prehashed[index] = loop.run_in_executor(self._prehash_pool, prehash, pub.staging, index, pub.reuse)
 
-    def staging_paths(self, session: Session, publication_id: str, token: str) -> list[Path]:
+    def staging_descriptors(self, session: Session, publication_id: str, token: str) -> list[int]:
+        """Writable descriptors of a publication ``session`` staged (its token checked; see
+        ``writable_publication``), in file order; the caller sends and closes them. A sealed
+        memfd per file for a publication small enough (``store.memfd_staging``: it cannot grow
+        by one byte), else the staging files opened ``O_RDWR|O_NOFOLLOW``."""
         pub = self.writable_publication(session, publication_id, token)
-        return [Path(path) for _name, path, _size in pub.staging.files]
+        memfds = self.memfd_staging
+        if memfds is not None and memfds.eligible(pub.staging):
+            return memfds.descriptors(pub.publication_id, pub.staging)
+        fds: list[int] = []
+        try:
+            for _name, path, _size in pub.staging.files:
+                fds.append(os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC))
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return fds
 
     async def commit(
         self, session: Session, publication_id: str, expected: Mapping[str, str]
@@ -390,10 +388,8 @@ class Publications:
             record = self._store.commit(  # closes ``opened``
                 pub.staging, expected_tensor_sha256=dict(expected) or None, trusted_digests=trusted_digests,
                 opened=opened, durable=pub.durable, prehashed=prehashed)
-            ticket = pub.ticket
-            if ticket is not None and ticket.purge_after_commit:
-                # The commit's artifacts/ fsync started after these were retired: delete now.
-                self._gate.purge_sync(ticket.take_trash())
+            if self._capacity is not None and pub.claim is not None:
+                self._capacity.after_commit(pub.claim)  # the retirements it waited for are durable now
             return True, (existed, record)
 
         try:
@@ -475,8 +471,8 @@ class Publications:
             handover.after_all(jobs, pub.reuse.close)
         if self.memfd_staging is not None:
             self.memfd_staging.discard(pub.publication_id)
-        if self._gate is not None and pub.ticket is not None:
-            self._gate.finished(pub.ticket, state is PubState.COMMITTED)
+        if self._capacity is not None and pub.claim is not None:
+            self._capacity.finished(pub.claim, state is PubState.COMMITTED)
         pub.state = state
         if state is PubState.COMMITTED:
             self.committed += 1

@@ -20,6 +20,7 @@ from hwr.daemon.policy.lru import LruIndex
 
 if TYPE_CHECKING:
     from hwr.daemon.service.access_times import AccessTimes
+    from hwr.daemon.service.catalog import Catalog
     from hwr.daemon.store.root import Store
 
 __all__ = ["Recency"]
@@ -28,10 +29,11 @@ __all__ = ["Recency"]
 class Recency:
     """Last use of each artifact and the LRU order over it (see the module contract)."""
 
-    def __init__(self, access: AccessTimes, store: Store) -> None:
+    def __init__(self, access: AccessTimes, store: Store, catalog: Catalog) -> None:
         self.access = access
         self.lru = LruIndex()  # the artifacts by last use (or creation): see sync
-        self._store = store
+        self._store = store  # its list of added keys, drained by sync
+        self._catalog = catalog
 
     def touch(self, key: str) -> None:
         now = time.time()
@@ -42,7 +44,7 @@ class Recency:
         """Note the artifacts validated since the last call (all of them at the first) in the
         LRU index, at their recorded last use or else their creation time."""
         for key in self._store.take_added():
-            record = self._store.listed(key)
+            record = self._catalog.listed(key)
             if record is not None:
                 self.lru.note(key, self.access.get(key, record.created_at))
 

@@ -39,7 +39,7 @@ from hwr.daemon.store.keylocks import KeyLocks
 from hwr.daemon.store.prehash import PreHashed
 from hwr.daemon.store.records import RecordCache
 from hwr.daemon.store.sealing import seal
-from hwr.daemon.store.staging import ProducerDigests, Staging, TensorSpec, plan_payloads, write_tensor
+from hwr.daemon.store.staging import PayloadPlan, ProducerDigests, Staging, TensorSpec, plan_payloads, write_tensor
 from hwr.daemon.store.staging_bounds import StagingReaper
 from hwr.daemon.store.usage import UsageLedger
 from hwr.daemon.store.validation import ArtifactRecord, record_for_commit
@@ -103,6 +103,7 @@ class Publisher:
         *,
         max_file_bytes: int | None = None,
         format_metadata: Mapping[str, object] | None = None,
+        plans: tuple[PayloadPlan, ...] | None = None,
     ) -> Staging:
         """Create a staging directory with preallocated payload files and their headers written.
 
@@ -111,7 +112,8 @@ class Publisher:
         self._require_open()
         if not isinstance(identity, ArtifactIdentity):
             raise InvalidRequest("identity must be an ArtifactIdentity")
-        plans = plan_payloads(list(specs), max_file_bytes)
+        if plans is None:  # else the caller's plan of these specs (``plan_payloads``: validated)
+            plans = plan_payloads(list(specs), max_file_bytes)
         staging_id = f"{identity.key}.{self._pid}.{self._unique()}"
         path = self._tmp / staging_id
         staging = Staging.from_plans(staging_id, identity, path, specs, plans, format_metadata)

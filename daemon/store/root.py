@@ -64,7 +64,7 @@ from hwr.daemon.store.prehash import PreHashed
 from hwr.daemon.store.publication import Publisher
 from hwr.daemon.store.records import RecordCache
 from hwr.daemon.store.retirement import Retirement
-from hwr.daemon.store.staging import ProducerDigests, Staging, TensorSpec
+from hwr.daemon.store.staging import PayloadPlan, ProducerDigests, Staging, TensorSpec
 from hwr.daemon.store.staging_bounds import StagingReaper
 from hwr.daemon.store.usage import UsageLedger, listing_changes, scan_sizes
 from hwr.daemon.store.validation import ArtifactRecord, Fingerprint
@@ -259,9 +259,11 @@ class Store:
         *,
         max_file_bytes: int | None = None,
         format_metadata: Mapping[str, object] | None = None,
+        plans: tuple[PayloadPlan, ...] | None = None,
     ) -> Staging:
         """``Publisher.begin``: a staging directory with preallocated payloads and their headers."""
-        return self._publisher.begin(identity, specs, max_file_bytes=max_file_bytes, format_metadata=format_metadata)
+        return self._publisher.begin(identity, specs, max_file_bytes=max_file_bytes, format_metadata=format_metadata,
+                                     plans=plans)
 
     def abort(self, staging: Staging) -> None:
         """``Publisher.abort``: discard a staging directory (idempotent)."""

@@ -72,7 +72,7 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     producer_timeout_s: float = 3600.0
     producer_throttle_s: float = 0.0
     metrics_listen: str = ""  # "" off, "127.0.0.1:9464" or "unix:/run/hwrd/metrics.sock"
-    # --- store as a node service (hwr.daemon.service.store_service); 0 = unlimited / off ---
+    # --- store as a node service (hwr.daemon.service.capacity, .pinning, .housekeeping); 0 = unlimited / off ---
     store_limit_bytes: int = 0
     artifact_limit_bytes: int = 0
     min_free_bytes: int = 0

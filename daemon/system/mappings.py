@@ -9,7 +9,7 @@ paths differ across mount namespaces.
 ``scan(targets)`` returns the pids that map each target and the processes whose maps could not
 be read. Reading another process's maps needs ptrace read access (same uid, or
 ``CAP_SYS_PTRACE``/root). Policy for an unreadable process (decided by the caller,
-``hwr.daemon.service.store_service``): it counts as *possibly mapping* every artifact that was ever
+``hwr.daemon.service.mapping_scan``): it counts as *possibly mapping* every artifact that was ever
 leased to a session of its uid (the daemon's store is private, so bytes reach another uid only
 through a lease; the journal keeps those uids across restarts), except that an unreadable
 process of the daemon's own uid is more privileged than a worker (non-dumpable, another user

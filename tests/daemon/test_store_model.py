@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hwr.client.errors import ArtifactTooLarge, StoreLimitExceeded
-from hwr.daemon.policy.admission import overdue
 from hwr.daemon.policy.capacity import CapacityPolicy, Reservations, Usage, assess
+from hwr.daemon.policy.deadline import overdue
 from hwr.daemon.policy.eviction import Candidate, plan
 
 LIMIT = 100

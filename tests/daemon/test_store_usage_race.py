@@ -1,4 +1,4 @@
-"""Regression: ``StoreService.usage`` never misses a commit that lands while it reads the store.
+"""Regression: ``Capacity.usage`` never misses a commit that lands while it reads the store.
 
 A publication renames its artifact into ``artifacts/`` and only then drops its reservation. When
 the usage read the disk first and the reservations afterwards, a commit landing in between was
@@ -10,6 +10,7 @@ commit is made to land exactly in that window, deterministically, with a real st
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
 import threading
@@ -20,8 +21,17 @@ import pytest
 import torch
 
 from hwr.client.identity import ArtifactIdentity
+from hwr.daemon.service.access_times import AccessTimes
+from hwr.daemon.service.capacity import Capacity
+from hwr.daemon.service.catalog import Catalog
+from hwr.daemon.service.evictor import EvictionMarks
+from hwr.daemon.service.housekeeping import Housekeeping
+from hwr.daemon.service.lease_holds import LeaseHolds
+from hwr.daemon.service.lease_journal import LeaseJournal
+from hwr.daemon.service.mapping_scan import MappingScan
+from hwr.daemon.service.pins import PinSet
+from hwr.daemon.service.recency import Recency
 from hwr.daemon.service.sessions import Registry
-from hwr.daemon.service.store_service import StoreService
 from hwr.daemon.store.root import Store
 from hwr.daemon.store.staging import TensorSpec, write_tensor
 
@@ -33,7 +43,7 @@ def test_a_commit_between_the_disk_read_and_the_reservation_drop_is_still_counte
     tensor = torch.ones(1 << 12)
 
     async def scenario() -> tuple[int, int]:
-        service = StoreService(config, store, Registry())
+        service = _capacity(config, store)
         loop = asyncio.get_running_loop()
         identity = ArtifactIdentity.simple("racing")
         staging = store.begin(identity, [TensorSpec("w", tensor.dtype, tuple(tensor.shape))])
@@ -57,7 +67,7 @@ def test_a_commit_between_the_disk_read_and_the_reservation_drop_is_still_counte
             usage = await service.usage()
         finally:
             store.committed_bytes = real  # type: ignore[method-assign]
-            service.journal.close()
+            service.holds.close()
         return usage.committed_bytes + usage.reserved_bytes, staging.files[0][2]
 
     try:
@@ -71,8 +81,7 @@ def test_retired_bytes_of_a_publication_that_never_commits_are_deleted_or_left_f
         tmp_path: Path) -> None:
     """``finished`` deletes the trash a failed/aborted publication still holds (purge pool); once
     the service is stopped it leaves it in ``tmp/`` (wiped at the next start) instead of raising."""
-    from hwr.daemon.policy.capacity import Reservations
-    from hwr.daemon.service.store_service import Ticket
+    from hwr.daemon.service.capacity import Claim
 
     store = Store.open(tmp_path / "root")
     config = SimpleNamespace(store_limit_bytes=0, artifact_limit_bytes=0, min_free_bytes=0,
@@ -84,16 +93,15 @@ def test_retired_bytes_of_a_publication_that_never_commits_are_deleted_or_left_f
         store.commit(staging)
 
     async def scenario() -> tuple[list[str], list[str]]:
-        service = StoreService(config, store, Registry())
-        ledger = Reservations()
-        first = Ticket("k1", False, ledger.add("k1", 1), [store.retire(ArtifactIdentity.simple("a").key)], True)
-        service.reservations = ledger
+        service = _capacity(config, store)
+        ledger = service.reservations
+        first = Claim("k1", False, ledger.add("k1", 1), [store.retire(ArtifactIdentity.simple("a").key)], True)
         service.finished(first, committed=False)
-        service._purge_pool.shutdown(wait=True)  # the deletion ran in the pool
+        service.purger.pool.shutdown(wait=True)  # the deletion ran in the pool
         after_first = sorted(p.name for p in (store.root / "tmp").iterdir())
-        second = Ticket("k2", False, ledger.add("k2", 1), [store.retire(ArtifactIdentity.simple("b").key)], True)
+        second = Claim("k2", False, ledger.add("k2", 1), [store.retire(ArtifactIdentity.simple("b").key)], True)
         service.finished(second, committed=False)  # pool shut down: no exception, trash stays
-        service.journal.close()
+        service.holds.close()
         return after_first, sorted(p.name for p in (store.root / "tmp").iterdir())
 
     try:
@@ -104,6 +112,17 @@ def test_retired_bytes_of_a_publication_that_never_commits_are_deleted_or_left_f
     assert len(after_second) == 1 and ".removed." in after_second[0]
     with Store.open(tmp_path / "root") as reopened:  # the next start wipes it
         assert list((reopened.root / "tmp").iterdir()) == [] and reopened.artifacts() == []
+
+
+def _capacity(config: SimpleNamespace, store: Store) -> Capacity:
+    """The store's ``Capacity`` with its collaborators, wired as hwrd wires them."""
+    root = Path(store.root)
+    pins, marks = PinSet.open(root), EvictionMarks()
+    catalog = Catalog(store, marks, pins=pins)
+    holds = LeaseHolds(LeaseJournal.open(root / "leases.journal"))
+    recency = Recency(AccessTimes(root / "access.json"), store, catalog)
+    return Capacity(config, store, catalog, Registry(), marks=marks, pins=pins,  # type: ignore[arg-type]
+                    holds=holds, recency=recency, scan=MappingScan(holds))
 
 
 def _publish(store: Store, name: str, elements: int) -> str:
@@ -221,16 +240,16 @@ def test_publications_waiting_for_room_are_woken_one_at_a_time_in_arrival_order(
                              serialized_admission=False, mlock_budget_bytes=0, scrub_bandwidth_mib_s=0)
 
     async def scenario() -> tuple[list[str], list[int]]:
-        service = StoreService(config, store, Registry())
+        service = _capacity(config, store)
         tries = 0
-        real = service._evict_round
+        real = service.evictor.round
 
         async def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
             nonlocal tries  # one eviction round per try that finds no room
             tries += 1
             return await real(*args, **kwargs)
 
-        service._evict_round = counted  # type: ignore[method-assign]
+        service.evictor.round = counted  # type: ignore[method-assign]
         holder = service.reservations.add("holder", unit)  # all the room, in flight
         served: list[str] = []
 
@@ -239,7 +258,7 @@ def test_publications_waiting_for_room_are_woken_one_at_a_time_in_arrival_order(
             served.append(name)
             await asyncio.sleep(0.01)
             service.reservations.drop(reservation)  # as ``finished`` does
-            service._signal_room()
+            service.signal_room()
 
         names = [f"p{i}" for i in range(8)]
         tasks = []
@@ -250,9 +269,9 @@ def test_publications_waiting_for_room_are_woken_one_at_a_time_in_arrival_order(
         waiting_tries = tries
         tries = 0
         service.reservations.drop(holder)
-        service._signal_room()
+        service.signal_room()
         await asyncio.wait_for(asyncio.gather(*tasks), 30)
-        service.journal.close()
+        service.holds.close()
         return served, [waiting_tries, tries]
 
     try:
@@ -372,15 +391,21 @@ def test_housekeeping_feeds_the_lru_index_without_eviction_rounds(tmp_path: Path
                              housekeeping_interval_s=0.05, publication_deadline_s=3600.0)
 
     async def scenario() -> tuple[list[str], int]:
-        service = StoreService(config, store, Registry())
-        await service.start(None)
+        service = _capacity(config, store)
+        tick = asyncio.get_running_loop().create_task(
+            Housekeeping(config, store, service.holds, service.recency).run(None))
         try:
             for i in range(5):
                 await asyncio.to_thread(_publish, store, f"kept-{i}", 256)
             await asyncio.sleep(0.3)  # several ticks
-            return store.take_added(), len(service.lru)
+            return store.take_added(), len(service.recency.lru)
         finally:
-            await service.stop()
+            tick.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await tick
+            service.recency.access.flush()
+            service.holds.close()
+            service.close()
 
     try:
         left, indexed = asyncio.run(scenario())

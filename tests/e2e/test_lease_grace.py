@@ -13,7 +13,7 @@ import torch
 from hwr.client import ArtifactIdentity, connect
 from hwr.client.errors import StoreLimitExceeded
 from hwr.daemon.app.launcher import DaemonProcess
-from hwr.daemon.service.capacity_gate import LEASE_GRACE_S
+from hwr.daemon.service.capacity import LEASE_GRACE_S
 
 ART = (1 << 18) * 4 + 136  # one 256Ki-float32 tensor plus its safetensors header
 

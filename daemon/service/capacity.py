@@ -1,12 +1,20 @@
-"""The publication gate: admission, then a capacity reservation, evicting to make room.
+"""Capacity of the store, one owner: admission, reservations, eviction, purging retired bytes.
 
 A publication passes here before its staging exists (``hwr.daemon.service.publications`` calls
-``admit``, then ``allocated`` once its files are preallocated, then ``finished`` at its end): it
-takes the store-wide admission slot (only with ``serialized_admission``), then reserves its
-bytes against the store limit and the free-space floor (``policy.capacity``), evicting LRU
-artifacts to make room (``make_room``: an eviction round that only retires; see ``reserve`` for
-when the retired bytes are deleted). A request that does not fit while other publications hold
-reservations waits for room, oldest first (``signal_room``).
+``admit`` with the bytes its payload plan needs, ``allocated`` once its files are preallocated,
+``finished`` at its end): it takes the store-wide admission slot (``Admission``; only with
+``serialized_admission``), then reserves its bytes against the store limit and the free-space
+floor (``policy.capacity``), evicting LRU artifacts to make room (``Evictor.round``: a round that
+only retires; see ``reserve`` for when the retired bytes are deleted). A request that does not
+fit while other publications hold reservations waits for room, oldest first (``signal_room``).
+The same object evicts by hand (``evict``), collects garbage (``collect_garbage``) and observes
+leases (``on_lease``: the lease journal, the mapping-scan cache, the LRU clock, the room queue).
+
+The retired files never leave this module and its helpers (``evictor``, ``purger``): a
+publication's ``Claim`` keeps them, and the publication only says when its staging is about to
+be created (``before_staging``), when its commit is durable (``after_commit``) and how it ended
+(``finished``); capacity deletes them at the right one. A key reserved by a publication (from
+``admit`` until ``finished``, its build included) is never an eviction candidate.
 
 Usage snapshots read the reservations before the disk (see ``usage``): the other order missed a
 commit landing in between and let concurrent publications overshoot the store limit.
@@ -17,11 +25,11 @@ Lock order (all on the daemon's event loop; the threads below take none of these
 
 A publication takes the admission slot first and keeps it until ``finished``; it waits for its
 turn in the room queue without holding ``lock``; ``lock`` (an ``asyncio.Lock``) is held across
-one usage snapshot and the eviction round that follows it (``Evictor.round``, ``Evictor.evict``,
-``StoreService.collect_garbage`` take it too), across thread hops that take only the store's own
-locks (the /proc scan, ``Store.retire``/``remove``, ``Purger.purge``). Nothing waits for the
-admission slot or a room turn while holding ``lock``, and the pin lock (``Pinning``) is never
-taken under it, nor it under the pin lock.
+one usage snapshot and the eviction round that follows it (``evict`` and ``collect_garbage``
+take it too), across thread hops that take only the store's own locks (the /proc scan,
+``Store.retire``/``remove``, ``Purger.purge``). Nothing waits for the admission slot or a room
+turn while holding ``lock``, and the pin lock (``hwr.daemon.service.pinning``) is never taken
+under it, nor it under the pin lock.
 """
 
 from __future__ import annotations
@@ -29,35 +37,74 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import os
-from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hwr.daemon.policy.admission import Admission
+from hwr.client.errors import ActiveBuildTimeout
 from hwr.daemon.policy.capacity import CapacityPolicy, Reservation, Reservations, Usage, assess, shortfall_error
-from hwr.daemon.store.staging import plan_payloads
+from hwr.daemon.service.evictor import EvictionMarks, EvictionReport, Evictor
+from hwr.daemon.service.purger import Purger
 
 if TYPE_CHECKING:
-    from hwr.daemon.service.evictor import EvictionReport
-    from hwr.daemon.service.purger import Purger
+    from hwr.daemon.service.catalog import Catalog
+    from hwr.daemon.service.lease_holds import LeaseHolds
+    from hwr.daemon.service.mapping_scan import MappingScan
+    from hwr.daemon.service.pins import PinSet
     from hwr.daemon.service.recency import Recency
+    from hwr.daemon.service.sessions import LeaseRecord, Registry
     from hwr.daemon.store.root import Store
-    from hwr.daemon.store.staging import TensorSpec
     from hwr.daemon.system.config import DaemonConfig
 
-__all__ = ["CapacityGate", "Ticket"]
+__all__ = ["Admission", "Capacity", "Claim"]
+
+log = logging.getLogger("hwrd.store")
+
+
+class Admission:
+    """Optional store-wide serialization of publications: with ``serialized`` one publication
+    at a time stages and commits in the whole store (a node whose disk or page cache cannot take
+    two builds at once); the others wait in FIFO order up to their wait timeout, then get
+    ``ActiveBuildTimeout``. One build per identity is enforced by the publications themselves."""
+
+    def __init__(self, *, serialized: bool = False) -> None:
+        self.serialized = serialized
+        self._slot = asyncio.Semaphore(1) if serialized else None
+        self.waiting = 0
+
+    async def enter(self, key: str, timeout: float) -> bool:
+        """Wait for the store-wide slot (no-op unless serialized); True when a slot was taken."""
+        if self._slot is None:
+            return False
+        self.waiting += 1
+        try:
+            await asyncio.wait_for(self._slot.acquire(), max(0.0, timeout))
+        except TimeoutError:
+            raise ActiveBuildTimeout("serialized admission: another publication is building",
+                                     details={"key": key, "serialized": True}) from None
+        finally:
+            self.waiting -= 1
+        return True
+
+    def leave(self, took_slot: bool) -> None:
+        if took_slot and self._slot is not None:
+            self._slot.release()
 
 
 @dataclass
-class Ticket:
+class Claim:
+    """A publication's claim on the store's capacity: its admission slot and its reservation
+    (``Capacity.admit`` to ``Capacity.finished``). Its fields are capacity's; a publication only
+    hands the claim back."""
+
     key: str
     took_slot: bool
     reservation: Reservation
-    #: Artifacts retired to make room, still on disk: the publication must ``purge_sync`` them
-    #: before it creates its staging (``hwr.daemon.service.publications`` does both in one worker hop),
-    #: or, when ``purge_after_commit``, delete them after its commit (see ``reserve``).
+    #: Artifacts retired to make room, still on disk: deleted before the publication's staging
+    #: is created (``before_staging``) or, when ``purge_after_commit``, after its commit
+    #: (``after_commit``; see ``reserve``), else when it finishes.
     trash: list[Path] = field(default_factory=list)
     purge_after_commit: bool = False
 
@@ -72,51 +119,86 @@ class Ticket:
 LEASE_GRACE_S = 1.0
 
 
-class CapacityGate:
-    """Admission and capacity reservations of publications (see the module contract).
-
-    ``make_room(shortfall, key)``: one eviction round for a publication of ``key`` that only
-    retires what it evicts and evicts nothing unless the request then fits (``Evictor.round``
-    with ``exclude={key}, require_fit=True, defer=True, explain=False``); called under ``lock``.
-    """
+class Capacity:
+    """The store's capacity (see the module contract). ``marks`` are the eviction marks that the
+    read API (``hwr.daemon.service.catalog``) waits on; ``evictor.on_evict`` (a metrics hook)
+    and ``evictor.protected`` (a channel's keys) are set by the wiring."""
 
     #: Retired bytes a publication may leave on disk until its commit (``reserve``).
     PURGE_AFTER_COMMIT_MAX_BYTES = 64 << 20
 
-    def __init__(self, config: DaemonConfig, store: Store, recency: Recency, purger: Purger,
-                 make_room: Callable[[int, str], Awaitable[EvictionReport]]) -> None:
-        self.store = store
+    def __init__(self, config: DaemonConfig, store: Store, catalog: Catalog, registry: Registry, *,
+                 marks: EvictionMarks, pins: PinSet, holds: LeaseHolds, recency: Recency,
+                 scan: MappingScan) -> None:
+        self.catalog = catalog
+        self.registry = registry
+        self.marks = marks
+        self.pins = pins
+        self.holds = holds
         self.recency = recency
-        self.purger = purger
-        self.make_room = make_room
+        self.scan = scan
+        self.purger = Purger(store)
         self.policy = CapacityPolicy(config.store_limit_bytes, config.artifact_limit_bytes, config.min_free_bytes)
         self.reservations = Reservations()
+        self.evictor = Evictor(store, catalog, marks, registry, recency, holds, scan, pins, self.purger,
+                               self.reservations)
+        self._store = store  # store work: reclaim stale staging (gc)
         self.admission = Admission(serialized=config.serialized_admission)
         self.lock = asyncio.Lock()  # the capacity lock: see the lock order in the module docstring
         # Publications waiting for room, oldest first (see reserve and signal_room).
         self._room_waiters: collections.deque[asyncio.Event] = collections.deque()
 
-    async def admit(self, key: str, specs: Sequence[TensorSpec], wait_timeout: float,
-                    max_file_bytes: int | None = None) -> Ticket:
-        need = sum(p.size for p in plan_payloads(list(specs), max_file_bytes))
+    # ------------------------------------------------------------------ leases
+    def on_lease(self, event: str, lease: LeaseRecord) -> None:
+        """The registry's lease observer: journal the lease (restart recovery), void the
+        mapping scan's "nobody maps it", note the use for the LRU order, and wake a publication
+        waiting for room when a key lost its last lease (only now can it be evicted)."""
+        try:
+            if event == "acquire":
+                # Before the descriptor leaves: a cached "nobody maps it" is void from now on.
+                self.scan.leased(lease.key)
+                self.holds.acquired(lease)
+            else:
+                self.holds.released(lease)
+                if not self.registry.lease_count(lease.key):
+                    self.signal_room()
+            self.recency.touch(lease.key)
+        except OSError as exc:
+            log.error("lease journal write failed: %s", exc)
+
+    # ------------------------------------------------------------------ publications
+    async def admit(self, key: str, need: int, wait_timeout: float) -> Claim:
+        """Admission, then a reservation of ``need`` bytes (the publication's payload plan)."""
         took = await self.admission.enter(key, wait_timeout)
         try:
             reservation, trash, late = await self.reserve(key, need, wait_timeout)
         except BaseException:
             self.admission.leave(took)
             raise
-        return Ticket(key, took, reservation, trash, late)
+        return Claim(key, took, reservation, trash, late)
 
-    def allocated(self, ticket: Ticket) -> None:
-        self.reservations.mark_allocated(ticket.reservation)
+    def before_staging(self, claim: Claim) -> None:
+        """In the worker thread that is about to create ``claim``'s staging: delete the bytes
+        eviction retired for it, unless they may wait for its commit (``reserve``)."""
+        if not claim.purge_after_commit:
+            self.purger.purge_sync(claim.take_trash())
 
-    def finished(self, ticket: Ticket, committed: bool) -> None:
-        self.purger.purge_later(ticket.take_trash())  # not deleted by the commit (it failed, or was aborted)
-        self.reservations.drop(ticket.reservation)
-        self.admission.leave(ticket.took_slot)
-        ticket.took_slot = False
+    def after_commit(self, claim: Claim) -> None:
+        """In the worker thread, right after ``claim``'s commit: its ``artifacts/`` fsync started
+        after the retirements, which are durable now; delete the bytes left for it."""
+        if claim.purge_after_commit:
+            self.purger.purge_sync(claim.take_trash())
+
+    def allocated(self, claim: Claim) -> None:
+        self.reservations.mark_allocated(claim.reservation)
+
+    def finished(self, claim: Claim, committed: bool) -> None:
+        self.purger.purge_later(claim.take_trash())  # not deleted by the commit (it failed, or was aborted)
+        self.reservations.drop(claim.reservation)
+        self.admission.leave(claim.took_slot)
+        claim.took_slot = False
         if committed:
-            self.recency.touch(ticket.key)
+            self.recency.touch(claim.key)
         self.signal_room()
 
     def signal_room(self) -> None:
@@ -153,16 +235,17 @@ class CapacityGate:
         return Usage(committed, reserved, unallocated, free)
 
     def _disk_usage(self) -> tuple[int, int]:
-        committed = self.store.committed_bytes()
-        st = os.statvfs(self.store.root)
+        committed = self.catalog.committed_bytes()
+        st = os.statvfs(self._store.root)
         return committed, st.f_bavail * st.f_frsize
 
     async def reserve(self, key: str, need: int, wait_timeout: float = 0.0) -> tuple[Reservation, list[Path], bool]:
         """Reserve ``need`` bytes for a publication of ``key``, evicting LRU artifacts if needed:
         (reservation, trash, purge_after_commit). The evicted artifacts are only retired here and
-        their trash returned; the caller must ``purge_sync`` it before it writes anything (in the
-        same worker hop as its staging), or, when ``purge_after_commit`` is True, may instead
-        delete it once its commit's ``artifacts/`` fsync made the retirement durable
+        their trash kept in the publication's ``Claim``: deleted before it writes anything
+        (``before_staging``, in the same worker hop as its staging), or, when
+        ``purge_after_commit`` is True, once its commit's ``artifacts/`` fsync made the
+        retirement durable (``after_commit``;
         (``Store.delete_retired``: saves a directory fsync). That is allowed only for at most
         ``PURGE_AFTER_COMMIT_MAX_BYTES`` of trash and only when the filesystem keeps
         ``min_free_bytes`` free with the trash still on it: the store limit counts committed and
@@ -201,7 +284,9 @@ class CapacityGate:
                     shortfall = assess(self.policy, usage, need, key=key)
                     if shortfall:
                         on_disk_free = usage.free_bytes  # with the retired bytes still on the disk
-                        report = await self.make_room(shortfall, key)
+                        # Only retire (defer) and evict nothing unless the request then fits.
+                        report = await self.evictor.round(shortfall, {key}, require_fit=True, defer=True,
+                                                          explain=False)
                         # Sound without re-reading the disk: nothing but eviction (under this lock)
                         # takes bytes out of the snapshot, and the retired bytes are purged before
                         # this publication's staging is created (after the lock, below).
@@ -248,3 +333,27 @@ class CapacityGate:
         late = bool(report.trash) and report.freed_bytes <= self.PURGE_AFTER_COMMIT_MAX_BYTES and (
             on_disk_free - usage.unallocated_reserved_bytes - need >= self.policy.min_free_bytes)
         return reservation, report.trash, late
+
+    # ------------------------------------------------------------------ by hand
+    async def evict(self, key: str) -> int:
+        """Evict ``key`` by hand; ``ActiveLease`` (details.reason) when anything uses it."""
+        async with self.lock:
+            return await self.evictor.evict(key)
+
+    async def collect_garbage(self, target_bytes: int | None) -> tuple[EvictionReport, int, int, int]:
+        """Evict LRU unused artifacts down to ``target_bytes`` (default: the configured limits):
+        (report, committed bytes after, target, stale stagings reclaimed)."""
+        async with self.lock:
+            staging = await asyncio.to_thread(self._store.reclaim_stale_staging)
+            usage = await self.usage()
+            target = target_bytes if target_bytes is not None else (
+                self.policy.store_limit_bytes or usage.committed_bytes + usage.reserved_bytes)
+            shortfall = max(0, usage.committed_bytes + usage.reserved_bytes - target,
+                            self.policy.min_free_bytes - usage.free_bytes)
+            report = await self.evictor.round(shortfall) if shortfall else EvictionReport()
+            usage = await self.usage()
+            return report, usage.committed_bytes, target, staging
+
+    def close(self) -> None:
+        """Wait for the deletions of retired bytes handed over so far; idempotent."""
+        self.purger.close()
