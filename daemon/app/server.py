@@ -62,8 +62,7 @@ from hwr.daemon.service.lease_holds import LeaseHolds
 from hwr.daemon.service.lease_journal import LeaseJournal
 from hwr.daemon.service.leasing import Leasing
 from hwr.daemon.service.mapping_scan import MappingScan
-from hwr.daemon.service.pinning import Pinning
-from hwr.daemon.service.pins import PinSet, Residency
+from hwr.daemon.service.pinning import Pinning, PinSet, Residency
 from hwr.daemon.service.publications import Publications
 from hwr.daemon.service.recency import Recency
 from hwr.daemon.service.roles import Roles, roles_from

@@ -37,7 +37,7 @@ from hwr.daemon.policy.key_prefix import unique_prefix
 if TYPE_CHECKING:
     from hwr.daemon.service.evictor import EvictionMarks
     from hwr.daemon.service.mapping_scan import PayloadFiles
-    from hwr.daemon.service.pins import PinSet
+    from hwr.daemon.service.pinning import PinSet
     from hwr.daemon.store.root import Store
     from hwr.daemon.store.validation import ArtifactRecord
 

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from hwr.daemon.service.catalog import Catalog
     from hwr.daemon.service.lease_holds import LeaseHolds
     from hwr.daemon.service.mapping_scan import MappingScan, PayloadFiles
-    from hwr.daemon.service.pins import PinSet
+    from hwr.daemon.service.pinning import PinSet
     from hwr.daemon.service.purger import Purger
     from hwr.daemon.service.recency import Recency
     from hwr.daemon.service.sessions import Registry

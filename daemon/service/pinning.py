@@ -1,10 +1,24 @@
-"""Pinning as a service operation: pin and unpin an artifact, and restore residency at start.
+"""Pinning: artifacts exempt from eviction whose pages the daemon keeps resident.
 
-A pinned artifact is exempt from eviction (``PinSet``, persisted in ``pins.json``) and its
-payloads are kept resident in the daemon (``Residency``: mapped, and ``mlock``-ed within the
-budget); ``hwr.daemon.service.pins`` holds both adapters, this module the order of the steps.
+``Pinning`` is the service operation (pin, unpin, restore residency at start) over two adapters
+in this module: ``PinSet`` and ``Residency``.
 
-Contract: on the daemon's event loop; the pins file and the residency's system calls run in
+``PinSet`` persists the pinned keys in ``<root>/pins.json`` (``{"schema_version": 1, "pins":
+[...]}``, rewritten atomically: temp file, fsync, rename, directory fsync), so pins survive
+restarts. ``Residency`` keeps each pinned artifact's payloads mapped in the daemon
+(``MAP_SHARED|MAP_POPULATE``: the page cache is filled and the page tables built) and, while the
+configured ``mlock_budget_bytes`` allows, ``mlock``-ed so the kernel cannot reclaim them.
+
+``PinSet`` changes membership in memory (``add``/``discard``: the eviction rounds, which run on
+the daemon's event loop, see a change at once) and persists with ``save`` (in a worker thread;
+saves are serialized and each writes the set as it is then, so the last save to finish holds
+every change made before it started).
+
+Contract: ``pin`` is idempotent and reports ``locked`` or ``prefaulted`` (budget exhausted,
+``mlock`` refused by ``RLIMIT_MEMLOCK``/missing ``CAP_IPC_LOCK``, or a budget of 0). Limits:
+``prefaulted`` pages are resident right after pinning but the kernel may reclaim them under
+memory pressure (they come back at the next touch); residency is re-established at daemon start
+in the background. ``Pinning`` runs on the daemon's event loop; the pins file and the residency's system calls run in
 worker threads. Records and payload descriptors come from the read API
 (``hwr.daemon.service.catalog``). A pin takes effect on the loop right after ``Catalog.lookup``'s
 final check, which waits out an eviction round that marked the key, so no later round can choose
@@ -21,20 +35,155 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
+import errno
+import json
 import logging
+import mmap
 import os
+import threading
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hwr.client.errors import HwrError
+from hwr.client.identity import canonical_json, is_key
+from hwr.daemon.store import fileio as store_io
 
 if TYPE_CHECKING:
     from hwr.daemon.service.catalog import Catalog
-    from hwr.daemon.service.pins import PinSet, Residency
     from hwr.daemon.store.validation import ArtifactRecord
 
-__all__ = ["Pinning"]
+__all__ = ["PinSet", "Pinning", "Residency"]
 
 log = logging.getLogger("hwrd.store")
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class PinSet:
+    def __init__(self, path: Path, keys: set[str]) -> None:
+        self.path = path
+        self._keys = keys
+        self._save_lock = threading.Lock()
+
+    @classmethod
+    def open(cls, root: Path) -> PinSet:
+        path = root / "pins.json"
+        keys: set[str] = set()
+        try:
+            document = json.loads(path.read_bytes())
+            keys = {k for k in document.get("pins", []) if is_key(k)}
+        except FileNotFoundError:
+            pass
+        except (ValueError, AttributeError):
+            keys = set()  # unreadable: start unpinned rather than refuse to serve
+        return cls(path, keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def keys(self) -> set[str]:
+        return set(self._keys)
+
+    def add(self, key: str) -> bool:
+        """Pin ``key`` in memory; False when it already was. Persist with ``save``."""
+        if key in self._keys:
+            return False
+        self._keys.add(key)
+        return True
+
+    def discard(self, key: str) -> bool:
+        """Unpin ``key`` in memory; False when it was not pinned. Persist with ``save``."""
+        if key not in self._keys:
+            return False
+        self._keys.discard(key)
+        return True
+
+    def save(self) -> None:
+        """Write the set atomically (temp file, fsync, rename, directory fsync); blocking."""
+        with self._save_lock:
+            document = canonical_json({"schema_version": 1, "pins": sorted(self._keys)})
+            tmp = self.path.with_name(f".pins.{uuid.uuid4().hex}.tmp")
+            store_io.write_new_file(tmp, document, mode=0o600)
+            store_io.rename(tmp, self.path)
+            store_io.fsync_dir(self.path.parent)
+
+
+@dataclass
+class _Mapped:
+    address: int
+    size: int
+    locked: bool
+
+
+class Residency:
+    """The daemon's own mappings of pinned artifacts (call from one thread at a time)."""
+
+    def __init__(self, mlock_budget_bytes: int) -> None:
+        self.budget = mlock_budget_bytes
+        self._maps: dict[str, list[_Mapped]] = {}
+
+    @property
+    def locked_bytes(self) -> int:
+        return sum(m.size for maps in self._maps.values() for m in maps if m.locked)
+
+    def hold(self, key: str, fds: list[int]) -> str:
+        """Map (and lock within budget) the given payload descriptors; returns the residency."""
+        if key in self._maps:
+            return "locked" if all(m.locked for m in self._maps[key]) else "prefaulted"
+        maps: list[_Mapped] = []
+        try:
+            for fd in fds:
+                size = os.fstat(fd).st_size
+                if size == 0:
+                    continue
+                address = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                                     fd, 0)
+                if address in (None, MAP_FAILED):
+                    code = ctypes.get_errno()
+                    raise OSError(code, os.strerror(code))
+                maps.append(_Mapped(address, size, False))
+            total = sum(m.size for m in maps)
+            if self.budget and self.locked_bytes + total <= self.budget:
+                for m in maps:
+                    if _libc.mlock(m.address, m.size) != 0:
+                        if ctypes.get_errno() not in (errno.EPERM, errno.ENOMEM, errno.EAGAIN):
+                            raise OSError(ctypes.get_errno(), "mlock")
+                        break
+                    m.locked = True
+                if not all(m.locked for m in maps):
+                    for m in maps:
+                        if m.locked:
+                            _libc.munlock(m.address, m.size)
+                            m.locked = False
+        except BaseException:
+            for m in maps:
+                _libc.munmap(m.address, m.size)
+            raise
+        self._maps[key] = maps
+        return "locked" if maps and all(m.locked for m in maps) else "prefaulted"
+
+    def locked(self, key: str) -> int:
+        return sum(m.size for m in self._maps.get(key, ()) if m.locked)
+
+    def drop(self, key: str) -> None:
+        for m in self._maps.pop(key, []):
+            if m.locked:
+                _libc.munlock(m.address, m.size)
+            _libc.munmap(m.address, m.size)
+
+    def close(self) -> None:
+        for key in list(self._maps):
+            self.drop(key)
 
 
 class Pinning:

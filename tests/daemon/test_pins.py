@@ -6,7 +6,7 @@ import json
 import threading
 from pathlib import Path
 
-from hwr.daemon.service.pins import PinSet
+from hwr.daemon.service.pinning import PinSet
 
 
 def _key(i: int) -> str:

@@ -29,7 +29,7 @@ from hwr.daemon.service.housekeeping import Housekeeping
 from hwr.daemon.service.lease_holds import LeaseHolds
 from hwr.daemon.service.lease_journal import LeaseJournal
 from hwr.daemon.service.mapping_scan import MappingScan
-from hwr.daemon.service.pins import PinSet
+from hwr.daemon.service.pinning import PinSet
 from hwr.daemon.service.recency import Recency
 from hwr.daemon.service.sessions import Registry
 from hwr.daemon.store.root import Store
