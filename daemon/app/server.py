@@ -52,7 +52,6 @@ from hwr.daemon.policy.capacity import CapacityPolicy
 from hwr.daemon.rpc.collaborators import RpcCollaborators
 from hwr.daemon.rpc.decode import add_servicer
 from hwr.daemon.rpc.servicer import Servicer
-from hwr.daemon.service.access_times import AccessTimes
 from hwr.daemon.service.capacity import Capacity
 from hwr.daemon.service.catalog import Catalog
 from hwr.daemon.service.channels import Channels
@@ -64,7 +63,7 @@ from hwr.daemon.service.leasing import Leasing
 from hwr.daemon.service.mapping_scan import MappingScan
 from hwr.daemon.service.pinning import Pinning, PinSet, Residency
 from hwr.daemon.service.publications import Publications
-from hwr.daemon.service.recency import Recency
+from hwr.daemon.service.recency import AccessTimes, Recency
 from hwr.daemon.service.roles import Roles, roles_from
 from hwr.daemon.service.scrubber import Scrubber
 from hwr.daemon.service.sessions import Registry, Session

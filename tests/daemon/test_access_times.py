@@ -1,4 +1,4 @@
-"""AccessTimes (``hwr.daemon.service.access_times``): the persisted clock of LRU eviction. Round trip,
+"""AccessTimes (``hwr.daemon.service.recency``): the persisted clock of LRU eviction. Round trip,
 snapshots saved newest-wins from any thread, and a bad or unwritable file never raises."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hwr.daemon.service.access_times import AccessTimes
+from hwr.daemon.service.recency import AccessTimes
 
 A, B = "a" * 64, "b" * 64
 

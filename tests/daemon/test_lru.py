@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hwr.daemon.policy.lru import LruIndex
+from hwr.daemon.policy.recency import LruIndex
 
 KEYS = st.sampled_from([f"k{i}" for i in range(12)])
 TIMES = st.integers(0, 20).map(float)  # few values: ties (broken by key) are common

@@ -21,7 +21,6 @@ import pytest
 import torch
 
 from hwr.client.identity import ArtifactIdentity
-from hwr.daemon.service.access_times import AccessTimes
 from hwr.daemon.service.capacity import Capacity
 from hwr.daemon.service.catalog import Catalog
 from hwr.daemon.service.evictor import EvictionMarks
@@ -30,7 +29,7 @@ from hwr.daemon.service.lease_holds import LeaseHolds
 from hwr.daemon.service.lease_journal import LeaseJournal
 from hwr.daemon.service.mapping_scan import MappingScan
 from hwr.daemon.service.pinning import PinSet
-from hwr.daemon.service.recency import Recency
+from hwr.daemon.service.recency import AccessTimes, Recency
 from hwr.daemon.service.sessions import Registry
 from hwr.daemon.store.root import Store
 from hwr.daemon.store.staging import TensorSpec, write_tensor

@@ -1,4 +1,5 @@
-"""Least-recently-used order of the store's artifacts without sorting the store per query.
+"""Recency, the pure part: least-recently-used order of the store's artifacts without sorting
+the store per query (the clock and its persistence: ``hwr.daemon.service.recency``).
 
 A publication under eviction pressure asks for the oldest evictable artifacts once per try.
 Sorting every artifact each time made that O(n log n) on the event loop: with 3,000 artifacts
