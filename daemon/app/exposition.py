@@ -15,7 +15,7 @@ from hwr.daemon.system.metrics import Counter, counter_lines, gauge_lines, rende
 if TYPE_CHECKING:
     from hwr.daemon.fleet.tier import Fleet
     from hwr.daemon.service.channels import Channels
-    from hwr.daemon.service.publications import Publications
+    from hwr.daemon.service.publishing import Publishing
     from hwr.daemon.service.sessions import Registry
     from hwr.daemon.store.root import Store
     from hwr.daemon.system.metrics import Instruments
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 __all__ = ["exposition"]
 
 
-def exposition(*, store: Store, registry: Registry, publications: Publications, metrics: Instruments,
+def exposition(*, store: Store, registry: Registry, publications: Publishing, metrics: Instruments,
                fleet: Fleet | None, channels: Channels | None = None) -> bytes:
     records = store.artifacts()
     pubs = Counter("hwr_publications_total", "Publications finished, by outcome.", "outcome")

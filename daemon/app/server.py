@@ -1,13 +1,14 @@
 """hwrd assembled: every object built with its collaborators, then started and stopped in order.
 
 ``Daemon`` is wiring only: it builds the store, the node service's collaborators (the read API
-``Catalog``, ``Capacity``, ``Pinning``, ``Leasing``, ``Publications``, the scrubber and the
+``Catalog``, ``Capacity``, ``Pinning``, ``Leasing``, ``Publishing``, the scrubber and the
 housekeeping tick, over the pins, the lease holds, the recency of use and the mapping scan), the
 fleet tier, the checkpoint registry and the two transports, hands each its collaborators in its
 constructor, and runs the start and stop order below (the node service's background tasks:
-housekeeping, pin restore, scrub). No handler reaches through it: the transports get ``Leasing``/``PeerPublishing`` and
-``RpcCollaborators``, and the reload (``hwr.daemon.app.reload``) swaps ``config`` and ``roles``
-here, which the handlers read through this object typed as ``Settings`` (those two only).
+housekeeping, pin restore, scrub). No handler reaches through it: the transports get
+``Leasing``/``PublicationFrames`` and ``RpcCollaborators``, and the reload
+(``hwr.daemon.app.reload``) swaps ``config`` and ``roles`` here, which the handlers read through
+this object typed as ``Settings`` (those two only).
 
 Start order: check the socket directory (``fsguard.socket_dir_problem``) -> open the store (takes
 the root's lock, recovers staging, validates artifacts) -> the node service -> the fleet tier ->
@@ -47,7 +48,7 @@ from hwr.daemon.checkpoints.registry import Checkpoints
 from hwr.daemon.fleet.tier import Fleet
 from hwr.daemon.peer.channel import PeerServer
 from hwr.daemon.peer.limits import PeerLimits
-from hwr.daemon.peer.publish import PeerPublishing
+from hwr.daemon.peer.publication_frames import PublicationFrames
 from hwr.daemon.policy.capacity import CapacityPolicy
 from hwr.daemon.rpc.collaborators import RpcCollaborators
 from hwr.daemon.rpc.decode import add_servicer
@@ -62,7 +63,7 @@ from hwr.daemon.service.lease_journal import LeaseJournal
 from hwr.daemon.service.leasing import Leasing
 from hwr.daemon.service.mapping_scan import MappingScan
 from hwr.daemon.service.pinning import Pinning, PinSet, Residency
-from hwr.daemon.service.publications import Publications
+from hwr.daemon.service.publishing import Publishing
 from hwr.daemon.service.recency import AccessTimes, Recency
 from hwr.daemon.service.roles import Roles, roles_from
 from hwr.daemon.service.scrubber import Scrubber
@@ -106,7 +107,7 @@ class Daemon:
         self._lease_holds: LeaseHolds | None = None
         self._recency: Recency | None = None
         self._tasks: list[asyncio.Task[None]] = []  # the node service's: housekeeping, pin restore, scrub
-        self._publications: Publications | None = None
+        self._publications: Publishing | None = None
         self._fleet: Fleet | None = None
         self._checkpoints: Checkpoints | None = None
         self._channels: Channels | None = None
@@ -147,7 +148,7 @@ class Daemon:
         self.registry.observers.append(capacity.on_lease)
         pinning = Pinning(catalog, pins, Residency(config.mlock_budget_bytes))
         self._pinning = pinning
-        publications = Publications(store, capacity=capacity, commit_threads=config.commit_threads,
+        publications = Publishing(store, capacity=capacity, commit_threads=config.commit_threads,
                                     on_phase=self.metrics.observe_publication_phase, on_commit=self._committed)
         publications.memfd_staging = MemfdStagings(config.memfd_staging_max_bytes)
         self._publications = publications
@@ -177,7 +178,7 @@ class Daemon:
             peer_path(self.socket_path), limits=PeerLimits.from_config(config),
             registry=self.registry, allow=lambda: self._allow, on_session_end=self._on_session_end,
             mode=config.socket_mode, listen_sock=self.inherited.peer, leasing=leasing,
-            publishing=PeerPublishing(publications, self), channels=channels,
+            publishing=PublicationFrames(publications, self), channels=channels,
         )
         await self._peer.start()
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),

@@ -9,12 +9,12 @@ Order for one key (one fetch at a time per key; every concurrent caller awaits t
     4. re-plan the payload layout from the manifest's tensors: it must give exactly the files
        (names, sizes) the manifest lists, i.e. a layout this daemon itself writes (one file, or
        the several files of a publication hashed while written: ``staging.overlap_file_bytes``)
-    5. ``Publications.begin`` (one publisher per identity, admission, capacity reservation and
+    5. ``Publishing.begin`` (one publisher per identity, admission, capacity reservation and
        LRU eviction exactly as for a client publication; a local publisher of the same key is
        joined instead), then each payload goes from the backend into a ``DownloadSink``
        (``hwr.daemon.fleet.sink``): written into its staging file, sizes checked before and
        during the transfer, and hashed in the same pass (file and tensor SHA-256s)
-    6. ``Publications.commit_publication`` with the manifest's tensor digests as the expected
+    6. ``Publishing.commit_publication`` with the manifest's tensor digests as the expected
        ones and the digests computed in step 5 (``ProducerDigests``: this daemon's own code
        hashed the bytes it wrote, so the store does not re-read them): the store re-reads the
        headers (they must be the planned ones), compares every tensor digest with the
@@ -70,7 +70,7 @@ from hwr.daemon.fleet.sink import DownloadSink
 from hwr.daemon.store.staging import ProducerDigests, TensorSpec, overlap_file_bytes, plan_payloads
 
 if TYPE_CHECKING:
-    from hwr.daemon.service.publications import Publication, Publications
+    from hwr.daemon.service.publishing import Publication, Publishing
     from hwr.daemon.store.root import Store
     from hwr.daemon.store.validation import ArtifactRecord
 
@@ -144,7 +144,7 @@ class Puller:
     #: Remembered misses and refusals are dropped whole past this many keys.
     MEMORY_KEYS = 4096
 
-    def __init__(self, remote: RemoteStore, store: Store, publications: Publications, *, wait_timeout: float,
+    def __init__(self, remote: RemoteStore, store: Store, publications: Publishing, *, wait_timeout: float,
                  stall_timeout: float = 60.0, on_outcome: Callable[[str, int], None] | None = None) -> None:
         self.remote = remote
         self.store = store

@@ -3,7 +3,7 @@
 The wiring (``hwr.daemon.app.server``) builds at most one ``Fleet`` (only when ``remote`` is
 configured), and it is called from three places: the read API's ``Catalog.lookup`` after a local
 miss (``pull_on_miss``, the catalog's ``MissFetcher``; both transports' acquires and so the
-vLLM-Omni plugin's lookups pass there), ``Publications``' commit hook (``committed``; pulls
+vLLM-Omni plugin's lookups pass there), ``Publishing``' commit hook (``committed``; pulls
 excluded) and the remote RPCs (``hwr.daemon.rpc.remote``).
 
 A miss and a pull (``pull_on_miss``, as the caller's ``MissPolicy`` says): a pull of the key
@@ -35,7 +35,7 @@ from hwr.daemon.fleet.remote import RemoteEntry, RemoteLocation, RemoteStore, op
 
 if TYPE_CHECKING:
     from hwr.daemon.service.catalog import MissPolicy
-    from hwr.daemon.service.publications import Publications
+    from hwr.daemon.service.publishing import Publishing
     from hwr.daemon.store.root import Store
     from hwr.daemon.store.validation import ArtifactRecord
     from hwr.daemon.system.config import DaemonConfig
@@ -55,7 +55,7 @@ def location_of(config: DaemonConfig) -> RemoteLocation | None:
 
 
 class Fleet:
-    def __init__(self, location: RemoteLocation, remote: RemoteStore, store: Store, publications: Publications, *,
+    def __init__(self, location: RemoteLocation, remote: RemoteStore, store: Store, publications: Publishing, *,
                  root: Path, push: bool, wait_timeout: float, stall_timeout: float = 60.0) -> None:
         self.location = location
         self.remote = remote
@@ -72,7 +72,7 @@ class Fleet:
         self._probe: tuple[float, str] | None = None  # (monotonic time, "" or the error) of the last probe
 
     @classmethod
-    def open(cls, config: DaemonConfig, store: Store, publications: Publications) -> Fleet | None:
+    def open(cls, config: DaemonConfig, store: Store, publications: Publishing) -> Fleet | None:
         location = location_of(config)
         if location is None:
             return None
@@ -121,7 +121,7 @@ class Fleet:
         return self.puller.in_flight.get(key)
 
     def committed(self, key: str) -> None:
-        """``Publications``' commit hook (on the loop): queue the upload unless a pull committed it."""
+        """``Publishing``' commit hook (on the loop): queue the upload unless a pull committed it."""
         if not self.push_enabled or key in self.puller.committing:
             return
         self.puller.forget_miss(key)  # it is on its way to the remote

@@ -22,7 +22,7 @@ One SOCK_STREAM Unix socket at ``<socket>.peer``. Per connection:
    ``release``           ``lease_id``                            ``released`` (bool)
    ``fds``               ``lease_id``, ``lease_token``           ``count``; descriptors
    ``staging_fds``       ``publication_id``, ``publication_token`` ``count``; descriptors
-   ``publish_begin``     see ``hwr.daemon.peer.publish``          ``outcome``, ``key``, placements;
+   ``publish_begin``     see ``hwr.daemon.peer.publication_frames``          ``outcome``, ``key``, placements;
    ``publish_commit``    (the publication RPCs on this channel)   staging descriptors when staged
    ``publish_abort``
    ``publish_file_done`` (a staging file handed over)
@@ -77,7 +77,7 @@ from hwr.daemon.system.accepting import Acceptor, cancel_and_wait
 from hwr.daemon.system.peercred import AllowList, peer_allowed, read_peercred
 
 if TYPE_CHECKING:
-    from hwr.daemon.peer.publish import PeerPublishing
+    from hwr.daemon.peer.publication_frames import PublicationFrames
     from hwr.daemon.service.channels import Channels
     from hwr.daemon.service.leasing import Leasing
     from hwr.daemon.service.sessions import LeaseRecord
@@ -111,7 +111,7 @@ class PeerServer:
         mode: int = 0o660,
         listen_sock: socket.socket | None = None,
         leasing: Leasing | None = None,
-        publishing: PeerPublishing | None = None,
+        publishing: PublicationFrames | None = None,
         limits: PeerLimits | None = None,
         channels: Channels | None = None,
     ) -> None:

@@ -2,7 +2,7 @@
 artifact (one per TP rank).
 
 For each rank: check the checkpoint (``CheckpointModified`` refuses a changed one), plan the
-outputs, compute the identity, then ``Publications.begin`` with no session: the build takes the
+outputs, compute the identity, then ``Publishing.begin`` with no session: the build takes the
 identity's slot in the one-publisher-per-identity table, so a worker publishing the same identity
 meanwhile waits and joins it, and a build finding the identity committed (or finishing a wait on
 another publisher) reports ``already_present``/``joined`` without running anything. The producer
@@ -36,7 +36,7 @@ from hwr.daemon.producers.runner import run_job
 from hwr.daemon.store.staging import ProducerDigests, Staging, TensorSpec
 
 if TYPE_CHECKING:
-    from hwr.daemon.service.publications import Publications
+    from hwr.daemon.service.publishing import Publishing
     from hwr.daemon.store.root import Store
 
 __all__ = ["BuiltArtifact", "build_rank", "checkpoint_identity", "source_identity"]
@@ -69,7 +69,7 @@ def source_tensors(ckpt: Checkpoint) -> list[SourceTensor]:
 async def build_rank(
     *,
     checkpoints: Checkpoints,
-    publications: Publications,
+    publications: Publishing,
     store: Store,
     ckpt: Checkpoint,
     producer: Producer,

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from hwr.daemon.service.channels import Channels
     from hwr.daemon.service.leasing import Leasing
     from hwr.daemon.service.pinning import Pinning
-    from hwr.daemon.service.publications import Publications
+    from hwr.daemon.service.publishing import Publishing
     from hwr.daemon.service.sessions import Registry, Session
     from hwr.daemon.service.settings import Settings
     from hwr.daemon.store.root import Store
@@ -43,7 +43,7 @@ class RpcCollaborators:
     registry: Registry
     catalog: Catalog
     leasing: Leasing
-    publications: Publications
+    publications: Publishing
     store: Store  # the admin RPCs' writes: verify, deny, allow, usage rescan
     capacity: Capacity  # eviction, garbage collection, usage
     pinning: Pinning  # pin, unpin

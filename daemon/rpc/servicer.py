@@ -25,7 +25,7 @@ from hwr.daemon.rpc.remote import RemoteRpc, remote_status
 from hwr.daemon.rpc.store_admin import StoreAdminRpc
 from hwr.daemon.rpc.support import rpc
 from hwr.daemon.service.leasing import key_of, parse_identity
-from hwr.daemon.service.publication_request import TensorEntry, format_metadata, tensor_specs, wait_timeout_s
+from hwr.daemon.service.publication_checks import RequestedTensor, format_metadata, tensor_specs, wait_timeout_s
 from hwr.daemon.service.roles import PUBLISH
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
 from hwr.protos.hwr.v1 import hwr_pb2_grpc
@@ -92,7 +92,7 @@ class Servicer(ChannelsRpc, RemoteRpc, StoreAdminRpc, CheckpointsMixin, Handlers
     ) -> pb.BeginPublicationResponse:
         session = self._authorize(context, PUBLISH, "begin a publication")
         identity = parse_identity(bytes(request.identity_json))
-        specs = tensor_specs([TensorEntry(t.name, t.dtype, tuple(t.shape), _KIND_NAMES.get(t.kind), t.role)
+        specs = tensor_specs([RequestedTensor(t.name, t.dtype, tuple(t.shape), _KIND_NAMES.get(t.kind), t.role)
                               for t in request.tensors])
         wait_timeout = wait_timeout_s(request.wait_timeout_ms)
         result = await self.c.publications.begin(

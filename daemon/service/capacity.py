@@ -1,6 +1,6 @@
 """Capacity of the store, one owner: admission, reservations, eviction, purging retired bytes.
 
-A publication passes here before its staging exists (``hwr.daemon.service.publications`` calls
+A publication passes here before its staging exists (``hwr.daemon.service.publishing`` calls
 ``admit`` with the bytes its payload plan needs, ``allocated`` once its files are preallocated,
 ``finished`` at its end): it takes the store-wide admission slot (``Admission``; only with
 ``serialized_admission``), then reserves its bytes against the store limit and the free-space

@@ -123,7 +123,7 @@ class Evictor:
                     *, require_fit: bool = False, defer: bool = False, explain: bool = True) -> EvictionReport:
         """One eviction round (see the module docstring). ``defer``: only retire the chosen
         artifacts (renamed out of ``artifacts/``, bytes still on disk) and return their trash in
-        the report; the caller must purge it before anything else uses those bytes.
+        the report; the caller (``Capacity``) purges it before anything else uses those bytes.
         ``explain=False``: pinned, leased and busy artifacts are passed over without a
         ``Candidate`` and left out of ``report.skipped`` (a publication's round needs no
         report; under churn it walked past every pinned artifact at each try)."""

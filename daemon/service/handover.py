@@ -1,7 +1,7 @@
 """The files a writer handed over before its commit: their hashing jobs, collected or released.
 
-A publication laid out for overlap (``Publications.begin(overlap=True)``) has its files handed
-over one by one (``Publications.file_done``); each becomes a job in a pool of its own
+A publication laid out for overlap (``Publishing.begin(overlap=True)``) has its files handed
+over one by one (``Publishing.file_done``); each becomes a job in a pool of its own
 (``hwr.daemon.store.prehash``) whose result holds a read-only descriptor. Exactly one party takes
 each result's descriptor: the commit (``collect``: it passes them on to the store, which closes
 them), or, when the publication ends otherwise, ``release`` (closes each once its job is done).

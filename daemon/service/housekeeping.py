@@ -26,7 +26,7 @@ from hwr.daemon.policy.deadline import overdue
 
 if TYPE_CHECKING:
     from hwr.daemon.service.lease_holds import LeaseHolds
-    from hwr.daemon.service.publications import Publications
+    from hwr.daemon.service.publishing import Publishing
     from hwr.daemon.service.recency import Recency
     from hwr.daemon.store.root import Store
     from hwr.daemon.system.config import DaemonConfig
@@ -46,7 +46,7 @@ class Housekeeping:
         self.recency = recency
         self.cancelled_publications = 0
 
-    async def run(self, publications: Publications | None) -> None:
+    async def run(self, publications: Publishing | None) -> None:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.config.housekeeping_interval_s)
@@ -57,7 +57,7 @@ class Housekeeping:
                     await asyncio.to_thread(self.recency.access.write, snapshot)
                 self.recency.sync()
                 if publications is not None:
-                    from hwr.daemon.service.publications import PubState
+                    from hwr.daemon.service.publishing import PubState
 
                     staged = [(p.publication_id, p.started_at) for p in publications.active()
                               if p.state is PubState.STAGED and p.started_at]
@@ -72,10 +72,10 @@ class Housekeeping:
             except Exception:
                 log.exception("housekeeping failed")
 
-    async def _bound_staging(self, publications: Publications) -> None:
+    async def _bound_staging(self, publications: Publishing) -> None:
         """Cancel staged publications whose files grew past their plan, and take back the
         blocks of discarded stagings a writer still holds (``hwr.daemon.store.staging_bounds``)."""
-        from hwr.daemon.service.publications import PubState
+        from hwr.daemon.service.publishing import PubState
         from hwr.daemon.store.staging_bounds import overgrown
 
         staged = [(p.publication_id, p.staging) for p in publications.active()

@@ -11,7 +11,7 @@ again.
 Why the digests still describe what is served: after the proof nobody but the daemon can write
 the file. The writer's descriptor is gone (a mapping would have kept an open file description:
 the proof refuses it), hwrd hands out no staging descriptor of a publication once a file was
-handed over (``Publications.staging_descriptors``), and the file lives in the daemon's private ``tmp/``
+handed over (``Publishing.staging_descriptors``), and the file lives in the daemon's private ``tmp/``
 (0700). As a second check, ``seal`` compares the file's mtime and size with the ones recorded
 here, before it installs the file. Limits: a file handed over before its last write is the
 writer's loss (its bytes are what is served, and hashed); when the proof fails (a descriptor still

@@ -82,7 +82,7 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     scrub_bandwidth_mib_s: float = 0.0
     scrub_interval_s: float = 86400.0
     housekeeping_interval_s: float = 2.0
-    # Threads that stage and commit publications (hwr.daemon.service.publications). More finish more
+    # Threads that stage and commit publications (hwr.daemon.service.publishing). More finish more
     # commits per second under churn (each spends most of its time waiting for the interpreter
     # lock, not the disk); fewer give a shorter tail at low rates. Measured with benchmarks/churn.py
     # (64 clients x 500 ops, alternated runs on 2 cores): 8 threads 906-984 ops/s, 4 threads 900-932.

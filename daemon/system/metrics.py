@@ -249,7 +249,7 @@ class Instruments:
 
     ``count_eviction(reason)`` and ``count_verification_failure(code)`` are for the components
     that evict or verify; ``observe_acquire`` for the Acquire handler; ``observe_publication_phase``
-    for ``hwr.daemon.service.publications`` (its ``on_phase`` hook).
+    for ``hwr.daemon.service.publishing`` (its ``on_phase`` hook).
     """
 
     def __init__(self) -> None:

@@ -1,4 +1,4 @@
-"""Acceptance: publication on the peer channel (``hwr.daemon.peer.publish``).
+"""Acceptance: publication on the peer channel (``hwr.daemon.peer.publication_frames``).
 
 Small publications stage and commit in two peer round trips (the staging descriptors arrive in
 the ``publish_begin`` reply); larger ones, and waits longer than ``PEER_MAX_WAIT_S``, go through

@@ -1,8 +1,8 @@
 """Publication on the peer channel: ``publish_begin`` / ``publish_commit`` / ``publish_abort``.
 
 The same operations as the ``BeginPublication`` / ``CommitPublication`` / ``AbortPublication``
-RPCs (one domain implementation: ``hwr.daemon.service.publications``; the same request validation:
-``hwr.daemon.service.publication_request``), without gRPC's per-call cost, and with the staging descriptors in the
+RPCs (one domain implementation: ``hwr.daemon.service.publishing``; the same request validation:
+``hwr.daemon.service.publication_checks``), without gRPC's per-call cost, and with the staging descriptors in the
 ``publish_begin`` reply instead of a second round trip. Requests (JSON frames, see
 ``hwr.daemon.peer.channel``)::
 
@@ -12,7 +12,7 @@ RPCs (one domain implementation: ``hwr.daemon.service.publications``; the same r
                     wait_timeout_ms  int in [0, MAX_WAIT_TIMEOUT_MS] (optional, default 0)
                     format_metadata  canonical JSON object as a string (optional)
                     channel          a channel to point at the artifact as part of the commit
-                                     (optional; see ``hwr.daemon.service.publications``)
+                                     (optional; see ``hwr.daemon.service.publishing``)
                     durable          bool (optional, default true); false: no fsync, gone at
                                      hwrd's next start
                     overlap          bool (optional): lay the staging out in several files the
@@ -34,7 +34,7 @@ RPCs (one domain implementation: ``hwr.daemon.service.publications``; the same r
 Typed errors are error frames with the code, message and details the RPC would carry.
 
 Staging descriptors (in the ``publish_begin`` reply, and for the channel's ``open_staging``
-request) are opened by the service (``Publications.staging_descriptors``: sealed memfds for a
+request) are opened by the service (``Publishing.staging_descriptors``: sealed memfds for a
 small publication, else the staging files); this module only sends them. Each operation needs
 the publish role, checked on every operation as the RPCs do.
 
@@ -52,21 +52,21 @@ from typing import TYPE_CHECKING, Any
 from hwr.client.errors import InvalidRequest
 from hwr.client.identity import is_key
 from hwr.daemon.service.leasing import parse_identity
-from hwr.daemon.service.publication_request import KINDS, TensorEntry, format_metadata, tensor_specs, wait_timeout_s
+from hwr.daemon.service.publication_checks import KINDS, RequestedTensor, format_metadata, tensor_specs, wait_timeout_s
 from hwr.daemon.service.roles import PUBLISH
 from hwr.daemon.service.sessions import Session
 
 if TYPE_CHECKING:
-    from hwr.daemon.service.publications import Publications
+    from hwr.daemon.service.publishing import Publishing
     from hwr.daemon.service.settings import Settings
 
-__all__ = ["PeerPublishing"]
+__all__ = ["PublicationFrames"]
 
 
-class PeerPublishing:
+class PublicationFrames:
     """The three peer publication operations; replies are (reply dict, descriptors)."""
 
-    def __init__(self, publications: Publications, settings: Settings | None = None) -> None:
+    def __init__(self, publications: Publishing, settings: Settings | None = None) -> None:
         self._publications = publications
         self._settings = settings  # its roles decide who publishes; None: no role check
 
@@ -170,8 +170,8 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _parse_tensors(value: object) -> list[TensorEntry]:
-    """JSON tensor entries -> ``TensorEntry`` values for ``tensor_specs`` (which checks them)."""
+def _parse_tensors(value: object) -> list[RequestedTensor]:
+    """JSON tensor entries -> ``RequestedTensor`` values for ``tensor_specs`` (which checks them)."""
     if not isinstance(value, list):
         raise InvalidRequest("tensors must be a list of [name, dtype, shape, kind, role]",
                              details={"field": "tensors"})
@@ -188,5 +188,5 @@ def _parse_tensors(value: object) -> list[TensorEntry]:
                 _is_int(d) and 0 <= d <= (1 << 40) for d in shape):
             raise InvalidRequest("tensor shape out of range", details={"tensor": name[:200]})
         known = kind if isinstance(kind, str) and kind in KINDS else None
-        out.append(TensorEntry(name, dtype, tuple(shape), known, role))
+        out.append(RequestedTensor(name, dtype, tuple(shape), known, role))
     return out

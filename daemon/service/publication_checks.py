@@ -1,7 +1,7 @@
 """A publication request checked before anything is sized, reserved or staged (transport-neutral).
 
 Both transports decode their own wire form (gRPC ``TensorSpec`` messages; the peer channel's JSON
-``[name, dtype, shape, kind, role]`` lists) into ``TensorEntry`` values, then call
+``[name, dtype, shape, kind, role]`` lists) into ``RequestedTensor`` values, then call
 ``tensor_specs`` and ``format_metadata`` here, so a publication is held to the same limits
 whichever way it arrives. Every refusal is ``InvalidRequest`` naming the field or tensor.
 """
@@ -18,7 +18,7 @@ from hwr.client.safetensors_header import DTYPES
 from hwr.client.wire import MAX_WAIT_TIMEOUT_MS
 from hwr.daemon.store.staging import TensorSpec
 
-__all__ = ["KINDS", "MAX_PUBLICATION_BYTES", "MAX_TENSORS", "TensorEntry", "format_metadata", "tensor_specs",
+__all__ = ["KINDS", "MAX_PUBLICATION_BYTES", "MAX_TENSORS", "RequestedTensor", "format_metadata", "tensor_specs",
            "wait_timeout_s"]
 
 MAX_TENSORS = 1 << 20
@@ -28,7 +28,7 @@ KINDS = frozenset({"parameter", "buffer"})
 
 
 @dataclass(frozen=True)
-class TensorEntry:
+class RequestedTensor:
     """One tensor as a transport decoded it; ``kind`` is None when the wire value is unknown."""
 
     name: str
@@ -38,7 +38,7 @@ class TensorEntry:
     role: str
 
 
-def tensor_specs(tensors: Sequence[TensorEntry]) -> list[TensorSpec]:
+def tensor_specs(tensors: Sequence[RequestedTensor]) -> list[TensorSpec]:
     if not tensors:
         raise InvalidRequest("a publication needs at least one tensor", details={"field": "tensors"})
     if len(tensors) > MAX_TENSORS:

@@ -1,4 +1,9 @@
-"""Publications in flight: one publisher per identity, waiters join, dead publishers are reclaimed.
+"""Publishing, the use case: begin, stage, commit, abort; one publisher per identity, waiters
+join, dead publishers are reclaimed. Both transports call it (``hwr.daemon.peer.publication_frames``,
+``hwr.daemon.rpc.servicer``) and only encode its results; daemon-side builds (prewarm, pulls)
+call it too. It hands out the staging descriptors (``staging_descriptors``), plans the payloads
+once (the plan sizes the capacity claim and lays the staging out) and tells
+``hwr.daemon.service.capacity`` when its claim's retired bytes may go.
 
 States of one publication (enforced here)::
 
@@ -59,7 +64,7 @@ if TYPE_CHECKING:
     from hwr.daemon.store.staging import ProducerDigests, Staging, TensorSpec
     from hwr.daemon.store.validation import ArtifactRecord
 
-__all__ = ["DAEMON_OWNER", "BeginResult", "PubState", "Publication", "Publications"]
+__all__ = ["DAEMON_OWNER", "BeginResult", "PubState", "Publication", "Publishing"]
 
 #: ``session_id`` of publications that daemon-side builds (prewarm producers) own.
 DAEMON_OWNER = "hwrd"
@@ -110,7 +115,9 @@ class BeginResult:
         return sorted(pub.reuse.tensors) if pub is not None and pub.reuse is not None else []
 
 
-class Publications:
+class Publishing:
+    """Publications in flight of one store (see the module docstring)."""
+
     def __init__(self, store: Store, *, on_commit: Callable[[str], None] | None = None,
                  capacity: Capacity | None = None, commit_threads: int = COMMIT_THREADS,
                  on_phase: Callable[[str, float], None] | None = None) -> None:
