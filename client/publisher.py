@@ -102,7 +102,7 @@ def specs_for(tensors: dict[str, torch.Tensor], buffers: Sequence[str] = ()) -> 
 
 
 #: Publications at most this large (and with at most ``PEER_MAX_TENSORS`` tensors) go over the
-#: peer channel (``hwr.daemon.peer.publish``): one round trip to stage, with the staging
+#: peer channel (``hwr.daemon.peer.publication_frames``): one round trip to stage, with the staging
 #: descriptors in the reply, and one to commit, instead of two gRPC calls plus a descriptor fetch.
 #: Larger ones use the RPCs: their commit hashes and fsyncs for longer than a peer exchange should
 #: hold up this client's other peer operations (leases), and their request may not fit a frame.

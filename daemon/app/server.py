@@ -148,7 +148,7 @@ class Daemon:
         self.registry.observers.append(capacity.on_lease)
         pinning = Pinning(catalog, pins, Residency(config.mlock_budget_bytes))
         self._pinning = pinning
-        publications = Publishing(store, capacity=capacity, commit_threads=config.commit_threads,
+        publications = Publishing(store, catalog, capacity=capacity, commit_threads=config.commit_threads,
                                     on_phase=self.metrics.observe_publication_phase, on_commit=self._committed)
         publications.memfd_staging = MemfdStagings(config.memfd_staging_max_bytes)
         self._publications = publications

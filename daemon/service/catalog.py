@@ -227,3 +227,11 @@ class Catalog:
             return inspect_artifact(self._store.root / "artifacts" / key, key, self._store.euid)
         except HwrError:
             return None
+
+    def absent_now(self, key: str) -> bool:
+        """True when ``key`` provably has no artifact (one ``lstat``); False: ask ``lookup``."""
+        return self._store.absent_now(key)
+
+    def open_named_payloads(self, record: ArtifactRecord) -> list[tuple[str, int]]:
+        """``open_payloads`` with each descriptor's file name (a reuse base's, ``store.reuse``)."""
+        return self._store.open_payloads(record)

@@ -58,6 +58,7 @@ from hwr.daemon.system.exclusive import open_sole
 
 if TYPE_CHECKING:
     from hwr.daemon.service.capacity import Capacity, Claim
+    from hwr.daemon.service.catalog import Catalog
     from hwr.daemon.service.channels import Channels
     from hwr.daemon.store.memfd_staging import MemfdStagings
     from hwr.daemon.store.root import Store
@@ -118,10 +119,11 @@ class BeginResult:
 class Publishing:
     """Publications in flight of one store (see the module docstring)."""
 
-    def __init__(self, store: Store, *, on_commit: Callable[[str], None] | None = None,
+    def __init__(self, store: Store, catalog: Catalog, *, on_commit: Callable[[str], None] | None = None,
                  capacity: Capacity | None = None, commit_threads: int = COMMIT_THREADS,
                  on_phase: Callable[[str, float], None] | None = None) -> None:
-        self._store = store
+        self._store = store  # writes: begin, commit, abort
+        self._catalog = catalog  # reads: whether a key is present, a reuse base's record and payloads
         # ``on_phase(phase, seconds)`` after each successful phase of a publication (admission,
         # staging, writing, commit: ``hwr.daemon.system.metrics.PUBLICATION_PHASES``), on the loop.
         self._on_phase = on_phase
@@ -148,13 +150,9 @@ class Publishing:
     def active(self) -> list[Publication]:
         return list(self._by_id.values())
 
-    def building(self, key: str) -> bool:
-        """Whether a publication of ``key`` is in flight (O(1))."""
-        return key in self._by_key
-
     def _exists(self, key: str) -> bool:
         try:
-            self._store.lookup(key)
+            self._catalog.lookup_sync(key)
         except ArtifactNotFound:
             return False
         return True
@@ -191,7 +189,7 @@ class Publishing:
         waited = False
         while True:
             # Provably absent (not validated, not denied, no directory): no thread hop.
-            absent = self._store.absent_now(key)
+            absent = self._catalog.absent_now(key)
             if not absent and await asyncio.to_thread(self._exists, key):
                 if channel is not None and self.channels is not None:
                     await self.channels.set(channel, key, set_by="publication", check=True)
@@ -262,8 +260,8 @@ class Publishing:
         (evicted, denied): the writer then writes every tensor. A request that names tensors
         the base does not have as specified is ``InvalidRequest``."""
         try:
-            record = self._store.lookup(base)
-            fds = self._store.open_payloads(record)
+            record = self._catalog.lookup_sync(base)
+            fds = self._catalog.open_named_payloads(record)
         except InvalidRequest:
             raise
         except HwrError:

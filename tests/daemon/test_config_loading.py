@@ -138,6 +138,8 @@ def test_variable_text_round_trips(uids: list[int], level: str, mode: int) -> No
 
 
 def test_commit_threads_sizes_the_publication_pool(tmp_path: Path) -> None:
+    from hwr.daemon.service.catalog import Catalog
+    from hwr.daemon.service.evictor import EvictionMarks
     from hwr.daemon.service.publishing import COMMIT_THREADS, Publishing
     from hwr.daemon.store.root import Store
 
@@ -152,7 +154,7 @@ def test_commit_threads_sizes_the_publication_pool(tmp_path: Path) -> None:
     with pytest.raises(ConfigError):
         load_config_with_sources(None, env={"HWR_ROOT": "/r", "HWR_SOCKET": "/s", "HWR_COMMIT_THREADS": "65"})
     with Store.open(tmp_path / "root") as store:
-        publications = Publishing(store, commit_threads=cfg.commit_threads)
+        publications = Publishing(store, Catalog(store, EvictionMarks()), commit_threads=cfg.commit_threads)
         try:
             assert publications._commit_pool._max_workers == 3
         finally:

@@ -26,6 +26,8 @@ from hwr.daemon.fleet.pull import Puller
 from hwr.daemon.fleet.remote import RemoteObjectInvalid, parse_location
 from hwr.daemon.fleet.remote_file import FileRemote
 from hwr.daemon.fleet.sink import DownloadSink
+from hwr.daemon.service.catalog import Catalog
+from hwr.daemon.service.evictor import EvictionMarks
 from hwr.daemon.service.publishing import Publishing
 from hwr.daemon.store import fileio
 from hwr.daemon.store.root import Store
@@ -106,7 +108,7 @@ def _remote_with_artifact(tmp: Path) -> tuple[FileRemote, str]:
 def _pull(root: Path, remote: FileRemote, key: str) -> tuple[object, str]:
     async def go() -> tuple[object, str]:
         with Store.open(root) as store:
-            puller = Puller(remote, store, Publishing(store), wait_timeout=10)
+            puller = Puller(remote, store, Publishing(store, Catalog(store, EvictionMarks())), wait_timeout=10)
             try:
                 return await puller.pull(key)
             finally:
