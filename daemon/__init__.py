@@ -8,7 +8,8 @@ ones included, against :data:`ROOMS`.
 
 From the bottom up:
 
-``policy``       pure decisions over plain values: admission, capacity, eviction order, LRU, pages
+``policy``       pure decisions over plain values: capacity, the publication deadline, eviction
+                 order, recency (LRU order), pages
 ``system``       the OS boundary and process plumbing: sockets, peer credentials, socket
                  activation, sd_notify, filesystem guards, /proc scans, config, logs, metric
                  instruments
