@@ -131,8 +131,8 @@ def _check_specs(specs: Sequence[TensorSpec]) -> None:
 
 def plan_payloads(specs: Sequence[TensorSpec], max_file_bytes: int | None = None) -> tuple[PayloadPlan, ...]:
     """Assign tensors to payload files and lay each one out (deterministic for the same specs;
-    memoised for hashable specs: admission and staging plan the same publication twice, and
-    a checkpoint's ranks or a churn of same-shaped artifacts repeat one plan).
+    memoised for hashable specs: a checkpoint's ranks or a churn of same-shaped artifacts
+    repeat one plan; a publication plans once and passes the plan to ``Store.begin``).
 
     The specs are validated at every call, before the cache: ``(True, 4)`` and ``(2.0, 4)``
     compare and hash equal to int shapes, so a cache hit must not stand in for validation.
