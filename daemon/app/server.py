@@ -53,6 +53,7 @@ from hwr.daemon.service.channels import Channels
 from hwr.daemon.service.leasing import Leasing
 from hwr.daemon.service.publications import Publications
 from hwr.daemon.service.roles import Roles, roles_from
+from hwr.daemon.service.scrubber import Scrubber
 from hwr.daemon.service.sessions import Registry, Session
 from hwr.daemon.service.store_service import StoreService
 from hwr.daemon.store.memfd_staging import MemfdStagings
@@ -124,16 +125,19 @@ class Daemon:
                                     on_phase=self.metrics.observe_publication_phase, on_commit=self._committed)
         publications.memfd_staging = MemfdStagings(config.memfd_staging_max_bytes)
         self._publications = publications
-        channels = await asyncio.to_thread(Channels.open, root, store.is_volatile, store_service.lookup)
+        catalog = Catalog(store, store_service.evictor, pins=store_service.pins,
+                          on_verification_failure=self.metrics.count_verification_failure)
+        store_service.pinning.lookup = catalog.lookup_settled  # the eviction wait lives in the read API
+        store_service.scrubber = Scrubber(config, catalog)
+        channels = await asyncio.to_thread(Channels.open, root, store.is_volatile, catalog.lookup_settled)
         self._channels = channels
         store_service.evictor.protected = channels.protects  # a channel's keys are never evicted
         publications.channels = channels
         await store_service.start(publications)
-        fleet = Fleet.open(config, store, publications)
+        fleet = Fleet.open(config, catalog, publications)
         self._fleet = fleet
         if fleet is not None:
             await fleet.start()
-        catalog = Catalog(store, store_service, on_verification_failure=self.metrics.count_verification_failure)
         catalog.fetcher = fleet
         checkpoints = Checkpoints(root / "checkpoints")
         self._checkpoints = checkpoints
@@ -153,7 +157,7 @@ class Daemon:
                                           ("grpc.max_concurrent_streams", GRPC_MAX_STREAMS_PER_CONNECTION)])
         servicer = Servicer(RpcCollaborators(
             settings=self, registry=self.registry, catalog=catalog, leasing=leasing,
-            publications=publications, store=store, store_service=store_service, checkpoints=checkpoints,
+            publications=publications, store_service=store_service, checkpoints=checkpoints,
             fleet=fleet, metrics=self.metrics, socket_path=self.socket_path, started=self._started,
             channels=channels))
         add_servicer(hwr_pb2_grpc.add_HostWeightRuntimeServicer_to_server, servicer, server)

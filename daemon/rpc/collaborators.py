@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from hwr.daemon.service.sessions import Registry, Session
     from hwr.daemon.service.settings import Settings
     from hwr.daemon.service.store_service import StoreService
-    from hwr.daemon.store.root import Store
     from hwr.daemon.system.metrics import Instruments
 
 __all__ = ["Ctx", "Handlers", "RpcCollaborators"]
@@ -43,7 +42,6 @@ class RpcCollaborators:
     catalog: Catalog
     leasing: Leasing
     publications: Publications
-    store: Store  # the admin RPCs' writes: verify, deny, allow, usage rescan
     store_service: StoreService  # pins, eviction, garbage collection, usage
     checkpoints: Checkpoints
     fleet: Fleet | None  # None: no remote tier configured

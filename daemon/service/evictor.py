@@ -5,7 +5,7 @@ One round (``Evictor.round``; the caller holds the capacity lock, ``CapacityGate
     1. candidates = artifacts that are not leased, pinned, a channel's, held (journal),
        publishing or denied
     2. mark them EVICTING: an Acquire of a marked key waits until the round ends
-       (``StoreService.lookup`` waits on ``settled``)
+       (``Catalog.lookup_settled`` waits on ``settled``)
     3. scan /proc/*/maps once for their payload (dev, inode)s, off the event loop; skipped for
        keys never leased (nobody can map them) and for keys a scan found unmapped that nobody
        acquired since (``MappingScan``)

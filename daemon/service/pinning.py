@@ -6,7 +6,7 @@ budget); ``hwr.daemon.service.pins`` holds both adapters, this module the order 
 
 Contract: on the daemon's event loop; the pins file and the residency's system calls run in
 worker threads. A pin takes effect on the loop right after ``lookup``'s final check, which waits
-out an eviction round that marked the key (``StoreService.lookup``), so no later round can
+out an eviction round that marked the key (``Catalog.lookup_settled``), so no later round can
 choose a pinned key.
 
 Lock order: ``_lock`` (an ``asyncio.Lock``, loop) serializes the residency's ``hold``/``drop``

@@ -14,9 +14,9 @@ it has one), and wires them on the daemon's event loop:
 ``Scrubber`` (``scrubber``)         background re-verification at a bandwidth cap
 ``Housekeeping`` (``housekeeping``) the periodic tick
 
-The eviction gate stays here (``lookup_now``/``lookup``: an acquire of a key that an eviction round
-has marked waits for the round to end); readers reach it through the read API
-(``hwr.daemon.service.catalog``), which also resolves key prefixes. The lease
+The wait on a key an eviction round has marked lives in the read API
+(``hwr.daemon.service.catalog``, which reads ``Evictor.evicting``/``settled``); the wiring hands
+``Pinning`` its lookup and builds the ``Scrubber`` over it. The lease
 observer (``_on_lease``) feeds the journal, the mapping-scan cache, the LRU clock and the room
 queue of waiting publications. The public methods and attributes are those callers used before
 the split; most delegate.
@@ -28,7 +28,7 @@ order, in the module of its owner)::
     Pinning._lock                                                 (pinning; never nested with the above)
     PinSet._save_lock, AccessTimes._write_lock                    (worker threads; leaves: no lock under them)
 
-The eviction marks (``Evictor.evicting``, ``settled``) are not a lock: ``lookup`` waits on them,
+The eviction marks (``Evictor.evicting``, ``settled``) are not a lock: ``Catalog.lookup_settled`` waits on them,
 a round never waits on a lookup. The lease journal, the LRU state and the mapping-scan cache are
 loop-only and unlocked. Blocking store work runs in worker threads (the loop's default executor,
 and ``Purger``'s own pool) and takes only the store's own locks.
@@ -80,6 +80,11 @@ __all__ = ["AccessTimes", "EvictionReport", "StoreService", "Ticket"]
 log = logging.getLogger("hwrd.store")
 
 
+async def _read_api_unwired(key: str) -> ArtifactRecord:
+    """``Pinning``'s lookup until the wiring hands it the read API's (``Catalog.lookup_settled``)."""
+    raise RuntimeError(f"pinning {key[:16]} before the read API was wired")
+
+
 class StoreService:
     """The store's node service (see the module docstring)."""
 
@@ -105,8 +110,8 @@ class StoreService:
                                self.purger, in_flight=self._in_flight)
         self.gate = CapacityGate(config, store, self.recency, self.purger, make_room=self._make_room)
         self.admission: Admission = self.gate.admission
-        self.pinning = Pinning(store, self.pins, self.residency, lookup=self.lookup)
-        self.scrubber = Scrubber(config, store)
+        self.pinning = Pinning(store, self.pins, self.residency, lookup=_read_api_unwired)
+        self.scrubber: Scrubber | None = None  # built by the wiring over the read API
         self.housekeeping = Housekeeping(config, store, self.lease_holds, self.recency)
         self._tasks: list[asyncio.Task[None]] = []
         registry.observers.append(self._on_lease)
@@ -117,7 +122,7 @@ class StoreService:
         self._tasks.append(asyncio.get_running_loop().create_task(self.housekeeping.run(publications)))
         if self.pins.keys():
             self._tasks.append(asyncio.get_running_loop().create_task(self.pinning.restore()))
-        if self.config.scrub_bandwidth_mib_s > 0:
+        if self.config.scrub_bandwidth_mib_s > 0 and self.scrubber is not None:
             self._tasks.append(asyncio.get_running_loop().create_task(self.scrubber.run()))
 
     async def stop(self) -> None:
@@ -161,22 +166,7 @@ class StoreService:
     def held_pids(self, key: str) -> list[int]:
         return self.lease_holds.held_pids(key)
 
-    # ------------------------------------------------------------------ acquire gate
-    def lookup_now(self, key: str) -> ArtifactRecord | None:
-        """The cached validated record when ``key`` can be leased right now without waiting or
-        touching the disk (``Store.cached``), else None: then await ``lookup``."""
-        return None if key in self.evicting else self.store.cached(key)
-
-    async def lookup(self, key: str) -> ArtifactRecord:
-        """``Store.lookup`` that waits while ``key`` is being evicted. No await follows the final
-        check, so the caller's ``add_lease`` runs before any later eviction round can mark it."""
-        record = await asyncio.to_thread(self.store.lookup, key)
-        while key in self.evicting:
-            await self._settled.wait()
-            record = await asyncio.to_thread(self.store.lookup, key)
-        return record
-
-    # ------------------------------------------------------------------ eviction marks (read by lookup)
+    # ------------------------------------------------------------------ eviction marks (read by the read API)
     @property
     def evicting(self) -> set[str]:
         return self.evictor.evicting
@@ -184,10 +174,6 @@ class StoreService:
     @evicting.setter
     def evicting(self, keys: set[str]) -> None:
         self.evictor.evicting = keys
-
-    @property
-    def _settled(self) -> asyncio.Event:
-        return self.evictor.settled
 
     # ------------------------------------------------------------------ publication gate
     async def admit(self, key: str, specs: Sequence[TensorSpec], wait_timeout: float,
@@ -306,11 +292,12 @@ class StoreService:
 
     async def scrub_once(self) -> list[str]:
         """Verify every artifact at the configured bandwidth cap; returns the keys found corrupt."""
+        assert self.scrubber is not None, "the wiring builds the scrubber"
         return await self.scrubber.scrub_once()
 
     @property
     def scrubbed(self) -> int:
-        return self.scrubber.scrubbed
+        return self.scrubber.scrubbed if self.scrubber is not None else 0
 
     @property
     def cancelled_publications(self) -> int:

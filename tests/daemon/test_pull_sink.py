@@ -15,6 +15,7 @@ import os
 import random
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from hwr.daemon.fleet.pull import Puller
 from hwr.daemon.fleet.remote import RemoteObjectInvalid, parse_location
 from hwr.daemon.fleet.remote_file import FileRemote
 from hwr.daemon.fleet.sink import DownloadSink
+from hwr.daemon.service.catalog import Catalog
 from hwr.daemon.service.publications import Publications
 from hwr.daemon.store import fileio
 from hwr.daemon.store.root import Store
@@ -106,7 +108,10 @@ def _remote_with_artifact(tmp: Path) -> tuple[FileRemote, str]:
 def _pull(root: Path, remote: FileRemote, key: str) -> tuple[object, str]:
     async def go() -> tuple[object, str]:
         with Store.open(root) as store:
-            puller = Puller(remote, store, Publications(store), wait_timeout=10)
+            # The read API the puller reads through, with no eviction rounds and no pins.
+            catalog = Catalog(store, SimpleNamespace(evicting=set(), settled=asyncio.Event()),
+                              pins=SimpleNamespace(keys=set))
+            puller = Puller(remote, catalog, Publications(store), wait_timeout=10)
             try:
                 return await puller.pull(key)
             finally:
