@@ -61,7 +61,7 @@ from hwr.daemon.store.root import Store
 from hwr.daemon.system import fsguard
 from hwr.daemon.system.activation import Assignment, GrpcRelay, private_grpc_path
 from hwr.daemon.system.config import DaemonConfig
-from hwr.daemon.system.grpc_gate import GrpcGate
+from hwr.daemon.system.grpc_peers import GrpcPeers
 from hwr.daemon.system.metrics import Instruments, MetricsServer
 from hwr.daemon.system.peercred import AllowList, daemon_allow_list
 from hwr.protos.hwr.v1 import hwr_pb2_grpc
@@ -98,7 +98,7 @@ class Daemon:
         self._allow: AllowList = daemon_allow_list(config.allow_uids, config.allow_gids)
         self._metrics_server: MetricsServer | None = None
         self._relay: GrpcRelay | None = None
-        self.grpc_gate = GrpcGate(lambda: self._allow, config.max_grpc_connections_per_uid)
+        self.grpc_peers = GrpcPeers(lambda: self._allow, config.max_grpc_connections_per_uid)
         self._grpc: grpc.aio.Server | None = None
         self._peer: PeerServer | None = None
         self._health = health.aio.HealthServicer()
@@ -176,7 +176,7 @@ class Daemon:
         listen = self.inherited.grpc
         if listen is None:
             listen = _listen(self.socket_path, config.socket_mode)
-        self._relay = GrpcRelay(listen, grpc_path, admit=self.grpc_gate.admit)
+        self._relay = GrpcRelay(listen, grpc_path, admit=self.grpc_peers.admit)
         await self._relay.start()
         if config.metrics_listen:
             self._metrics_server = MetricsServer(config.metrics_listen, self._scrape)

@@ -40,7 +40,7 @@ from hwr.client.errors import ActiveLease, ArtifactNotFound, HwrError
 from hwr.daemon.policy.eviction import Candidate, Plan, plan
 
 if TYPE_CHECKING:
-    from hwr.daemon.service.lease_holds import LeaseHolds
+    from hwr.daemon.service.lease_journal import LeaseHolds
     from hwr.daemon.service.mapping_scan import MappingScan, PayloadFiles
     from hwr.daemon.service.pins import PinSet
     from hwr.daemon.service.purger import Purger

@@ -4,7 +4,7 @@ recovery, admission, scrub and housekeeping over one ``Store``.
 ``StoreService`` builds one collaborator per concept, each owning its state (and its lock, where
 it has one), and wires them on the daemon's event loop:
 
-``LeaseHolds`` (``lease_holds``)    the lease journal and the holds recovered from it at a restart
+``LeaseHolds`` (``lease_journal``) the lease journal and the holds recovered from it at a restart
 ``Recency`` (``recency``)           last use of each artifact and the LRU order over it
 ``MappingScan`` (``mapping_scan``)  who maps an artifact (/proc), with the cache that skips scans
 ``Purger`` (``purger``)             deletion of retired artifacts, in a pool of its own
@@ -54,8 +54,7 @@ from hwr.daemon.service.access_times import AccessTimes
 from hwr.daemon.service.capacity_gate import CapacityGate, Ticket
 from hwr.daemon.service.evictor import EvictionReport, Evictor
 from hwr.daemon.service.housekeeping import Housekeeping
-from hwr.daemon.service.lease_holds import LeaseHolds
-from hwr.daemon.service.lease_journal import Hold, LeaseJournal
+from hwr.daemon.service.lease_journal import Hold, LeaseHolds, LeaseJournal
 from hwr.daemon.service.mapping_scan import MappingScan
 from hwr.daemon.service.pinning import Pinning
 from hwr.daemon.service.pins import PinSet, Residency
