@@ -28,8 +28,12 @@ From the bottom up:
 ``app``          wiring: builds every object with its collaborators, starts and stops them (hwrd)
 ``ctl``          hwrctl, a client application of the daemon (imports only the client library)
 
-A warm acquire crosses them once, top-down: ``peer.channel`` (or ``rpc.servicer``) ->
-``service.leasing`` -> ``service.catalog`` -> ``store`` and back with descriptors.
+A warm acquire crosses them once, top-down, three module boundaries each way and none a pure
+forward: ``peer.channel`` (or ``rpc.servicer``: parse, encode the grant) -> ``service.leasing``
+(``Leasing.grant``: lookup, lease, manifest, descriptors, journal flush, rollback) ->
+``service.catalog`` (the eviction marks, the read API's record and payload opens) ->
+``store.records`` (the cached record, the ``fstat``-checked opens), and back with descriptors.
+The transports never import ``store``; only ``service.catalog`` reads its records.
 """
 
 #: The rooms from the bottom up; rooms in one tuple are siblings (neither imports the other).

@@ -14,18 +14,18 @@ from hwr.daemon.system.metrics import Counter, counter_lines, gauge_lines, rende
 
 if TYPE_CHECKING:
     from hwr.daemon.fleet.tier import Fleet
+    from hwr.daemon.service.catalog import Catalog
     from hwr.daemon.service.channels import Channels
     from hwr.daemon.service.publishing import Publishing
     from hwr.daemon.service.sessions import Registry
-    from hwr.daemon.store.root import Store
     from hwr.daemon.system.metrics import Instruments
 
 __all__ = ["exposition"]
 
 
-def exposition(*, store: Store, registry: Registry, publications: Publishing, metrics: Instruments,
+def exposition(*, catalog: Catalog, registry: Registry, publications: Publishing, metrics: Instruments,
                fleet: Fleet | None, channels: Channels | None = None) -> bytes:
-    records = store.artifacts()
+    records = catalog.artifacts_now()
     pubs = Counter("hwr_publications_total", "Publications finished, by outcome.", "outcome")
     pubs.inc("committed", publications.committed)
     pubs.inc("failed", publications.failed)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import socket
 import time
@@ -58,8 +57,7 @@ from hwr.daemon.service.catalog import Catalog
 from hwr.daemon.service.channels import Channels
 from hwr.daemon.service.evictor import EvictionMarks
 from hwr.daemon.service.housekeeping import Housekeeping
-from hwr.daemon.service.lease_holds import LeaseHolds
-from hwr.daemon.service.lease_journal import LeaseJournal
+from hwr.daemon.service.lease_journal import LeaseHolds, LeaseJournal
 from hwr.daemon.service.leasing import Leasing
 from hwr.daemon.service.mapping_scan import MappingScan
 from hwr.daemon.service.pinning import Pinning, PinSet, Residency
@@ -73,7 +71,7 @@ from hwr.daemon.store.root import Store
 from hwr.daemon.system import fsguard
 from hwr.daemon.system.activation import Assignment, GrpcRelay, private_grpc_path
 from hwr.daemon.system.config import DaemonConfig
-from hwr.daemon.system.grpc_gate import GrpcGate
+from hwr.daemon.system.grpc_peers import GrpcPeers
 from hwr.daemon.system.metrics import Instruments, MetricsServer
 from hwr.daemon.system.peercred import AllowList, daemon_allow_list
 from hwr.protos.hwr.v1 import hwr_pb2_grpc
@@ -102,6 +100,7 @@ class Daemon:
                                  max_leases_per_uid=config.max_leases_per_uid)
         # Built by start(), in this order; stop() closes whichever exist (the order above).
         self._store: Store | None = None
+        self._catalog: Catalog | None = None
         self._capacity: Capacity | None = None
         self._pinning: Pinning | None = None
         self._lease_holds: LeaseHolds | None = None
@@ -114,7 +113,7 @@ class Daemon:
         self._allow: AllowList = daemon_allow_list(config.allow_uids, config.allow_gids)
         self._metrics_server: MetricsServer | None = None
         self._relay: GrpcRelay | None = None
-        self.grpc_gate = GrpcGate(lambda: self._allow, config.max_grpc_connections_per_uid)
+        self.grpc_peers = GrpcPeers(lambda: self._allow, config.max_grpc_connections_per_uid)
         self._grpc: grpc.aio.Server | None = None
         self._peer: PeerServer | None = None
         self._health = health.aio.HealthServicer()
@@ -137,9 +136,10 @@ class Daemon:
         pins = PinSet.open(root)
         marks = EvictionMarks()  # an acquire (or pin) of a key an eviction round marked waits for it
         catalog = Catalog(store, marks, pins=pins, on_verification_failure=self.metrics.count_verification_failure)
+        self._catalog = catalog
         lease_holds = LeaseHolds(LeaseJournal.open(root / "leases.journal"))
         self._lease_holds = lease_holds
-        recency = Recency(AccessTimes(root / "access.json"), store, catalog)
+        recency = Recency(AccessTimes(root / "access.json"), catalog)
         self._recency = recency
         capacity = Capacity(config, store, catalog, self.registry, marks=marks, pins=pins, holds=lease_holds,
                             recency=recency, scan=MappingScan(lease_holds))
@@ -152,8 +152,7 @@ class Daemon:
                                     on_phase=self.metrics.observe_publication_phase, on_commit=self._committed)
         publications.memfd_staging = MemfdStagings(config.memfd_staging_max_bytes)
         self._publications = publications
-        channels = await asyncio.to_thread(Channels.open, root, store.is_volatile,
-                                           functools.partial(catalog.lookup, pull=False))
+        channels = await asyncio.to_thread(Channels.open, root, catalog.is_volatile, catalog.lookup_settled)
         self._channels = channels
         capacity.evictor.protected = channels.protects  # a channel's keys are never evicted
         publications.channels = channels
@@ -161,8 +160,8 @@ class Daemon:
         if pins.keys():
             self._start_tasks(pinning.restore())
         if config.scrub_bandwidth_mib_s > 0:
-            self._start_tasks(Scrubber(config, store).run())
-        fleet = Fleet.open(config, store, publications)
+            self._start_tasks(Scrubber(config, catalog).run())
+        fleet = Fleet.open(config, catalog, publications)
         self._fleet = fleet
         if fleet is not None:
             await fleet.start()
@@ -185,7 +184,7 @@ class Daemon:
                                           ("grpc.max_concurrent_streams", GRPC_MAX_STREAMS_PER_CONNECTION)])
         servicer = Servicer(RpcCollaborators(
             settings=self, registry=self.registry, catalog=catalog, leasing=leasing,
-            publications=publications, store=store, capacity=capacity, pinning=pinning, checkpoints=checkpoints,
+            publications=publications, capacity=capacity, pinning=pinning, checkpoints=checkpoints,
             fleet=fleet, metrics=self.metrics, socket_path=self.socket_path, started=self._started,
             channels=channels))
         add_servicer(hwr_pb2_grpc.add_HostWeightRuntimeServicer_to_server, servicer, server)
@@ -204,7 +203,7 @@ class Daemon:
         listen = self.inherited.grpc
         if listen is None:
             listen = _listen(self.socket_path, config.socket_mode)
-        self._relay = GrpcRelay(listen, grpc_path, admit=self.grpc_gate.admit)
+        self._relay = GrpcRelay(listen, grpc_path, admit=self.grpc_peers.admit)
         await self._relay.start()
         if config.metrics_listen:
             self._metrics_server = MetricsServer(config.metrics_listen, self._scrape)
@@ -277,7 +276,7 @@ class Daemon:
 
     def status_line(self) -> str:
         """One line for sd_notify STATUS= (systemctl status shows it)."""
-        artifacts = len(self._store.artifacts()) if self._store is not None else 0
+        artifacts = len(self._catalog.artifacts_now()) if self._catalog is not None else 0
         return (f"serving: {artifacts} artifacts, {self.registry.lease_count()} leases, "
                 f"{len(self.registry.sessions())} sessions")
 
@@ -295,7 +294,7 @@ class Daemon:
     def _scrape(self) -> bytes:
         # The metrics server starts after every part exists.
         assert self._store is not None and self._publications is not None
-        return exposition(store=self._store, registry=self.registry, publications=self._publications,
+        return exposition(catalog=self._catalog, registry=self.registry, publications=self._publications,
                           metrics=self.metrics, fleet=self._fleet, channels=self._channels)
 
     def _committed(self, key: str) -> None:

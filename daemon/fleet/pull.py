@@ -70,9 +70,8 @@ from hwr.daemon.fleet.sink import DownloadSink
 from hwr.daemon.store.staging import ProducerDigests, TensorSpec, overlap_file_bytes, plan_payloads
 
 if TYPE_CHECKING:
+    from hwr.daemon.service.catalog import ArtifactRecord, Catalog
     from hwr.daemon.service.publishing import Publication, Publishing
-    from hwr.daemon.store.root import Store
-    from hwr.daemon.store.validation import ArtifactRecord
 
 __all__ = ["PullProgress", "Puller", "RemotePlan", "plan_from_documents"]
 
@@ -144,10 +143,10 @@ class Puller:
     #: Remembered misses and refusals are dropped whole past this many keys.
     MEMORY_KEYS = 4096
 
-    def __init__(self, remote: RemoteStore, store: Store, publications: Publishing, *, wait_timeout: float,
+    def __init__(self, remote: RemoteStore, catalog: Catalog, publications: Publishing, *, wait_timeout: float,
                  stall_timeout: float = 60.0, on_outcome: Callable[[str, int], None] | None = None) -> None:
         self.remote = remote
-        self.store = store
+        self.catalog = catalog  # the read API: the deny state, a record present already
         self.publications = publications
         self.wait_timeout = wait_timeout
         self.stall_timeout = stall_timeout
@@ -288,7 +287,7 @@ class Puller:
     async def _fetch(self, progress: PullProgress) -> tuple[ArtifactRecord, str]:
         key = progress.key
         remote = progress.remote
-        if self.store.is_denied(key):
+        if self.catalog.deny_reason(key) is not None:
             raise ArtifactDenied(f"artifact {key[:16]} is denied on this node; it is not pulled",
                                  details={"key": key})
         name = self.remote.location.object_name
@@ -303,7 +302,7 @@ class Puller:
                                               wait_timeout=self.wait_timeout,
                                               format_metadata=plan.format_metadata or None, overlap=plan.overlap)
         if begun.publication is None:  # present already, or a local publisher committed it first
-            return await asyncio.to_thread(self.store.lookup, key), "already_present"
+            return await asyncio.to_thread(self.catalog.lookup_sync, key), "already_present"
         pub = begun.publication
         progress.enter("download")
         try:
@@ -327,7 +326,7 @@ class Puller:
         # Belt and braces: the headers are the planned ones and every tensor hashed as expected,
         # so the files (header + contiguous tensors) hash as the remote manifest says.
         if record.manifest.files != plan.manifest.files:
-            self.store.deny(key, "pulled bytes differ from the remote manifest's file digests")
+            self.catalog.deny(key, "pulled bytes differ from the remote manifest's file digests")
             raise ChecksumMismatch(f"remote {remote}: artifact {key[:16]} refused: file digests differ",
                                    details={"key": key, "remote": remote})
         log.info("pulled %s (%d bytes) from %s", key[:16], plan.size_bytes, remote)

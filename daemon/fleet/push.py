@@ -5,7 +5,7 @@ prewarm build; never a pull) gets a durable to-push record ``<root>/remote/push/
 file, created and its directory fsynced before the upload starts), then one upload::
 
     1. skip when the key is denied here, gone from the store, or complete in the remote already
-    2. each payload file, read through descriptors the store checked (``Store.open_payloads``)
+    2. each payload file, read through descriptors the read API checked (``Catalog.open_payloads``)
     3. manifest.json (the artifact's own canonical bytes)
     4. READY.json last: only now does the artifact exist for readers of the remote
     5. the to-push record is removed
@@ -39,7 +39,7 @@ from hwr.daemon.fleet.remote import RemoteStore
 from hwr.daemon.store import fileio as store_io
 
 if TYPE_CHECKING:
-    from hwr.daemon.store.root import Store
+    from hwr.daemon.service.catalog import Catalog
 
 __all__ = ["Pusher"]
 
@@ -50,10 +50,10 @@ class Pusher:
     RETRY_S = 1.0
     RETRY_MAX_S = 60.0
 
-    def __init__(self, remote: RemoteStore, store: Store, root: Path, *,
+    def __init__(self, remote: RemoteStore, catalog: Catalog, root: Path, *,
                  on_outcome: Callable[[str, int], None] | None = None) -> None:
         self.remote = remote
-        self.store = store
+        self.catalog = catalog  # the read API: denied or not, the record, checked descriptors
         self.dir = root / "remote" / "push"
         self.on_outcome = on_outcome  # (outcome word, bytes pushed) for the metrics
         self._queue: asyncio.Queue[str] = asyncio.Queue()
@@ -178,24 +178,25 @@ class Pusher:
             self.on_outcome(outcome, nbytes)
 
     def _upload_sync(self, key: str) -> tuple[str, int]:
-        if self.store.is_denied(key):
+        if self.catalog.deny_reason(key) is not None:
             raise ArtifactDenied(f"artifact {key[:16]} is denied on this node; it is not pushed",
                                  details={"key": key})
-        record = self.store.lookup(key)
+        record = self.catalog.lookup_sync(key)
         name = self.remote.location.object_name
         if self.remote.exists(name(key, READY_FILE)):
             self._drop(key)
             return "already_present", 0
         manifest_bytes = record.manifest.to_json()
         sizes = {f.name: f.size for f in record.manifest.files}
-        fds = self.store.open_payloads(record)
+        files = [f.name for f in record.manifest.files]
+        fds = self.catalog.open_payloads(record)  # in manifest file order
         total = 0
         try:
-            for file, fd in fds:
+            for file, fd in zip(files, fds, strict=True):
                 self.remote.put_file(name(key, file), fd, sizes[file])
                 total += sizes[file]
         finally:
-            for _file, fd in fds:
+            for fd in fds:
                 os.close(fd)
         self.remote.put_bytes(name(key, MANIFEST_FILE), manifest_bytes)
         marker = ReadyMarker.for_manifest(manifest_bytes, record.manifest, uuid.uuid4().hex)

@@ -34,9 +34,8 @@ from hwr.daemon.fleet.push import Pusher
 from hwr.daemon.fleet.remote import RemoteEntry, RemoteLocation, RemoteStore, open_remote, parse_location
 
 if TYPE_CHECKING:
-    from hwr.daemon.service.catalog import MissPolicy
+    from hwr.daemon.service.catalog import Catalog, MissPolicy
     from hwr.daemon.service.publishing import Publishing
-    from hwr.daemon.store.root import Store
     from hwr.daemon.store.validation import ArtifactRecord
     from hwr.daemon.system.config import DaemonConfig
 
@@ -55,29 +54,28 @@ def location_of(config: DaemonConfig) -> RemoteLocation | None:
 
 
 class Fleet:
-    def __init__(self, location: RemoteLocation, remote: RemoteStore, store: Store, publications: Publishing, *,
+    def __init__(self, location: RemoteLocation, remote: RemoteStore, catalog: Catalog, publications: Publishing, *,
                  root: Path, push: bool, wait_timeout: float, stall_timeout: float = 60.0) -> None:
         self.location = location
         self.remote = remote
-        self.store = store
         self.push_enabled = push
         self.pulls: dict[str, int] = dict.fromkeys(PULL_OUTCOMES, 0)
         self.pushes: dict[str, int] = dict.fromkeys(PUSH_OUTCOMES, 0)
         self.bytes_pulled = 0
         self.bytes_pushed = 0
-        self.puller = Puller(remote, store, publications, wait_timeout=wait_timeout, stall_timeout=stall_timeout,
+        self.puller = Puller(remote, catalog, publications, wait_timeout=wait_timeout, stall_timeout=stall_timeout,
                              on_outcome=self._pulled)
-        self.pusher = Pusher(remote, store, root, on_outcome=self._pushed)
+        self.pusher = Pusher(remote, catalog, root, on_outcome=self._pushed)
         self._recording: set[asyncio.Task[None]] = set()  # to-push records being written
         self._probe: tuple[float, str] | None = None  # (monotonic time, "" or the error) of the last probe
 
     @classmethod
-    def open(cls, config: DaemonConfig, store: Store, publications: Publishing) -> Fleet | None:
+    def open(cls, config: DaemonConfig, catalog: Catalog, publications: Publishing) -> Fleet | None:
         location = location_of(config)
         if location is None:
             return None
         remote = open_remote(location)
-        return cls(location, remote, store, publications, root=Path(config.root), push=config.remote_push,
+        return cls(location, remote, catalog, publications, root=Path(config.root), push=config.remote_push,
                    wait_timeout=config.publication_wait_timeout_s, stall_timeout=config.remote_stall_timeout_s)
 
     async def start(self) -> None:

@@ -37,7 +37,8 @@ One SOCK_STREAM Unix socket at ``<socket>.peer``. Per connection:
    waits too, silently (clients before this field).
 
    ``acquire``/``release`` are the same operations as the gRPC ``Acquire``/``Release`` RPCs (one
-   implementation: ``hwr.daemon.service.leasing``), with typed errors as error frames
+   implementation: ``Leasing.grant``/``release`` in ``hwr.daemon.service.leasing``; this module
+   only parses the request and encodes the ``Grant``), with typed errors as error frames
    ``{"ok": false, "code", "message", "details"}`` carrying the same code, message and details
    the RPC would put in its status and trailing metadata. An ``acquire`` reply carries the
    payload descriptors (O_RDONLY, manifest file order, SCM_RIGHTS on the first byte) and, after
@@ -79,9 +80,7 @@ from hwr.daemon.system.peercred import AllowList, peer_allowed, read_peercred
 if TYPE_CHECKING:
     from hwr.daemon.peer.publication_frames import PublicationFrames
     from hwr.daemon.service.channels import Channels
-    from hwr.daemon.service.leasing import Leasing
-    from hwr.daemon.service.sessions import LeaseRecord
-    from hwr.daemon.store.validation import ArtifactRecord
+    from hwr.daemon.service.leasing import Grant, Leasing
 
 __all__ = ["PeerServer"]
 
@@ -200,10 +199,10 @@ class PeerServer:
         try:
             if op == "acquire":
                 key = _acquire_key(req, self._channels)
-                now = self._leasing.acquire_now(session, key) if self._leasing is not None else None
+                now = self._leasing.grant_now(session, key, have=_have(req)) if self._leasing is not None else None
                 if now is None:
                     return LATER
-                return self._acquired(session, req, key, *now)
+                return _granted(now)
             if op in _PUBLISH_OPS:
                 return LATER
             reply, fds = self._serve_now(session, op, req)
@@ -231,11 +230,11 @@ class PeerServer:
             pull = req.get("pull")
             if pull not in (None, "wait", "fallback"):
                 raise InvalidRequest("pull must be 'wait' or 'fallback'", details={"field": "pull"})
-            acquiring = asyncio.ensure_future(self._leasing.acquire(session, key, wait=pull != "fallback"))
+            acquiring = asyncio.ensure_future(
+                self._leasing.grant(session, key, have=_have(req), wait=pull != "fallback"))
             if pull == "wait" and notify is not None:
                 await self._report_pull(acquiring, key, _progress_interval(req), notify)
-            record, lease = await acquiring
-            return self._acquired(session, req, key, record, lease)
+            return _granted(await acquiring)
         except Exception as exc:
             return _failure_frame(op, exc), [], b""
 
@@ -259,19 +258,6 @@ class PeerServer:
                 with contextlib.suppress(BaseException):
                     await acquiring
                 raise DaemonUnavailable("the acquiring client went away")
-
-    def _acquired(self, session: Session, req: dict[str, Any], key: str, record: ArtifactRecord,
-                  lease: LeaseRecord) -> tuple[dict[str, Any], list[int], bytes]:
-        leasing = self._leasing
-        try:
-            data, digest = leasing.manifest(record)
-            fds = leasing.payload_fds(record)  # flushes the lease journal before they leave
-        except BaseException:
-            leasing.release(session, lease.lease_id)
-            raise
-        tail = b"" if req.get("have") == digest else data
-        return ({"ok": True, "lease_id": lease.lease_id, "lease_token": lease.token, "key": key,
-                 "manifest_sha256": digest, "manifest_bytes": len(tail), "count": len(fds)}, fds, tail)
 
     def _serve_now(self, session: Session, op: object, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         """``hello``, ``release``, ``ping``, ``fds``, ``staging_fds`` (module docstring); an
@@ -324,6 +310,19 @@ def _acquire_key(req: dict[str, Any], channels: Channels | None) -> str:
     if key is not None and not isinstance(key, str):
         raise InvalidRequest("key must be 64 lowercase hex digits", details={"field": "artifact.key"})
     return key_of(key=key)
+
+
+def _have(req: dict[str, Any]) -> str | None:
+    """The manifest digest the client holds (anything else never matches one)."""
+    have = req.get("have")
+    return have if isinstance(have, str) else None
+
+
+def _granted(grant: Grant) -> tuple[dict[str, Any], list[int], bytes]:
+    """An ``acquire`` reply: the frame, the descriptors, the manifest tail (module docstring)."""
+    return ({"ok": True, "lease_id": grant.lease_id, "lease_token": grant.token, "key": grant.key,
+             "manifest_sha256": grant.manifest_sha256, "manifest_bytes": len(grant.manifest),
+             "count": len(grant.fds)}, grant.fds, grant.manifest)
 
 
 def _progress_interval(req: dict[str, Any]) -> float:

@@ -36,8 +36,8 @@ from hwr.daemon.producers.runner import run_job
 from hwr.daemon.store.staging import ProducerDigests, Staging, TensorSpec
 
 if TYPE_CHECKING:
+    from hwr.daemon.service.catalog import Catalog
     from hwr.daemon.service.publishing import Publishing
-    from hwr.daemon.store.root import Store
 
 __all__ = ["BuiltArtifact", "build_rank", "checkpoint_identity", "source_identity"]
 
@@ -70,7 +70,7 @@ async def build_rank(
     *,
     checkpoints: Checkpoints,
     publications: Publishing,
-    store: Store,
+    catalog: Catalog,
     ckpt: Checkpoint,
     producer: Producer,
     rank: int,
@@ -89,7 +89,7 @@ async def build_rank(
     specs = [TensorSpec(o.name, o.dtype, o.shape, kind=o.kind, role=o.role) for o in outputs]  # type: ignore[arg-type]
     begun = await publications.begin(None, identity, specs, wait_timeout=wait_timeout)
     if begun.publication is None:
-        record = await asyncio.to_thread(store.lookup, begun.key)
+        record = await asyncio.to_thread(catalog.lookup_sync, begun.key)
         return BuiltArtifact(begun.key, rank, begun.outcome, record.size_bytes,
                              record.manifest.artifact_content_sha256)
     pub = begun.publication

@@ -42,7 +42,7 @@ from hwr.daemon.producers.runner import run_job
 
 if TYPE_CHECKING:
     from hwr.daemon.producers.build import BuiltArtifact
-    from hwr.daemon.store.root import Store
+    from hwr.daemon.service.catalog import Catalog
 
 __all__ = ["PRODUCER", "PROGRAM", "build_vllm_omni", "parse_config"]
 
@@ -78,7 +78,7 @@ def parse_config(raw: bytes) -> dict[str, Any]:
     return config
 
 
-async def build_vllm_omni(*, checkpoints: Checkpoints, store: Store, ckpt: Checkpoint, config: dict[str, Any],
+async def build_vllm_omni(*, checkpoints: Checkpoints, catalog: Catalog, ckpt: Checkpoint, config: dict[str, Any],
                           socket: str, timeout: float,
                           on_progress: Callable[[dict[str, Any]], None] | None = None) -> BuiltArtifact:
     """Run one vLLM-Omni cold start into this daemon (see the module docstring)."""
@@ -93,6 +93,6 @@ async def build_vllm_omni(*, checkpoints: Checkpoints, store: Store, ckpt: Check
     key, outcome = str(done.get("key", "")), str(done.get("outcome", ""))
     if len(key) != 64 or outcome not in _OUTCOMES:
         raise InvalidRequest("the vllm-omni producer reported no artifact", details={"outcome": outcome[:40]})
-    record = await asyncio.to_thread(store.lookup, key)
+    record = await asyncio.to_thread(catalog.lookup_sync, key)
     return BuiltArtifact(key, 0, outcome, record.size_bytes, record.manifest.artifact_content_sha256,
                          int(done.get("peak_rss_bytes", 0)), time.monotonic() - started)

@@ -137,7 +137,7 @@ class CheckpointsMixin(Handlers):
                 tp_rank=0, done_bytes=int(event.get("done", 0)), total_bytes=int(event.get("total", 0)),
                 tensor=str(event.get("tensor", ""))[:1024])))
 
-        built = await build_vllm_omni(checkpoints=self.c.checkpoints, store=self.c.store, ckpt=ckpt, config=config,
+        built = await build_vllm_omni(checkpoints=self.c.checkpoints, catalog=self.c.catalog, ckpt=ckpt, config=config,
                                       socket=str(settings.socket), timeout=max(0.001, timeout),
                                       on_progress=progress)
         return [built]
@@ -157,7 +157,7 @@ class CheckpointsMixin(Handlers):
                     tensor=str(event.get("tensor", ""))[:1024])))
 
             built = await build_rank(
-                checkpoints=self.c.checkpoints, publications=self.c.publications, store=self.c.store,
+                checkpoints=self.c.checkpoints, publications=self.c.publications, catalog=self.c.catalog,
                 ckpt=ckpt, producer=producer, rank=rank, timeout=max(0.001, timeout), wait_timeout=wait,
                 throttle_s=config.producer_throttle_s, on_progress=progress, prepare_next=rank != ranks[-1])
             results.append(built)

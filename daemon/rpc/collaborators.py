@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from hwr.daemon.service.publishing import Publishing
     from hwr.daemon.service.sessions import Registry, Session
     from hwr.daemon.service.settings import Settings
-    from hwr.daemon.store.root import Store
     from hwr.daemon.system.metrics import Instruments
 
 __all__ = ["Ctx", "Handlers", "RpcCollaborators"]
@@ -44,7 +43,6 @@ class RpcCollaborators:
     catalog: Catalog
     leasing: Leasing
     publications: Publishing
-    store: Store  # the admin RPCs' writes: verify, deny, allow, usage rescan
     capacity: Capacity  # eviction, garbage collection, usage
     pinning: Pinning  # pin, unpin
     checkpoints: Checkpoints

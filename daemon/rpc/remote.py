@@ -93,7 +93,7 @@ class RemoteRpc(Handlers):
                 if not task.done():
                     yield pb.PullArtifactResponse(done_bytes=progress.done_bytes, total_bytes=progress.total_bytes)
             record, outcome = task.result()
-            # The eviction gate, as an acquire does after a pull (the record stays valid).
+            # The wait on an eviction round, as an acquire does after a pull (the record stays valid).
             record = await self.c.catalog.lookup(key, pull=False)
         except HwrError as exc:
             await abort_with(context, exc)

@@ -31,7 +31,7 @@ from hwr.protos.hwr.v1 import hwr_pb2 as pb
 from hwr.protos.hwr.v1 import hwr_pb2_grpc
 
 if TYPE_CHECKING:
-    from hwr.daemon.store.validation import ArtifactRecord
+    from hwr.daemon.service.catalog import ArtifactRecord
 
 __all__ = ["Servicer"]
 
@@ -74,11 +74,11 @@ class Servicer(ChannelsRpc, RemoteRpc, StoreAdminRpc, CheckpointsMixin, Handlers
         session = self._session(context)
         ref = request.artifact
         key = self._channel_service().resolve(ref.channel) if ref.WhichOneof("ref") == "channel" else _ref_key(ref)
-        record, lease = await self.c.leasing.acquire(session, key)  # shared with the peer channel
+        # The peer channel's grant; gRPC carries no descriptors (they come on the peer channel).
+        grant = await self.c.leasing.grant(session, key, descriptors=False)
         return pb.AcquireResponse(
-            lease_id=lease.lease_id, lease_token=lease.token, key=key,
-            manifest_json=self.c.catalog.manifest(record)[0],
-            files=[pb.PayloadFile(name=f.name, size=f.size) for f in record.manifest.files],
+            lease_id=grant.lease_id, lease_token=grant.token, key=grant.key, manifest_json=grant.manifest,
+            files=[pb.PayloadFile(name=f.name, size=f.size) for f in grant.record.manifest.files],
         )
 
     @rpc
@@ -161,11 +161,11 @@ class Servicer(ChannelsRpc, RemoteRpc, StoreAdminRpc, CheckpointsMixin, Handlers
                 artifact=self._info(record), identity_json=record.identity_bytes, manifest_json=manifest,
                 tensors_json=tensors, tensor_count=count, next_tensor_offset=after,
                 remote_state=await self._remote_state(key) if not request.tensor_offset else "",
-                channels=self._channel_names(key), non_durable=self.c.store.is_volatile(key))
+                channels=self._channel_names(key), non_durable=catalog.is_volatile(key))
         return pb.InspectArtifactResponse(
             artifact=self._info(record), identity_json=record.identity_bytes,
             manifest_json=catalog.manifest(record)[0], remote_state=await self._remote_state(key),
-            channels=self._channel_names(key), non_durable=self.c.store.is_volatile(key))
+            channels=self._channel_names(key), non_durable=catalog.is_volatile(key))
 
     def _channel_names(self, key: str) -> list[str]:
         return self.c.channels.named(key) if self.c.channels is not None else []

@@ -1,8 +1,9 @@
 """gRPC handlers of store administration: verify, deny/allow, pin/unpin, evict, gc, usage.
 
-A thin adapter over the service's ``Capacity`` (``self.c.capacity``: evict, gc, usage) and
-``Pinning`` (``self.c.pinning``), with keys resolved by the read API (``Catalog.resolve``: one
-namespace for every command); the status codes of each RPC are documented in ``hwr.proto``.
+A thin adapter over the read API (``Catalog``, ``self.c.catalog``: verify, deny, allow, usage
+rescan, and ``resolve``: one namespace for every command), the service's ``Capacity``
+(``self.c.capacity``: evict, gc, usage) and ``Pinning`` (``self.c.pinning``: pin, unpin); the
+status codes of each RPC are documented in ``hwr.proto``.
 Verification streams progress at most every 100 ms and then one verdict; a checksum mismatch is
 a verdict (ok=false), not a failure.
 """
@@ -10,7 +11,6 @@ a verdict (ok=false), not a failure.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
@@ -55,7 +55,7 @@ class StoreAdminRpc(Handlers):
                 last[0] = now
                 loop.call_soon_threadsafe(queue.put_nowait, (done, total))
 
-        job = asyncio.ensure_future(asyncio.to_thread(self.c.store.verify, key, progress))
+        job = asyncio.ensure_future(self.c.catalog.verify(key, progress))
         while not job.done():
             getter = asyncio.ensure_future(queue.get())
             await asyncio.wait({job, getter}, return_when=asyncio.FIRST_COMPLETED)
@@ -82,20 +82,14 @@ class StoreAdminRpc(Handlers):
         if not request.reason or len(request.reason) > 1000:
             raise InvalidRequest("a deny needs a reason of at most 1000 characters", details={"field": "reason"})
         key = await self.c.catalog.resolve(request.key)
-        await asyncio.to_thread(self.c.store.deny, key, request.reason)
+        await asyncio.to_thread(self.c.catalog.deny, key, request.reason)
         return pb.DenyArtifactResponse(key=key, affected_leases=_lease_infos(self.c.registry, key))
 
     @rpc
     async def AllowArtifact(self, request: pb.AllowArtifactRequest, context: Ctx) -> pb.AllowArtifactResponse:
         self._authorize(context, OPERATOR, "allow")
         key = await self.c.catalog.resolve(request.key)
-        was = self.c.store.deny_reason(key) is not None
-        await asyncio.to_thread(self.c.store.allow, key)
-        # Re-validate now, so that ls and status list it again before anyone acquires it (one
-        # that fails validation is denied again, for that reason).
-        with contextlib.suppress(HwrError):
-            await asyncio.to_thread(self.c.store.lookup, key)
-        return pb.AllowArtifactResponse(key=key, was_denied=was)
+        return pb.AllowArtifactResponse(key=key, was_denied=await self.c.catalog.allow(key))
 
     @rpc
     async def PinArtifact(self, request: pb.PinArtifactRequest, context: Ctx) -> pb.PinArtifactResponse:
@@ -131,7 +125,7 @@ class StoreAdminRpc(Handlers):
     async def GetStoreUsage(self, request: pb.GetStoreUsageRequest, context: Ctx) -> pb.GetStoreUsageResponse:
         self._session(context)
         svc, pins = self.c.capacity, self.c.pinning
-        sizes = await asyncio.to_thread(self.c.store.rescan_usage)  # the disk's truth for an operator
+        sizes = await self.c.catalog.rescan_usage()  # the disk's truth for an operator
         usage = await svc.usage()
         pinned = pins.pins.keys()
         return pb.GetStoreUsageResponse(

@@ -50,7 +50,7 @@ from hwr.daemon.service.purger import Purger
 
 if TYPE_CHECKING:
     from hwr.daemon.service.catalog import Catalog
-    from hwr.daemon.service.lease_holds import LeaseHolds
+    from hwr.daemon.service.lease_journal import LeaseHolds
     from hwr.daemon.service.mapping_scan import MappingScan
     from hwr.daemon.service.pinning import PinSet
     from hwr.daemon.service.recency import Recency

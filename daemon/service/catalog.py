@@ -1,15 +1,20 @@
 """The read API in front of the store: look up, open payloads, resolve a key prefix, list.
 
-Both transports (``hwr.daemon.peer.channel`` and ``hwr.daemon.rpc.servicer``, through
-``hwr.daemon.service.leasing``) and the admin RPCs read the store only through a ``Catalog``, so
-a key means the same thing everywhere:
+The one reader of the store's records above the store room (``tests/daemon/test_rooms.py``
+checks it): both transports (through ``hwr.daemon.service.leasing``), the admin RPCs, the fleet
+tier, the producers' builds, channels, pins and the scrub read records only through a
+``Catalog``, so a key means the same thing everywhere and every acquire obeys the eviction wait:
 
-- ``lookup_now(key)``: the cached validated record when ``key`` can be leased right now (not being
-  evicted, cheap guard holds), else None; never blocks, never touches the payloads.
-- ``lookup(key)``: the validated record, waiting out an eviction round that marked ``key`` and,
-  on a miss with a remote tier (``fetcher``), pulling it first as the caller's ``MissPolicy``
-  says (whether it may start a pull, whether it waits for one, who waits). A record that fails
-  validation counts in ``hwr_verification_failures_total`` and raises its typed error.
+- ``lookup_now(key)``: the cached validated record when ``key`` can be leased right now (not
+  marked by an eviction round, and ``RecordCache.cached``'s cheap guard holds), else None;
+  never blocks, never touches the payloads. Read from the record cache itself (no forward).
+- ``lookup_settled(key)``: the validated record (``Store.lookup``, in a worker thread), waiting
+  while an eviction round has marked ``key``. No await follows the final check, so a caller
+  that leases or pins right after it runs before any later round can mark the key.
+- ``lookup(key)``: ``lookup_settled``, and on a miss with a remote tier (``fetcher``) a pull
+  first as the caller's ``MissPolicy`` says (whether it may start a pull, whether it waits for
+  one, who waits). A record that fails validation counts in ``hwr_verification_failures_total``
+  and raises its typed error.
 - ``open_payloads(record)``: read-only descriptors in manifest order, each re-checked by
   ``fstat`` (a changed payload is denied: ``MANIFEST_CORRUPT``); the caller closes them.
 - ``resolve(prefix)``: one namespace for every admin command and ``hwrctl show``: the keys
@@ -17,34 +22,60 @@ a key means the same thing everywhere:
   ones. So a denied key resolves for ``show``, ``allow`` and ``evict`` alike.
 - ``entries(include_denied)`` / ``record_any_state(key)``: the listing, ready and denied.
 - ``manifest(record)``: the manifest's JSON bytes and their SHA-256, computed once per record.
+- the operator's record commands: ``verify`` (re-hash every byte), ``deny``, ``allow`` (then
+  re-validate, so listings show it again at once), ``rescan_usage`` (the disk's sizes).
+
+The eviction marks come from whoever runs eviction rounds, as an ``EvictionMarks``: the keys a
+round has marked (``evicting``) and the event set when a round ends (``settled``, replaced each
+round: a waiter reads it at each wait).
 
 Contract: async methods run on the daemon's event loop; disk work hops to a worker thread.
 Limits: the catalog adds no lock of its own; the ordering arguments are the store's
-(``hwr.daemon.store.root``) and the eviction marks' (``hwr.daemon.service.evictor.EvictionMarks``).
+(``hwr.daemon.store.root``) and the eviction rounds' (``hwr.daemon.service.evictor``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from hwr.client.errors import ArtifactNotFound, ChecksumMismatch, ManifestCorrupt, ManifestIncompatible
+from hwr.client.errors import ArtifactNotFound, ChecksumMismatch, HwrError, ManifestCorrupt, ManifestIncompatible
 from hwr.daemon.policy.key_prefix import unique_prefix
 
-if TYPE_CHECKING:
-    from hwr.daemon.service.evictor import EvictionMarks
-    from hwr.daemon.service.mapping_scan import PayloadFiles
-    from hwr.daemon.service.pinning import PinSet
-    from hwr.daemon.store.root import Store
-    from hwr.daemon.store.validation import ArtifactRecord
+# The record the read API hands out; the transports name it from here (they never import the
+# store room).
+from hwr.daemon.store.validation import ArtifactRecord
 
-__all__ = ["WAIT", "Catalog", "Entry", "MissFetcher", "MissPolicy", "PullState", "Waiter"]
+if TYPE_CHECKING:
+    from hwr.daemon.service.mapping_scan import PayloadFiles
+    from hwr.daemon.store.root import Store
+
+__all__ = ["WAIT", "ArtifactRecord", "Catalog", "Entry", "EvictionMarks", "MissFetcher", "MissPolicy",
+           "PinnedKeys", "PullState", "Waiter"]
 
 #: The manifest cache is dropped whole past this many keys (a store holds far fewer).
 MANIFEST_CACHE_KEYS = 4096
+
+
+class EvictionMarks(Protocol):
+    """What the catalog reads of the eviction rounds (``hwr.daemon.service.evictor``'s state).
+
+    ``evicting``: the keys a running round has marked (an acquire of one waits); ``settled``: set
+    when a round's marks are gone, and replaced by a fresh event for the next round.
+    """
+
+    evicting: set[str]
+    settled: asyncio.Event
+
+
+class PinnedKeys(Protocol):
+    """The pinned keys (``hwr.daemon.service.pinning.PinSet``): part of ``resolve``'s namespace."""
+
+    def keys(self) -> set[str]: ...
 
 
 @dataclass(frozen=True)
@@ -105,11 +136,12 @@ class Entry:
 
 
 class Catalog:
-    def __init__(self, store: Store, gate: EvictionMarks, *, pins: PinSet | None = None,
+    def __init__(self, store: Store, marks: EvictionMarks, *, pins: PinnedKeys,
                  on_verification_failure: Callable[[str], None] | None = None) -> None:
         self._store = store
-        self._gate = gate  # the eviction marks: lookup waits out a round that marked the key
-        self._pins = pins  # pinned keys resolve too
+        self._records = store.records  # the record cache, read directly on the acquire hot path
+        self._marks = marks  # an acquire of a key an eviction round marked waits for the round
+        self._pins = pins
         self._on_verification_failure = on_verification_failure
         #: Filled by the wiring when a remote tier is configured (it is built after the catalog).
         self.fetcher: MissFetcher | None = None
@@ -119,26 +151,30 @@ class Catalog:
 
     # ---------------------------------------------------------------- lookups
     def lookup_now(self, key: str) -> ArtifactRecord | None:
-        return None if key in self._gate.evicting else self._store.cached(key)
+        """The cached validated record when ``key`` can be leased right now without waiting or
+        touching the disk, else None: then await ``lookup``. Nothing awaits between this check
+        and the caller's lease, so no eviction round can mark ``key`` in between."""
+        return None if key in self._marks.evicting else self._records.cached(key)
 
-    async def _lookup_settled(self, key: str) -> ArtifactRecord:
-        """``Store.lookup`` that waits while ``key`` is being evicted. No await follows the final
-        check, so the caller's lease (or pin) lands before any later eviction round can mark it."""
+    async def lookup_settled(self, key: str) -> ArtifactRecord:
+        """``Store.lookup`` that waits while ``key`` is being evicted (no pull, no metric). No
+        await follows the final check, so the caller's lease or pin runs before any later
+        eviction round can mark it."""
         record = await asyncio.to_thread(self._store.lookup, key)
-        while key in self._gate.evicting:
-            await self._gate.settled.wait()
+        while key in self._marks.evicting:
+            await self._marks.settled.wait()  # read at each wait: every round has its own event
             record = await asyncio.to_thread(self._store.lookup, key)
         return record
 
     async def lookup(self, key: str, *, pull: bool = True, how: MissPolicy = WAIT) -> ArtifactRecord:
         """``pull=False``: a miss stays a miss (an operator's push names a local artifact)."""
         try:
-            return await self._lookup_settled(key)  # waits while the key is being evicted
+            return await self.lookup_settled(key)
         except ArtifactNotFound:
             if self.fetcher is None or not pull:
                 raise
             await self.fetcher.pull_on_miss(key, how)  # a miss here: pull it from the remote tier, then
-            return await self._lookup_settled(key)  # the eviction marks again (see its docstring)
+            return await self.lookup_settled(key)  # wait out an eviction round again
         except (ManifestCorrupt, ManifestIncompatible, ChecksumMismatch) as exc:
             if self._on_verification_failure is not None:
                 self._on_verification_failure(exc.code)
@@ -150,11 +186,13 @@ class Catalog:
 
     def lookup_sync(self, key: str) -> ArtifactRecord:
         """For a key a lease already holds (the peer channel's descriptor request, off the
-        await path): the cached record, else the store's full lookup in this thread."""
+        await path) or a worker thread (a push): the cached record, else the store's full
+        lookup in this thread."""
         return self.lookup_now(key) or self._store.lookup(key)
 
     def open_payloads(self, record: ArtifactRecord) -> list[int]:
-        return [fd for _name, fd in self._store.open_payloads(record)]
+        """Read-only payload descriptors in manifest order, each re-checked by ``fstat``."""
+        return [fd for _name, fd in self._records.open_payloads(record)]
 
     def manifest(self, record: ArtifactRecord) -> tuple[bytes, str]:
         cached = self._manifests.get(record.key)
@@ -167,12 +205,17 @@ class Catalog:
         return cached[1], cached[2]
 
     def deny_reason(self, key: str) -> str | None:
+        """Why ``key`` is denied, None when it is not (in memory: no thread hop)."""
         return self._store.deny_reason(key)
+
+    def is_volatile(self, key: str) -> bool:
+        """Whether ``key`` was committed non-durably (gone at the next open)."""
+        return self._store.is_volatile(key)
 
     # ---------------------------------------------------------------- keys and listings
     async def resolve(self, prefix: str) -> str:
         """A full key from a key or a unique prefix (see the module docstring's namespace)."""
-        return unique_prefix(prefix, await self.known_keys() | (self._pins.keys() if self._pins is not None else set()))
+        return unique_prefix(prefix, await self.known_keys() | self._pins.keys())
 
     async def known_keys(self) -> set[str]:
         """Keys present in ``artifacts/`` or carrying a deny marker."""
@@ -181,6 +224,14 @@ class Catalog:
     async def artifacts(self) -> list[ArtifactRecord]:
         """Every validated, not denied artifact, by key."""
         return await asyncio.to_thread(self._store.artifacts)
+
+    def artifacts_now(self) -> list[ArtifactRecord]:
+        """``artifacts`` in the calling thread (the metrics scrape, the sd_notify status line)."""
+        return self._store.artifacts()
+
+    def take_added(self) -> list[str]:
+        """Keys that became records since the last call, each once (the LRU index's feed)."""
+        return self._store.take_added()
 
     async def entries(self, include_denied: bool = False) -> list[Entry]:
         records = await self.artifacts()
@@ -216,7 +267,6 @@ class Catalog:
     def inspected(self, key: str) -> PayloadFiles | None:
         """The validated record, else a fresh inspection of a denied artifact (its payload
         inodes, for the mapping scan); None when neither reads."""
-        from hwr.client.errors import HwrError
         from hwr.daemon.store.validation import inspect_artifact
 
         try:
@@ -235,3 +285,29 @@ class Catalog:
     def open_named_payloads(self, record: ArtifactRecord) -> list[tuple[str, int]]:
         """``open_payloads`` with each descriptor's file name (a reuse base's, ``store.reuse``)."""
         return self._store.open_payloads(record)
+
+    # ---------------------------------------------------------------- the operator's record commands
+    async def verify(self, key: str, progress: Callable[[int, int], None] | None = None) -> ArtifactRecord:
+        """Re-hash every byte of ``key`` in a worker thread (``Store.verify``: a mismatch
+        quarantines and denies it, ``ChecksumMismatch``); ``progress(done, total)`` is called
+        from that thread."""
+        return await asyncio.to_thread(self._store.verify, key, progress)
+
+    def deny(self, key: str, reason: str) -> None:
+        """Deny ``key`` by an operator (a later publication will not replace it); blocking (the
+        marker's write and fsync), and on the loop it takes effect before any other step runs."""
+        self._store.deny(key, reason)
+
+    async def allow(self, key: str) -> bool:
+        """Remove ``key``'s deny marker and re-validate it now, so that listings show it again
+        before anyone acquires it (one that fails validation is denied again, for that reason).
+        Returns whether it was denied."""
+        was = self._store.deny_reason(key) is not None
+        await asyncio.to_thread(self._store.allow, key)
+        with contextlib.suppress(HwrError):
+            await self.lookup_settled(key)
+        return was
+
+    async def rescan_usage(self) -> dict[str, int]:
+        """Payload bytes per ``artifacts/`` entry as the disk has them now (``Store.rescan_usage``)."""
+        return await asyncio.to_thread(self.usage_by_key)

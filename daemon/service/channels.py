@@ -92,7 +92,7 @@ class Channels:
 
     ``volatile(key)``: whether ``key`` is a non-durable artifact (``Store.is_volatile``);
     ``lookup(key)``: the ready artifact's record, waiting out an eviction round that marked it
-    (``Catalog.lookup`` without a pull); typed errors (``ArtifactNotFound``, ``ArtifactDenied``, ...).
+    (``Catalog.lookup_settled``); typed errors (``ArtifactNotFound``, ``ArtifactDenied``, ...).
     """
 
     def __init__(self, path: Path, states: dict[str, ChannelState], counter: int,

@@ -6,7 +6,7 @@ capacity lock)::
     1. candidates = artifacts that are not leased, pinned, a channel's, held (journal),
        publishing or denied
     2. mark them EVICTING: an Acquire of a marked key waits until the round ends
-       (``Catalog.lookup`` waits on ``settled`` of the ``EvictionMarks``)
+       (``Catalog.lookup_settled`` waits on ``settled``)
     3. scan /proc/*/maps once for their payload (dev, inode)s, off the event loop; skipped for
        keys never leased (nobody can map them) and for keys a scan found unmapped that nobody
        acquired since (``MappingScan``)
@@ -45,7 +45,7 @@ from hwr.daemon.policy.eviction import Candidate, Plan, plan
 if TYPE_CHECKING:
     from hwr.daemon.policy.capacity import Reservations
     from hwr.daemon.service.catalog import Catalog
-    from hwr.daemon.service.lease_holds import LeaseHolds
+    from hwr.daemon.service.lease_journal import LeaseHolds
     from hwr.daemon.service.mapping_scan import MappingScan, PayloadFiles
     from hwr.daemon.service.pinning import PinSet
     from hwr.daemon.service.purger import Purger

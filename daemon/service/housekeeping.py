@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from hwr.daemon.policy.deadline import overdue
 
 if TYPE_CHECKING:
-    from hwr.daemon.service.lease_holds import LeaseHolds
+    from hwr.daemon.service.lease_journal import LeaseHolds
     from hwr.daemon.service.publishing import Publishing
     from hwr.daemon.service.recency import Recency
     from hwr.daemon.store.root import Store

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Protocol
 from hwr.daemon.system import exclusive, mappings
 
 if TYPE_CHECKING:
-    from hwr.daemon.service.lease_holds import LeaseHolds
+    from hwr.daemon.service.lease_journal import LeaseHolds
 
 __all__ = ["MappingScan", "PayloadFiles"]
 

@@ -20,7 +20,7 @@ Contract: ``pin`` is idempotent and reports ``locked`` or ``prefaulted`` (budget
 memory pressure (they come back at the next touch); residency is re-established at daemon start
 in the background. ``Pinning`` runs on the daemon's event loop; the pins file and the residency's system calls run in
 worker threads. Records and payload descriptors come from the read API
-(``hwr.daemon.service.catalog``). A pin takes effect on the loop right after ``Catalog.lookup``'s
+(``hwr.daemon.service.catalog``). A pin takes effect on the loop right after ``Catalog.lookup_settled``'s
 final check, which waits out an eviction round that marked the key, so no later round can choose
 a pinned key.
 
@@ -225,7 +225,7 @@ class Pinning:
         unmarked), before any await: no later round can choose the key. A pin that fails
         (pins.json not written, payloads not mappable) leaves the key as it was; a cancelled
         one may stand."""
-        record = await self.catalog.lookup(key, pull=False)  # waits out a round that marked the key
+        record = await self.catalog.lookup_settled(key)  # waits out a round that marked the key
         added = self.pins.add(key)
         try:
             if added:

@@ -39,7 +39,6 @@ from hwr.daemon.policy.recency import LruIndex
 
 if TYPE_CHECKING:
     from hwr.daemon.service.catalog import Catalog
-    from hwr.daemon.store.root import Store
 
 __all__ = ["AccessTimes", "Recency"]
 
@@ -49,11 +48,10 @@ log = logging.getLogger("hwrd.store")
 class Recency:
     """Last use of each artifact and the LRU order over it (see the module contract)."""
 
-    def __init__(self, access: AccessTimes, store: Store, catalog: Catalog) -> None:
+    def __init__(self, access: AccessTimes, catalog: Catalog) -> None:
         self.access = access
         self.lru = LruIndex()  # the artifacts by last use (or creation): see sync
-        self._store = store  # its list of added keys, drained by sync
-        self._catalog = catalog
+        self._catalog = catalog  # its list of added keys, drained by sync
 
     def touch(self, key: str) -> None:
         now = time.time()
@@ -63,7 +61,7 @@ class Recency:
     def sync(self) -> None:
         """Note the artifacts validated since the last call (all of them at the first) in the
         LRU index, at their recorded last use or else their creation time."""
-        for key in self._store.take_added():
+        for key in self._catalog.take_added():
             record = self._catalog.listed(key)
             if record is not None:
                 self.lru.note(key, self.access.get(key, record.created_at))

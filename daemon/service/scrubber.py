@@ -1,8 +1,9 @@
 """Scrub: re-verify every stored artifact in the background, at a bandwidth cap.
 
 ``Scrubber.run`` calls ``scrub_once`` every ``scrub_interval_s`` (the first pass after at most
-5 s); a pass verifies each artifact's payload hashes (``Store.verify``, which denies and
-quarantines an artifact that fails) paced to ``scrub_bandwidth_mib_s``.
+5 s); a pass lists the artifacts and verifies each one's payload hashes through the read API
+(``Catalog.artifacts``/``Catalog.verify``: ``Store.verify`` denies and quarantines an artifact
+that fails) paced to ``scrub_bandwidth_mib_s``.
 
 Contract: on the daemon's event loop; hashing runs in worker threads. The pacing sleeps in the
 progress callback, which ``store_io.hash_ranges`` calls under the lock its hashing threads share,
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING
 from hwr.client.errors import ArtifactNotFound, HwrError
 
 if TYPE_CHECKING:
-    from hwr.daemon.store.root import Store
+    from hwr.daemon.service.catalog import Catalog
     from hwr.daemon.system.config import DaemonConfig
 
 __all__ = ["Scrubber"]
@@ -32,9 +33,9 @@ log = logging.getLogger("hwrd.store")
 class Scrubber:
     """Background verification of one store (see the module contract)."""
 
-    def __init__(self, config: DaemonConfig, store: Store) -> None:
+    def __init__(self, config: DaemonConfig, catalog: Catalog) -> None:
         self.config = config
-        self.store = store
+        self.catalog = catalog
         self.scrubbed = 0
 
     async def run(self) -> None:
@@ -47,7 +48,7 @@ class Scrubber:
         """Verify every artifact at the configured bandwidth cap; returns the keys found corrupt."""
         rate = self.config.scrub_bandwidth_mib_s * (1 << 20)
         bad = []
-        for record in await asyncio.to_thread(self.store.artifacts):
+        for record in await self.catalog.artifacts():
             started = time.monotonic()
 
             def throttle(done: int, _total: int, started: float = started) -> None:
@@ -57,7 +58,7 @@ class Scrubber:
                     time.sleep(min(ahead, 1.0))
 
             try:
-                await asyncio.to_thread(self.store.verify, record.key, throttle if rate else None)
+                await self.catalog.verify(record.key, throttle if rate else None)
             except ArtifactNotFound:
                 continue  # evicted or removed since the listing: nothing left to scrub
             except HwrError as exc:

@@ -309,6 +309,11 @@ class Store:
         return self._records.take_added()
 
     # ----------------------------------------------------------------- lookup
+    @property
+    def records(self) -> RecordCache:
+        """The record cache itself, for the read API above the store (``hwr.daemon.service.catalog``)."""
+        return self._records
+
     # Several of these answer the same question at different costs; see ``records`` for which
     # to use where.
     def listed(self, key: str) -> ArtifactRecord | None:

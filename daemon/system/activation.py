@@ -21,7 +21,7 @@ unlink systemd's socket and break the next activation), and it reads a whole req
 anything can look at the caller. So hwrd always binds gRPC on a private ``<socket>.grpc`` (mode
 0600, the daemon's user only), and ``GrpcRelay`` accepts on the public socket (systemd's, or
 hwrd's own ``<socket>``), asks ``admit`` about each connection's peer credentials before reading
-a byte of it (``hwr.daemon.system.grpc_gate``), and splices the admitted ones both ways. Clients
+a byte of it (``hwr.daemon.system.grpc_peers``), and splices the admitted ones both ways. Clients
 see the public socket; gRPC carries only small control messages (descriptors go over the peer
 channel), so the extra hop costs one copy of a few KiB per call. Limits: the relay keeps no
 per-connection state besides the two streams, and a connection queued in the inherited backlog
@@ -140,7 +140,7 @@ class GrpcRelay:
     """Accept on a listening socket (systemd's, or hwrd's own ``<socket>``) and splice each
     connection to gRPC's private path. ``admit(conn)``, when given, is asked before a byte of a
     connection is read: None closes it unread, else its result is called once the connection
-    ends (``hwr.daemon.system.grpc_gate``)."""
+    ends (``hwr.daemon.system.grpc_peers``)."""
 
     def __init__(self, listen: socket.socket, target: Path,
                  admit: Callable[[socket.socket], Callable[[], None] | None] | None = None) -> None:

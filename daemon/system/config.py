@@ -61,7 +61,7 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     peer_buffer_budget_bytes: int = 64 << 20
     # A request frame that is not complete this long after its first byte ends the session.
     peer_frame_timeout_s: float = 10.0
-    # gRPC connections per uid (hwr.daemon.system.grpc_gate): one more is closed before a byte of
+    # gRPC connections per uid (hwr.daemon.system.grpc_peers): one more is closed before a byte of
     # it is read. A client holds one; hwrctl one per command.
     max_grpc_connections_per_uid: int = 32
     publication_wait_timeout_s: float = 600.0

@@ -15,6 +15,7 @@ import os
 import random
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -108,7 +109,9 @@ def _remote_with_artifact(tmp: Path) -> tuple[FileRemote, str]:
 def _pull(root: Path, remote: FileRemote, key: str) -> tuple[object, str]:
     async def go() -> tuple[object, str]:
         with Store.open(root) as store:
-            puller = Puller(remote, store, Publishing(store, Catalog(store, EvictionMarks())), wait_timeout=10)
+            # The read API the puller reads through, with no eviction rounds and no pins.
+            catalog = Catalog(store, EvictionMarks(), pins=SimpleNamespace(keys=set))
+            puller = Puller(remote, catalog, Publishing(store, catalog), wait_timeout=10)
             try:
                 return await puller.pull(key)
             finally:

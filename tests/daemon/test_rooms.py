@@ -128,6 +128,111 @@ def test_every_room_is_a_package_in_the_distribution() -> None:
     assert {p.name for p in DAEMON.iterdir() if (p / "__init__.py").exists()} == set(RANK)
 
 
+# --- the transports never touch the store room -------------------------------------------------
+#: The transports: they parse requests and encode the service room's results, nothing else.
+TRANSPORTS = ("peer", "rpc")
+
+
+def transport_store_imports(root: Path = DAEMON) -> list[str]:
+    """Every import of the store room (``hwr.daemon.store``) in a transport module: top-level,
+    lazy and ``TYPE_CHECKING`` ones alike. What a transport needs of a record (its type, its
+    manifest) it takes from the service room (``hwr.daemon.service.catalog``)."""
+    found: list[str] = []
+    for room in TRANSPORTS:
+        for path in sorted((root / room).rglob("*.py")):
+            rel = path.relative_to(root)
+            module = "hwr.daemon." + ".".join(rel.with_suffix("").parts)
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for line, dotted in _imported_modules(tree, module, rel.name == "__init__.py"):
+                if dotted == "hwr.daemon.store" or dotted.startswith("hwr.daemon.store."):
+                    found.append(f"{rel}:{line}: the {room} transport imports the store room ({dotted})")
+    return found
+
+
+def test_the_transports_never_import_the_store_room() -> None:
+    assert transport_store_imports() == []
+
+
+@pytest.mark.parametrize(
+    ("room", "source"),
+    [
+        ("peer", "from hwr.daemon.store.validation import ArtifactRecord\n"),
+        ("rpc", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from hwr.daemon.store.root import Store\n"),
+        ("rpc", "def f():\n    import hwr.daemon.store.records\n"),
+        ("peer", "from hwr.daemon import store\n"),
+    ],
+)
+def test_the_transport_check_catches_a_store_import(tmp_path: Path, room: str, source: str) -> None:
+    for name in TRANSPORTS:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("")
+    (tmp_path / room / "mod.py").write_text(source)
+    found = transport_store_imports(tmp_path)
+    assert len(found) == 1 and f"{room}/mod.py" in found[0] and "imports the store room" in found[0], found
+
+
+# --- one reader of the store -----------------------------------------------------------------------
+#: ``Store``'s record reads (``hwr.daemon.store.root``): every way to get a record, a key's deny
+#: state, the list of keys or records, descriptors of a record's payloads, and the record cache
+#: itself. Not reads of records, so not here: usage accounting (``usage_by_key``,
+#: ``committed_bytes``, ``rescan_usage``: capacity's), publication (``begin``, ``commit``, ...),
+#: the operator's commands (``verify``, ``deny``, ``allow``), ``is_volatile`` and the lifecycle.
+RECORD_READS = frozenset({
+    "lookup", "cached", "listed", "absent_now", "open_payloads", "artifacts", "known_keys",
+    "denied_records", "denied_keys", "deny_reason", "is_denied", "take_added", "records",
+})
+#: The rooms above the store; in them only the read API reads ``Store``'s records.
+READER_ROOMS = ("service", "producers", "fleet", "peer", "rpc", "app")
+THE_READER = "service/catalog.py"
+
+
+def _names_a_store(node: ast.expr) -> bool:
+    """``store``, ``self.store``, ``self._store``, ``self.c.store``: a name that says Store."""
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return "store" in name.lower() and not name.lower().startswith(("store_io", "remote"))
+
+
+def store_record_reads(root: Path = DAEMON) -> list[str]:
+    """``<something named store>.<a record read>`` (called or passed) in a module above the
+    store room other than the read API's (``hwr.daemon.service.catalog``)."""
+    found: list[str] = []
+    for room in READER_ROOMS:
+        for path in sorted((root / room).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            if rel == THE_READER:
+                continue
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Attribute) and node.attr in RECORD_READS and _names_a_store(node.value):
+                    found.append(f"{rel}:{node.lineno}: reads the store's records ({ast.unparse(node)}); "
+                                 "go through the read API (hwr.daemon.service.catalog)")
+    return found
+
+
+def test_only_the_read_api_reads_the_stores_records() -> None:
+    assert store_record_reads() == []
+
+
+@pytest.mark.parametrize(
+    ("room", "source", "expected"),
+    [
+        ("fleet", "def f(self):\n    return self.store.lookup(self.key)\n", "self.store.lookup"),
+        ("rpc", "async def f(self):\n    return await asyncio.to_thread(self.c.store.artifacts)\n",
+         "self.c.store.artifacts"),
+        ("service", "def f(store_service, key):\n    return store_service.lookup_now and store_service.cached(key)\n",
+         "store_service.cached"),
+        ("app", "def f(self):\n    return self._store.records\n", "self._store.records"),
+    ],
+)
+def test_the_reader_check_catches_a_direct_read(tmp_path: Path, room: str, source: str, expected: str) -> None:
+    for name in READER_ROOMS:
+        (tmp_path / name).mkdir()
+    (tmp_path / "service" / "catalog.py").write_text("def f(self):\n    return self._store.lookup('k')\n")
+    (tmp_path / room / "mod.py").write_text(source)
+    found = store_record_reads(tmp_path)
+    assert len(found) == 1 and f"{room}/mod.py" in found[0] and expected in found[0], found
+
+
 # --- torch stays out of hwrd ----------------------------------------------------------------------
 #: The producer process's own modules (``python -m hwr.daemon.producers.worker``): they import torch.
 WORKER_SIDE = frozenset({"hwr.daemon.producers.worker", "hwr.daemon.producers.blocks"})

@@ -25,8 +25,7 @@ from hwr.daemon.service.capacity import Capacity
 from hwr.daemon.service.catalog import Catalog
 from hwr.daemon.service.evictor import EvictionMarks
 from hwr.daemon.service.housekeeping import Housekeeping
-from hwr.daemon.service.lease_holds import LeaseHolds
-from hwr.daemon.service.lease_journal import LeaseJournal
+from hwr.daemon.service.lease_journal import LeaseHolds, LeaseJournal
 from hwr.daemon.service.mapping_scan import MappingScan
 from hwr.daemon.service.pinning import PinSet
 from hwr.daemon.service.recency import AccessTimes, Recency
@@ -119,7 +118,7 @@ def _capacity(config: SimpleNamespace, store: Store) -> Capacity:
     pins, marks = PinSet.open(root), EvictionMarks()
     catalog = Catalog(store, marks, pins=pins)
     holds = LeaseHolds(LeaseJournal.open(root / "leases.journal"))
-    recency = Recency(AccessTimes(root / "access.json"), store, catalog)
+    recency = Recency(AccessTimes(root / "access.json"), catalog)
     return Capacity(config, store, catalog, Registry(), marks=marks, pins=pins,  # type: ignore[arg-type]
                     holds=holds, recency=recency, scan=MappingScan(holds))
 

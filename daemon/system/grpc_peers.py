@@ -2,7 +2,7 @@
 
 grpcio's Python server reads a whole request message (up to its receive limit) before any
 handler or interceptor can look at the caller, and it gives no peer credentials of a Unix
-socket. So the public gRPC socket is served by ``activation.GrpcRelay``, which asks this gate
+socket. So the public gRPC socket is served by ``activation.GrpcRelay``, which asks ``GrpcPeers``
 about each accepted connection before it reads a byte: ``admit(sock)`` reads ``SO_PEERCRED``
 and returns a release callable, or None to close the connection unread. Refused: a uid the
 allow-list does not admit (``peercred.peer_allowed``, the peer channel's rule), and a uid that
@@ -20,12 +20,12 @@ from collections.abc import Callable
 
 from hwr.daemon.system.peercred import AllowList, peer_allowed, read_peercred
 
-__all__ = ["GrpcGate"]
+__all__ = ["GrpcPeers"]
 
 log = logging.getLogger("hwrd.grpc")
 
 
-class GrpcGate:
+class GrpcPeers:
     def __init__(self, allow: Callable[[], AllowList], max_per_uid: int) -> None:
         self._allow = allow
         self.max_per_uid = max_per_uid
