@@ -55,8 +55,8 @@ from hwr.daemon.service.publications import Publications
 from hwr.daemon.service.roles import Roles, roles_from
 from hwr.daemon.service.sessions import Registry, Session
 from hwr.daemon.service.store_service import StoreService
-from hwr.daemon.store.memfd_staging import MemfdStagings
 from hwr.daemon.store.root import Store
+from hwr.daemon.store.writer_bounds import MemfdStagings
 from hwr.daemon.system import fsguard
 from hwr.daemon.system.activation import Assignment, GrpcRelay, private_grpc_path
 from hwr.daemon.system.config import DaemonConfig

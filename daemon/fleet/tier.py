@@ -36,8 +36,8 @@ from hwr.daemon.fleet.remote import RemoteEntry, RemoteLocation, RemoteStore, op
 if TYPE_CHECKING:
     from hwr.daemon.service.catalog import MissPolicy
     from hwr.daemon.service.publications import Publications
+    from hwr.daemon.store.inspection import ArtifactRecord
     from hwr.daemon.store.root import Store
-    from hwr.daemon.store.validation import ArtifactRecord
     from hwr.daemon.system.config import DaemonConfig
 
 __all__ = ["PULL_OUTCOMES", "PUSH_OUTCOMES", "Fleet", "location_of"]

@@ -81,7 +81,7 @@ if TYPE_CHECKING:
     from hwr.daemon.service.channels import Channels
     from hwr.daemon.service.leasing import Leasing
     from hwr.daemon.service.sessions import LeaseRecord
-    from hwr.daemon.store.validation import ArtifactRecord
+    from hwr.daemon.store.inspection import ArtifactRecord
 
 __all__ = ["PeerServer"]
 

@@ -35,7 +35,7 @@ Typed errors are error frames with the code, message and details the RPC would c
 
 Staging descriptors (in the ``publish_begin`` reply, and for the channel's ``open_staging``
 request): a sealed memfd per file for a publication small enough
-(``hwr.daemon.store.memfd_staging``: it cannot grow by one byte), else the staging files opened
+(``hwr.daemon.store.writer_bounds``: it cannot grow by one byte), else the staging files opened
 ``O_RDWR|O_NOFOLLOW``. Each needs the publish role, checked on every operation as the RPCs do.
 
 Limit: the peer channel serves one request per connection at a time, so a request that waits

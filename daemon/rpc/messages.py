@@ -9,7 +9,7 @@ from hwr.protos.hwr.v1 import hwr_pb2 as pb
 
 if TYPE_CHECKING:
     from hwr.daemon.service.sessions import LeaseRecord
-    from hwr.daemon.store.validation import ArtifactRecord
+    from hwr.daemon.store.inspection import ArtifactRecord
 
 __all__ = ["artifact_info", "denied_info", "lease_infos"]
 

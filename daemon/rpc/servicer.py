@@ -31,7 +31,7 @@ from hwr.protos.hwr.v1 import hwr_pb2 as pb
 from hwr.protos.hwr.v1 import hwr_pb2_grpc
 
 if TYPE_CHECKING:
-    from hwr.daemon.store.validation import ArtifactRecord
+    from hwr.daemon.store.inspection import ArtifactRecord
 
 __all__ = ["Servicer"]
 

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from hwr.daemon.service.purger import Purger
     from hwr.daemon.service.recency import Recency
     from hwr.daemon.store.root import Store
-    from hwr.daemon.store.staging import TensorSpec
+    from hwr.daemon.store.staging import StagedTensor
     from hwr.daemon.system.config import DaemonConfig
 
 __all__ = ["CapacityGate", "Ticket"]
@@ -96,7 +96,7 @@ class CapacityGate:
         # Publications waiting for room, oldest first (see reserve and signal_room).
         self._room_waiters: collections.deque[asyncio.Event] = collections.deque()
 
-    async def admit(self, key: str, specs: Sequence[TensorSpec], wait_timeout: float,
+    async def admit(self, key: str, specs: Sequence[StagedTensor], wait_timeout: float,
                     max_file_bytes: int | None = None) -> Ticket:
         need = sum(p.size for p in plan_payloads(list(specs), max_file_bytes))
         took = await self.admission.enter(key, wait_timeout)

@@ -36,8 +36,8 @@ from hwr.daemon.policy.key_prefix import unique_prefix
 
 if TYPE_CHECKING:
     from hwr.daemon.service.store_service import StoreService
+    from hwr.daemon.store.inspection import ArtifactRecord
     from hwr.daemon.store.root import Store
-    from hwr.daemon.store.validation import ArtifactRecord
 
 __all__ = ["WAIT", "Catalog", "Entry", "MissFetcher", "MissPolicy", "PullState", "Waiter"]
 

@@ -46,8 +46,8 @@ if TYPE_CHECKING:
     from hwr.daemon.service.purger import Purger
     from hwr.daemon.service.recency import Recency
     from hwr.daemon.service.sessions import Registry
+    from hwr.daemon.store.inspection import ArtifactRecord
     from hwr.daemon.store.root import Store
-    from hwr.daemon.store.validation import ArtifactRecord
 
 __all__ = ["EvictionReport", "Evictor"]
 
@@ -268,7 +268,7 @@ class Evictor:
 
     def _record_any(self, key: str) -> PayloadFiles:
         """The validated record, or a fresh inspection of a denied artifact (for its inodes)."""
-        from hwr.daemon.store.validation import inspect_artifact
+        from hwr.daemon.store.inspection import inspect_artifact
 
         try:
             return self.store.lookup(key)

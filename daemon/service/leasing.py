@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from hwr.daemon.service.lease_journal import LeaseJournal
     from hwr.daemon.service.sessions import LeaseRecord, Registry, Session
     from hwr.daemon.service.settings import Settings
-    from hwr.daemon.store.validation import ArtifactRecord
+    from hwr.daemon.store.inspection import ArtifactRecord
 
 __all__ = ["CHECKPOINT_LEASE_PREFIX", "Leasing", "key_of", "parse_identity"]
 

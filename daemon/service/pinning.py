@@ -29,8 +29,8 @@ from hwr.client.errors import HwrError
 
 if TYPE_CHECKING:
     from hwr.daemon.service.pins import PinSet, Residency
+    from hwr.daemon.store.inspection import ArtifactRecord
     from hwr.daemon.store.root import Store
-    from hwr.daemon.store.validation import ArtifactRecord
 
 __all__ = ["Pinning"]
 

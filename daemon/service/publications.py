@@ -53,10 +53,10 @@ from hwr.daemon.system.exclusive import open_sole
 
 if TYPE_CHECKING:
     from hwr.daemon.service.channels import Channels
-    from hwr.daemon.store.memfd_staging import MemfdStagings
+    from hwr.daemon.store.inspection import ArtifactRecord
     from hwr.daemon.store.root import Store
-    from hwr.daemon.store.staging import ProducerDigests, Staging, TensorSpec
-    from hwr.daemon.store.validation import ArtifactRecord
+    from hwr.daemon.store.staging import ProducerDigests, StagedTensor, Staging
+    from hwr.daemon.store.writer_bounds import MemfdStagings
 
 __all__ = ["DAEMON_OWNER", "BeginResult", "Gate", "PubState", "Publication", "Publications", "Ticket"]
 
@@ -80,7 +80,7 @@ class Gate(Protocol):
     staging, ``allocated`` once preallocated, ``finished`` at the end; ``purge_sync`` frees the
     bytes that eviction retired to make room (in the worker thread that stages or commits)."""
 
-    async def admit(self, key: str, specs: Sequence[TensorSpec], wait_timeout: float,
+    async def admit(self, key: str, specs: Sequence[StagedTensor], wait_timeout: float,
                     max_file_bytes: int | None = None) -> Ticket: ...
 
     def allocated(self, ticket: Ticket) -> None: ...
@@ -151,7 +151,7 @@ class Publications:
         self._prehash_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="hwr-prehash")
         self.committed = 0
         self.failed = 0
-        # Sealed memfd staging of small client publications (hwr.daemon.store.memfd_staging), set by
+        # Sealed memfd staging of small client publications (hwr.daemon.store.writer_bounds), set by
         # the daemon; None: every publication writes its staging files.
         self.memfd_staging: MemfdStagings | None = None
         # The channels a publication may set (hwr.daemon.service.channels), set by the daemon;
@@ -176,7 +176,7 @@ class Publications:
         self,
         session: Session | None,
         identity: ArtifactIdentity,
-        specs: Sequence[TensorSpec],
+        specs: Sequence[StagedTensor],
         *,
         wait_timeout: float,
         format_metadata: dict[str, Any] | None = None,
@@ -267,7 +267,7 @@ class Publications:
             session.publications.add(pub.publication_id)
         return BeginResult("staged", key, pub)
 
-    def _open_reuse(self, base: str, names: Sequence[str], specs: Sequence[TensorSpec]) -> ReuseSource | None:
+    def _open_reuse(self, base: str, names: Sequence[str], specs: Sequence[StagedTensor]) -> ReuseSource | None:
         """The base's ``ReuseSource`` (blocking); None when the base cannot be read any more
         (evicted, denied): the writer then writes every tensor. A request that names tensors
         the base does not have as specified is ``InvalidRequest``."""
@@ -488,7 +488,7 @@ class Publications:
         pub.done.set()
 
 
-def _nbytes(spec: TensorSpec) -> int:
+def _nbytes(spec: StagedTensor) -> int:
     count = 1
     for d in spec.shape:
         count *= d

@@ -70,9 +70,9 @@ if TYPE_CHECKING:
     from hwr.daemon.policy.capacity import CapacityPolicy, Reservation, Reservations, Usage
     from hwr.daemon.service.publications import Publications
     from hwr.daemon.service.sessions import LeaseRecord, Registry
+    from hwr.daemon.store.inspection import ArtifactRecord
     from hwr.daemon.store.root import Store
-    from hwr.daemon.store.staging import TensorSpec
-    from hwr.daemon.store.validation import ArtifactRecord
+    from hwr.daemon.store.staging import StagedTensor
     from hwr.daemon.system.config import DaemonConfig
 
 __all__ = ["AccessTimes", "EvictionReport", "StoreService", "Ticket"]
@@ -190,7 +190,7 @@ class StoreService:
         return self.evictor.settled
 
     # ------------------------------------------------------------------ publication gate
-    async def admit(self, key: str, specs: Sequence[TensorSpec], wait_timeout: float,
+    async def admit(self, key: str, specs: Sequence[StagedTensor], wait_timeout: float,
                     max_file_bytes: int | None = None) -> Ticket:
         return await self.gate.admit(key, specs, wait_timeout, max_file_bytes)
 

@@ -1,6 +1,6 @@
 """The record cache: validated artifact records in memory, and every way of looking one up.
 
-A record (``validation.ArtifactRecord``) is cached once an artifact passed metadata validation
+A record (``inspection.ArtifactRecord``) is cached once an artifact passed metadata validation
 (at open, at its first lookup, or as the result of a commit); a warm lookup then only compares
 recorded ``lstat`` fingerprints (a few microseconds). The lookups, from the cheapest:
 
@@ -38,9 +38,9 @@ from hwr.client.errors import (
 )
 from hwr.daemon.store import fileio as store_io
 from hwr.daemon.store.denylist import DenyList
+from hwr.daemon.store.inspection import ArtifactRecord, inspect_artifact, same_fingerprints
 from hwr.daemon.store.keylocks import KeyLocks
 from hwr.daemon.store.usage import UsageLedger
-from hwr.daemon.store.validation import ArtifactRecord, inspect_artifact, same_fingerprints
 
 __all__ = ["RecordCache"]
 

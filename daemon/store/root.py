@@ -15,9 +15,9 @@ Layout (the same names as vLLM-Omni 0.30, so one of its roots can be adopted)::
 collaborators that each own one concept, its state and its lock:
 
 ``recovery``      what the previous owner left half done, at open (and stale trash later)
-``publication``   ``Publisher``: begin/abort/commit (sealing in ``sealing``), the install rules
+``installer``     ``Installer``: begin/abort/commit (sealing in ``sealing``), the install rules
 ``records``       ``RecordCache``: validated records and every lookup (listed, cached, lookup, ...)
-``verification``  re-hashing every byte
+``checksums``     ``verify``: every byte re-hashed (``inspection`` reads metadata only)
 ``usage``         ``UsageLedger``: payload bytes per ``artifacts/`` entry, kept in memory
 ``denylist``      ``DenyList``: deny markers and quarantine moves
 ``retirement``    ``Retirement``: retire into trash, delete the trash once durable
@@ -25,11 +25,11 @@ collaborators that each own one concept, its state and its lock:
 ``volatile``      ``VolatileSet``: markers of non-durable artifacts, dropped at the next open
 
 Publication steps (``FAULT_HOOK`` is called with each name of ``PUBLICATION_STEPS``, in order)
-are described in ``publication``. A crash before the rename leaves only staging (wiped at the
+are described in ``installer``. A crash before the rename leaves only staging (wiped at the
 next start); after it a complete artifact.
 
 Validation: full hashing once at publication and on ``verify``; metadata level
-(``validation``) at start and on the first lookup, then a warm lookup compares recorded
+(``inspection``) at start and on the first lookup, then a warm lookup compares recorded
 ``lstat`` fingerprints (a few microseconds). Corruption writes a deny marker and raises
 ``ManifestCorrupt``/``ChecksumMismatch``/``ManifestIncompatible``; a denied key raises
 ``ArtifactDenied``; only 64-hex keys ever become paths.
@@ -57,19 +57,19 @@ from hwr.client.errors import ArtifactNotFound, HwrError, InvalidRequest, StoreI
 from hwr.client.identity import ArtifactIdentity, is_key
 from hwr.daemon.store import fileio as store_io
 from hwr.daemon.store import recovery
+from hwr.daemon.store.checksums import verify
 from hwr.daemon.store.denylist import CORRUPTION_CODES, OPERATOR_DENIED, DenyList
 from hwr.daemon.store.domain import ensure_domain
+from hwr.daemon.store.inspection import ArtifactRecord, Fingerprint
+from hwr.daemon.store.installer import Installer
 from hwr.daemon.store.keylocks import KeyLocks
 from hwr.daemon.store.prehash import PreHashed
-from hwr.daemon.store.publication import Publisher
 from hwr.daemon.store.records import RecordCache
 from hwr.daemon.store.retirement import Retirement
-from hwr.daemon.store.staging import ProducerDigests, Staging, TensorSpec
-from hwr.daemon.store.staging_bounds import StagingReaper
+from hwr.daemon.store.staging import ProducerDigests, StagedTensor, Staging
 from hwr.daemon.store.usage import UsageLedger, listing_changes, scan_sizes
-from hwr.daemon.store.validation import ArtifactRecord, Fingerprint
-from hwr.daemon.store.verification import verify
 from hwr.daemon.store.volatile import VolatileSet
+from hwr.daemon.store.writer_bounds import StagingReaper
 from hwr.daemon.system import fsguard
 
 if TYPE_CHECKING:
@@ -82,14 +82,14 @@ __all__ = [
     "PUBLICATION_STEPS",
     "ArtifactRecord",
     "Fingerprint",
+    "StagedTensor",
     "Staging",
     "Store",
-    "TensorSpec",
 ]
 
 log = logging.getLogger("hwrd.store")
 
-#: Test hook called with each publication step name (see ``publication``).
+#: Test hook called with each publication step name (see ``installer``).
 FAULT_HOOK: Callable[[str], None] | None = None
 PUBLICATION_STEPS = (
     "staged",
@@ -128,7 +128,7 @@ class Store:
     2. ``DenyList._lock``: held across a deny marker's write, rename and fsync;
     3. ``UsageLedger._scan_lock``: held across a usage rescan's listing, under no other lock;
     4. leaves, held only for in-memory updates, never across a syscall nor while taking another
-       lock: ``RecordCache._lock``, ``UsageLedger._lock``, ``Publisher._lock``,
+       lock: ``RecordCache._lock``, ``UsageLedger._lock``, ``Installer._lock``,
        ``Retirement._lock``, ``KeyLocks._table_lock``, ``StagingReaper._lock`` and
        ``GroupSync``'s. Waiting for a ``GroupSync`` round under a key's lock is safe: the
        round's leader only fsyncs, it never waits for a lock meanwhile.
@@ -143,7 +143,7 @@ class Store:
         self.euid = os.geteuid()
         self.start_report: list[tuple[str, HwrError]] = []
         self._lock_fd: int | None = lock_fd
-        self.reaper = StagingReaper()  # discarded stagings a writer still holds (staging_bounds)
+        self.reaper = StagingReaper()  # discarded stagings a writer still holds (writer_bounds)
         # Commits and retirements rename entries of artifacts/; they share its fsyncs (GroupSync).
         self._artifacts_sync = store_io.GroupSync(root / "artifacts")
         # Unique names for staging and trash directories (tmp/ is wiped at every start, so
@@ -156,7 +156,7 @@ class Store:
         self._denied = DenyList(root, self._usage)
         self._records = RecordCache(root, self.euid, self._denied, self._keys, self._usage)
         self._volatile = VolatileSet(root / "volatile")
-        self._publisher = Publisher(
+        self._publisher = Installer(
             root,
             records=self._records,
             denied=self._denied,
@@ -255,16 +255,16 @@ class Store:
     def begin(
         self,
         identity: ArtifactIdentity,
-        specs: Sequence[TensorSpec],
+        specs: Sequence[StagedTensor],
         *,
         max_file_bytes: int | None = None,
         format_metadata: Mapping[str, object] | None = None,
     ) -> Staging:
-        """``Publisher.begin``: a staging directory with preallocated payloads and their headers."""
+        """``Installer.begin``: a staging directory with preallocated payloads and their headers."""
         return self._publisher.begin(identity, specs, max_file_bytes=max_file_bytes, format_metadata=format_metadata)
 
     def abort(self, staging: Staging) -> None:
-        """``Publisher.abort``: discard a staging directory (idempotent)."""
+        """``Installer.abort``: discard a staging directory (idempotent)."""
         self._publisher.abort(staging)
 
     def publish(
@@ -288,7 +288,7 @@ class Store:
         durable: bool = True,
         prehashed: Mapping[str, PreHashed] | None = None,
     ) -> ArtifactRecord:
-        """``Publisher.commit``: validate, hash and atomically publish ``staging`` (its errors
+        """``Installer.commit``: validate, hash and atomically publish ``staging`` (its errors
         are listed there); returns the committed (or joined) record. ``durable`` False: no
         fsync, and the artifact is removed at the next open (``volatile``); ``prehashed``:
         files hashed while the rest was written (``prehash``)."""

@@ -39,8 +39,8 @@ __all__ = [
     "OVERLAP_MIN_FILE_BYTES",
     "PayloadPlan",
     "ProducerDigests",
+    "StagedTensor",
     "Staging",
-    "TensorSpec",
     "overlap_file_bytes",
     "plan_payloads",
     "write_tensor",
@@ -63,7 +63,7 @@ def overlap_file_bytes(total: int) -> int | None:
 
 
 @dataclass(frozen=True)
-class TensorSpec:
+class StagedTensor:
     """What one tensor of an artifact will be. ``dtype``: torch dtype, ``"BF16"`` or ``"torch.bfloat16"``."""
 
     name: str
@@ -108,7 +108,7 @@ class PayloadPlan:
         return len(self.head)
 
 
-def _check_specs(specs: Sequence[TensorSpec]) -> None:
+def _check_specs(specs: Sequence[StagedTensor]) -> None:
     if not specs:
         raise InvalidRequest("an artifact needs at least one tensor")
     names = [s.name for s in specs]
@@ -129,7 +129,7 @@ def _check_specs(specs: Sequence[TensorSpec]) -> None:
         spec.info  # noqa: B018 - raises InvalidRequest for an unknown dtype
 
 
-def plan_payloads(specs: Sequence[TensorSpec], max_file_bytes: int | None = None) -> tuple[PayloadPlan, ...]:
+def plan_payloads(specs: Sequence[StagedTensor], max_file_bytes: int | None = None) -> tuple[PayloadPlan, ...]:
     """Assign tensors to payload files and lay each one out (deterministic for the same specs;
     memoised for hashable specs: admission and staging plan the same publication twice, and
     a checkpoint's ranks or a churn of same-shaped artifacts repeat one plan).
@@ -147,11 +147,11 @@ def plan_payloads(specs: Sequence[TensorSpec], max_file_bytes: int | None = None
 
 
 @functools.lru_cache(maxsize=256)
-def _plan_cached(specs: tuple[TensorSpec, ...], max_file_bytes: int | None) -> tuple[PayloadPlan, ...]:
+def _plan_cached(specs: tuple[StagedTensor, ...], max_file_bytes: int | None) -> tuple[PayloadPlan, ...]:
     return _plan(specs, max_file_bytes)
 
 
-def _plan(specs: Sequence[TensorSpec], max_file_bytes: int | None) -> tuple[PayloadPlan, ...]:
+def _plan(specs: Sequence[StagedTensor], max_file_bytes: int | None) -> tuple[PayloadPlan, ...]:
     """The layout of validated specs (``plan_payloads`` validates).
 
     Tensors go, in layout order (larger item size first, then name), into
@@ -159,7 +159,7 @@ def _plan(specs: Sequence[TensorSpec], max_file_bytes: int | None) -> tuple[Payl
     per file; a tensor larger than the limit gets a file of its own.
     """
     order = sorted(specs, key=lambda s: (-s.info.itemsize, s.name))
-    groups: list[list[TensorSpec]] = [[]]
+    groups: list[list[StagedTensor]] = [[]]
     used = 0
     for spec in order:
         size = spec.info.itemsize * _numel(spec.shape)
@@ -190,7 +190,7 @@ class Staging:
     key: str
     identity: ArtifactIdentity
     path: Path
-    specs: tuple[TensorSpec, ...]
+    specs: tuple[StagedTensor, ...]
     plans: tuple[PayloadPlan, ...]
     placements: Mapping[str, tuple[str, int, int]] = field(repr=False)
     format_metadata: Mapping[str, Any] = field(default_factory=dict, repr=False)
@@ -205,7 +205,7 @@ class Staging:
         id: str,
         identity: ArtifactIdentity,
         path: Path,
-        specs: Sequence[TensorSpec],
+        specs: Sequence[StagedTensor],
         plans: tuple[PayloadPlan, ...],
         format_metadata: Mapping[str, Any] | None = None,
     ) -> Staging:

@@ -15,7 +15,7 @@ import torch
 from hwr.client.identity import ArtifactIdentity
 from hwr.daemon.store import fileio as store_io
 from hwr.daemon.store.fileio import GroupSync
-from hwr.daemon.store.root import Store, TensorSpec
+from hwr.daemon.store.root import StagedTensor, Store
 
 
 class GatedFsync:
@@ -125,7 +125,7 @@ def test_concurrent_commits_share_directory_fsyncs_and_all_land(short_tmp: Path,
             real_fsync_dir(path)
 
         monkeypatch.setattr(store_io, "fsync_dir", hold_the_first_round)
-        stagings = [store.begin(ArtifactIdentity.simple(f"group-{i}"), [TensorSpec("w", torch.float32, (64,))])
+        stagings = [store.begin(ArtifactIdentity.simple(f"group-{i}"), [StagedTensor("w", torch.float32, (64,))])
                     for i in range(8)]
         rounds_before, joined_before = sync.rounds, sync.joined
         barrier = threading.Barrier(len(stagings))
@@ -173,7 +173,7 @@ def test_a_mark_is_covered_only_by_a_round_that_started_after_it_and_succeeded(
 
 
 def test_deleting_retired_artifacts_reuses_a_later_commits_fsync(short_tmp: Path) -> None:
-    spec = [TensorSpec("w", torch.float32, (64,))]
+    spec = [StagedTensor("w", torch.float32, (64,))]
     with Store.open(short_tmp / "store") as store:
         for name in ("old-a", "old-b", "new"):
             if name != "new":

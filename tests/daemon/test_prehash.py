@@ -12,7 +12,7 @@ import torch
 from hwr.client.errors import ManifestCorrupt
 from hwr.client.identity import ArtifactIdentity
 from hwr.daemon.store.prehash import prehash
-from hwr.daemon.store.root import Store, TensorSpec
+from hwr.daemon.store.root import StagedTensor, Store
 from hwr.daemon.store.staging import OVERLAP_MIN_FILE_BYTES, overlap_file_bytes, plan_payloads, write_tensor
 
 MIB = 1 << 20
@@ -20,7 +20,7 @@ MIB = 1 << 20
 
 def staged(store: Store, name: str, files: int = 3) -> tuple[object, dict[str, torch.Tensor]]:
     tensors = {f"t{i}": torch.arange(i * MIB, (i + 1) * MIB, dtype=torch.float32) for i in range(files)}
-    specs = [TensorSpec(n, torch.float32, tuple(t.shape)) for n, t in tensors.items()]
+    specs = [StagedTensor(n, torch.float32, tuple(t.shape)) for n, t in tensors.items()]
     staging = store.begin(ArtifactIdentity.simple(name), specs, max_file_bytes=4 * MIB)
     assert len(staging.plans) == files
     for n, t in tensors.items():
@@ -70,7 +70,7 @@ def test_the_layout_of_a_publication_hashed_while_written_is_a_function_of_its_s
     assert overlap_file_bytes(2 * OVERLAP_MIN_FILE_BYTES) == OVERLAP_MIN_FILE_BYTES
     one_gib = overlap_file_bytes(1 << 30)
     assert one_gib == 64 * MIB
-    specs = [TensorSpec(f"blocks.{i}.w", torch.bfloat16, (32 * MIB // 2,)) for i in range(32)]
+    specs = [StagedTensor(f"blocks.{i}.w", torch.bfloat16, (32 * MIB // 2,)) for i in range(32)]
     assert len(plan_payloads(specs, one_gib)) == 16
 
 
@@ -78,7 +78,7 @@ def test_a_remote_node_re_plans_the_layout_of_a_revision_hashed_while_written(tm
     from hwr.client.manifest import MANIFEST_FILE, READY_FILE
     from hwr.daemon.fleet.pull import plan_from_documents
 
-    specs = [TensorSpec(f"blocks.{i}.w", torch.float32, (8 * MIB // 4,)) for i in range(10)]  # 80 MiB
+    specs = [StagedTensor(f"blocks.{i}.w", torch.float32, (8 * MIB // 4,)) for i in range(10)]  # 80 MiB
     with Store.open(tmp_path / "store") as store:
         total = sum(8 * MIB for _ in specs)
         staging = store.begin(ArtifactIdentity.simple("m/remote"), specs, max_file_bytes=overlap_file_bytes(total))

@@ -20,7 +20,7 @@ from hwr.client.safetensors_header import read_header
 from hwr.daemon.producers import base, worker
 from hwr.daemon.producers.digests import StreamDigests
 from hwr.daemon.store import fileio as store_io
-from hwr.daemon.store.root import Store, TensorSpec
+from hwr.daemon.store.root import StagedTensor, Store
 from hwr.daemon.store.staging import ProducerDigests
 
 
@@ -70,7 +70,7 @@ def _worker_build(tmp: Path, store: Store, options: dict, keep_fp32: bool = Fals
     header = read_header(src_fd, require_alignment=False)
     producer = worker.make_producer("cast", options)
     outputs = producer.plan([base.SourceTensor(e.name, e.dtype, e.shape) for e in header.entries], 0)
-    specs = [TensorSpec(o.name, o.dtype, o.shape) for o in outputs]
+    specs = [StagedTensor(o.name, o.dtype, o.shape) for o in outputs]
     staging = store.begin(ArtifactIdentity.simple(f"digests-{json.dumps(options, sort_keys=True)}"), specs,
                           max_file_bytes=1200)  # several payload files, mixed item sizes
     fds = {name: os.open(path, os.O_RDWR) for name, path, _size in staging.files}

@@ -27,7 +27,7 @@ from hwr.client.errors import (
 from hwr.client.identity import ArtifactIdentity
 from hwr.client.safetensors_header import read_header
 from hwr.daemon.store import fileio as store_io
-from hwr.daemon.store.root import Store, TensorSpec
+from hwr.daemon.store.root import StagedTensor, Store
 from hwr.daemon.store.staging import write_tensor
 from hwr.daemon.system import fsguard
 
@@ -83,7 +83,7 @@ def test_publish_then_lookup_returns_identical_bytes(store: Store) -> None:
 
 def test_the_record_built_at_commit_equals_a_full_inspection(store: Store) -> None:
     """``record_for_commit`` (no re-read) must describe exactly what ``inspect_artifact`` finds."""
-    from hwr.daemon.store.validation import inspect_artifact
+    from hwr.daemon.store.inspection import inspect_artifact
 
     record = store.publish(IDENTITY, _tensors(), max_file_bytes=4096)
     inspected = inspect_artifact(store.root / "artifacts" / IDENTITY.key, IDENTITY.key, os.geteuid())
@@ -120,7 +120,7 @@ def test_lookup_errors(store: Store) -> None:
 
 def test_expected_hash_mismatch_removes_staging(store: Store) -> None:
     tensors = _tensors()
-    staging = store.begin(IDENTITY, [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
+    staging = store.begin(IDENTITY, [StagedTensor(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
     for n, t in tensors.items():
         write_tensor(staging, n, t)
     expected = {n: hashlib.sha256(_raw(t)).hexdigest() for n, t in tensors.items()}
@@ -133,7 +133,7 @@ def test_expected_hash_mismatch_removes_staging(store: Store) -> None:
 
 
 def test_overwritten_header_is_rejected_at_commit(store: Store) -> None:
-    staging = store.begin(IDENTITY, [TensorSpec("w", torch.float32, (4,))])
+    staging = store.begin(IDENTITY, [StagedTensor("w", torch.float32, (4,))])
     _name, path, _ = staging.files[0]
     with open(path, "r+b") as f:
         f.write(b"\xff" * 8)
@@ -414,7 +414,7 @@ def test_a_commit_closes_the_checked_descriptors_it_is_given(store: Store, damag
     from hwr.daemon.system.exclusive import open_sole
 
     tensor = torch.arange(1 << 12, dtype=torch.float32)
-    staging = store.begin(IDENTITY, [TensorSpec("w", tensor.dtype, tuple(tensor.shape))])
+    staging = store.begin(IDENTITY, [StagedTensor("w", tensor.dtype, tuple(tensor.shape))])
     write_tensor(staging, "w", tensor)
     if damage:
         with open(staging.files[0][1], "r+b") as f:
@@ -442,9 +442,9 @@ def test_plan_validation_is_not_skipped_for_specs_equal_to_a_planned_one(bad_sha
     from hwr.daemon.store.staging import plan_payloads
 
     good = tuple(int(d) for d in bad_shape)
-    plan_payloads([TensorSpec("w", torch.float32, good)])  # now memoised
+    plan_payloads([StagedTensor("w", torch.float32, good)])  # now memoised
     with pytest.raises(InvalidRequest):
-        plan_payloads([TensorSpec("w", torch.float32, bad_shape)])
+        plan_payloads([StagedTensor("w", torch.float32, bad_shape)])
 
 
 def _retire_at(monkeypatch, store: Store, name: str, target: Path) -> list[Path]:

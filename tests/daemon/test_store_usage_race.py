@@ -23,7 +23,7 @@ from hwr.client.identity import ArtifactIdentity
 from hwr.daemon.service.sessions import Registry
 from hwr.daemon.service.store_service import StoreService
 from hwr.daemon.store.root import Store
-from hwr.daemon.store.staging import TensorSpec, write_tensor
+from hwr.daemon.store.staging import StagedTensor, write_tensor
 
 
 def test_a_commit_between_the_disk_read_and_the_reservation_drop_is_still_counted(tmp_path: Path) -> None:
@@ -36,7 +36,7 @@ def test_a_commit_between_the_disk_read_and_the_reservation_drop_is_still_counte
         service = StoreService(config, store, Registry())
         loop = asyncio.get_running_loop()
         identity = ArtifactIdentity.simple("racing")
-        staging = store.begin(identity, [TensorSpec("w", tensor.dtype, tuple(tensor.shape))])
+        staging = store.begin(identity, [StagedTensor("w", tensor.dtype, tuple(tensor.shape))])
         write_tensor(staging, "w", tensor)
         reservation = service.reservations.add(identity.key, staging.files[0][2])
         real = store.committed_bytes
@@ -79,7 +79,7 @@ def test_retired_bytes_of_a_publication_that_never_commits_are_deleted_or_left_f
                              serialized_admission=False, mlock_budget_bytes=0, scrub_bandwidth_mib_s=0)
     tensor = torch.ones(64)
     for name in ("a", "b"):
-        staging = store.begin(ArtifactIdentity.simple(name), [TensorSpec("w", tensor.dtype, tuple(tensor.shape))])
+        staging = store.begin(ArtifactIdentity.simple(name), [StagedTensor("w", tensor.dtype, tuple(tensor.shape))])
         write_tensor(staging, "w", tensor)
         store.commit(staging)
 
@@ -108,7 +108,7 @@ def test_retired_bytes_of_a_publication_that_never_commits_are_deleted_or_left_f
 
 def _publish(store: Store, name: str, elements: int) -> str:
     tensor = torch.full((elements,), 1.0)
-    staging = store.begin(ArtifactIdentity.simple(name), [TensorSpec("w", tensor.dtype, tuple(tensor.shape))])
+    staging = store.begin(ArtifactIdentity.simple(name), [StagedTensor("w", tensor.dtype, tuple(tensor.shape))])
     write_tensor(staging, "w", tensor)
     return store.commit(staging).key
 

@@ -13,13 +13,13 @@ from hwr.client.errors import ArtifactNotFound
 from hwr.client.identity import ArtifactIdentity
 from hwr.daemon.store import fileio as store_io
 from hwr.daemon.store import root as store_module
-from hwr.daemon.store.root import Store, TensorSpec
+from hwr.daemon.store.root import StagedTensor, Store
 from hwr.daemon.store.staging import write_tensor
 
 
 def commit(store: Store, name: str, *, durable: bool, value: float = 1.0) -> str:
     tensors = {"w": torch.full((256,), value)}
-    staging = store.begin(ArtifactIdentity.simple(name), [TensorSpec("w", torch.float32, (256,))])
+    staging = store.begin(ArtifactIdentity.simple(name), [StagedTensor("w", torch.float32, (256,))])
     write_tensor(staging, "w", tensors["w"])
     return store.commit(staging, durable=durable).key
 

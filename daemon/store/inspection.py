@@ -1,4 +1,4 @@
-"""Metadata-level validation of a committed artifact directory, and its immutability fingerprint.
+"""Metadata inspection of a committed artifact directory (no payload byte read), and its fingerprint.
 
 ``inspect_artifact(path, key, euid)`` reads ``READY.json``, ``manifest.json`` and each payload's
 safetensors header through ``O_NOFOLLOW`` descriptors and checks: exact file set; regular files
