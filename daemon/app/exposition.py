@@ -25,7 +25,7 @@ __all__ = ["exposition"]
 
 def exposition(*, store: Store, registry: Registry, publications: Publications, metrics: Instruments,
                fleet: Fleet | None, channels: Channels | None = None) -> bytes:
-    records = store.artifacts()
+    records = store.records.artifacts()
     pubs = Counter("hwr_publications_total", "Publications finished, by outcome.", "outcome")
     pubs.inc("committed", publications.committed)
     pubs.inc("failed", publications.failed)

@@ -124,7 +124,7 @@ class Daemon:
                                     on_phase=self.metrics.observe_publication_phase, on_commit=self._committed)
         publications.memfd_staging = MemfdStagings(config.memfd_staging_max_bytes)
         self._publications = publications
-        channels = await asyncio.to_thread(Channels.open, root, store.is_volatile, store_service.lookup)
+        channels = await asyncio.to_thread(Channels.open, root, store.volatile.marked, store_service.lookup)
         self._channels = channels
         store_service.evictor.protected = channels.protects  # a channel's keys are never evicted
         publications.channels = channels
@@ -226,7 +226,7 @@ class Daemon:
 
     def status_line(self) -> str:
         """One line for sd_notify STATUS= (systemctl status shows it)."""
-        artifacts = len(self._store.artifacts()) if self._store is not None else 0
+        artifacts = len(self._store.records.artifacts()) if self._store is not None else 0
         return (f"serving: {artifacts} artifacts, {self.registry.lease_count()} leases, "
                 f"{len(self.registry.sessions())} sessions")
 
@@ -250,7 +250,7 @@ class Daemon:
     def _committed(self, key: str) -> None:
         # Push after publish (pulls excluded); a non-durable revision stays on this node: it is
         # gone at the next start, and superseded within seconds anyway.
-        if self._fleet is not None and not (self._store is not None and self._store.is_volatile(key)):
+        if self._fleet is not None and not (self._store is not None and self._store.volatile.marked(key)):
             self._fleet.committed(key)
 
     async def _on_session_end(self, session: Session) -> None:

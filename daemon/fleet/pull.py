@@ -303,7 +303,7 @@ class Puller:
                                               wait_timeout=self.wait_timeout,
                                               format_metadata=plan.format_metadata or None, overlap=plan.overlap)
         if begun.publication is None:  # present already, or a local publisher committed it first
-            return await asyncio.to_thread(self.store.lookup, key), "already_present"
+            return await asyncio.to_thread(self.store.records.lookup, key), "already_present"
         pub = begun.publication
         progress.enter("download")
         try:

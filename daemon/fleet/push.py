@@ -5,7 +5,7 @@ prewarm build; never a pull) gets a durable to-push record ``<root>/remote/push/
 file, created and its directory fsynced before the upload starts), then one upload::
 
     1. skip when the key is denied here, gone from the store, or complete in the remote already
-    2. each payload file, read through descriptors the store checked (``Store.open_payloads``)
+    2. each payload file, read through descriptors the store checked (``RecordCache.open_payloads``)
     3. manifest.json (the artifact's own canonical bytes)
     4. READY.json last: only now does the artifact exist for readers of the remote
     5. the to-push record is removed
@@ -181,14 +181,14 @@ class Pusher:
         if self.store.is_denied(key):
             raise ArtifactDenied(f"artifact {key[:16]} is denied on this node; it is not pushed",
                                  details={"key": key})
-        record = self.store.lookup(key)
+        record = self.store.records.lookup(key)
         name = self.remote.location.object_name
         if self.remote.exists(name(key, READY_FILE)):
             self._drop(key)
             return "already_present", 0
         manifest_bytes = record.manifest.to_json()
         sizes = {f.name: f.size for f in record.manifest.files}
-        fds = self.store.open_payloads(record)
+        fds = self.store.records.open_payloads(record)
         total = 0
         try:
             for file, fd in fds:

@@ -161,11 +161,11 @@ class Servicer(ChannelsRpc, RemoteRpc, StoreAdminRpc, CheckpointsMixin, Handlers
                 artifact=self._info(record), identity_json=record.identity_bytes, manifest_json=manifest,
                 tensors_json=tensors, tensor_count=count, next_tensor_offset=after,
                 remote_state=await self._remote_state(key) if not request.tensor_offset else "",
-                channels=self._channel_names(key), non_durable=self.c.store.is_volatile(key))
+                channels=self._channel_names(key), non_durable=self.c.store.volatile.marked(key))
         return pb.InspectArtifactResponse(
             artifact=self._info(record), identity_json=record.identity_bytes,
             manifest_json=catalog.manifest(record)[0], remote_state=await self._remote_state(key),
-            channels=self._channel_names(key), non_durable=self.c.store.is_volatile(key))
+            channels=self._channel_names(key), non_durable=self.c.store.volatile.marked(key))
 
     def _channel_names(self, key: str) -> list[str]:
         return self.c.channels.named(key) if self.c.channels is not None else []

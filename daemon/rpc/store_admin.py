@@ -88,12 +88,12 @@ class StoreAdminRpc(Handlers):
     async def AllowArtifact(self, request: pb.AllowArtifactRequest, context: Ctx) -> pb.AllowArtifactResponse:
         self._authorize(context, OPERATOR, "allow")
         key = await self.c.catalog.resolve(request.key)
-        was = self.c.store.deny_reason(key) is not None
-        await asyncio.to_thread(self.c.store.allow, key)
+        was = self.c.store.denylist.reason(key) is not None
+        await asyncio.to_thread(self.c.store.records.allow, key)
         # Re-validate now, so that ls and status list it again before anyone acquires it (one
         # that fails validation is denied again, for that reason).
         with contextlib.suppress(HwrError):
-            await asyncio.to_thread(self.c.store.lookup, key)
+            await asyncio.to_thread(self.c.store.records.lookup, key)
         return pb.AllowArtifactResponse(key=key, was_denied=was)
 
     @rpc

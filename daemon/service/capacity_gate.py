@@ -19,7 +19,7 @@ A publication takes the admission slot first and keeps it until ``finished``; it
 turn in the room queue without holding ``lock``; ``lock`` (an ``asyncio.Lock``) is held across
 one usage snapshot and the eviction round that follows it (``Evictor.round``, ``Evictor.evict``,
 ``StoreService.collect_garbage`` take it too), across thread hops that take only the store's own
-locks (the /proc scan, ``Store.retire``/``remove``, ``Purger.purge``). Nothing waits for the
+locks (the /proc scan, ``Retirement.retire``/``Store.remove``, ``Purger.purge``). Nothing waits for the
 admission slot or a room turn while holding ``lock``, and the pin lock (``Pinning``) is never
 taken under it, nor it under the pin lock.
 """
@@ -133,7 +133,7 @@ class CapacityGate:
     async def usage(self) -> Usage:
         """Committed + reserved bytes, never an undercount (may double count a commit in flight).
 
-        The committed bytes are the store's in-memory accounting (``Store.committed_bytes``:
+        The committed bytes are the store's in-memory accounting (``UsageLedger.total``:
         an artifact counts from the moment its rename into ``artifacts/`` is done until its rename
         out). The reservations are read BEFORE it: a publication renames its artifact into
         ``artifacts/`` first and drops its reservation afterwards (``finished``), so each of its
@@ -153,7 +153,7 @@ class CapacityGate:
         return Usage(committed, reserved, unallocated, free)
 
     def _disk_usage(self) -> tuple[int, int]:
-        committed = self.store.committed_bytes()
+        committed = self.store.usage.total()
         st = os.statvfs(self.store.root)
         return committed, st.f_bavail * st.f_frsize
 
@@ -163,7 +163,7 @@ class CapacityGate:
         their trash returned; the caller must ``purge_sync`` it before it writes anything (in the
         same worker hop as its staging), or, when ``purge_after_commit`` is True, may instead
         delete it once its commit's ``artifacts/`` fsync made the retirement durable
-        (``Store.delete_retired``: saves a directory fsync). That is allowed only for at most
+        (``Retirement.delete``: saves a directory fsync). That is allowed only for at most
         ``PURGE_AFTER_COMMIT_MAX_BYTES`` of trash and only when the filesystem keeps
         ``min_free_bytes`` free with the trash still on it: the store limit counts committed and
         reserved bytes (retired ones are neither), and the free-space floor then holds on the

@@ -139,10 +139,10 @@ class Catalog:
     def lookup_sync(self, key: str) -> ArtifactRecord:
         """For a key a lease already holds (the peer channel's descriptor request, off the
         await path): the cached record, else the store's full lookup in this thread."""
-        return self._gate.lookup_now(key) or self._store.lookup(key)
+        return self._gate.lookup_now(key) or self._store.records.lookup(key)
 
     def open_payloads(self, record: ArtifactRecord) -> list[int]:
-        return [fd for _name, fd in self._store.open_payloads(record)]
+        return [fd for _name, fd in self._store.records.open_payloads(record)]
 
     def manifest(self, record: ArtifactRecord) -> tuple[bytes, str]:
         cached = self._manifests.get(record.key)
@@ -155,7 +155,7 @@ class Catalog:
         return cached[1], cached[2]
 
     def deny_reason(self, key: str) -> str | None:
-        return self._store.deny_reason(key)
+        return self._store.denylist.reason(key)
 
     # ---------------------------------------------------------------- keys and listings
     async def resolve(self, prefix: str) -> str:
@@ -168,7 +168,7 @@ class Catalog:
 
     async def artifacts(self) -> list[ArtifactRecord]:
         """Every validated, not denied artifact, by key."""
-        return await asyncio.to_thread(self._store.artifacts)
+        return await asyncio.to_thread(self._store.records.artifacts)
 
     async def entries(self, include_denied: bool = False) -> list[Entry]:
         records = await self.artifacts()

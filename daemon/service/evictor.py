@@ -133,7 +133,7 @@ class Evictor:
                         break
                     popped.append(entry)
                     last, key = entry
-                    record = self.store.listed(key)
+                    record = self.store.records.listed(key)
                     if record is None:  # removed or denied since: it comes back through Recency.sync
                         lru.forget(key)
                         continue
@@ -206,7 +206,7 @@ class Evictor:
             for key in keys:
                 with contextlib.suppress(ArtifactNotFound):
                     if defer:
-                        trash.append(self.store.retire(key))
+                        trash.append(self.store.retirement.retire(key))
                     else:
                         self.store.remove(key)
                 done.append(key)
@@ -271,7 +271,7 @@ class Evictor:
         from hwr.daemon.store.inspection import inspect_artifact
 
         try:
-            return self.store.lookup(key)
+            return self.store.records.lookup(key)
         except HwrError:
             pass
         try:

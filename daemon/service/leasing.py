@@ -10,7 +10,7 @@ Acquire, step by step (nothing awaits between the eviction check and ``add_lease
 eviction round can mark the key in between):
 
 1. record = ``Catalog.lookup_now``: the cached validated record when the key is not being
-   evicted (no disk access, no thread hop: the trust argument is ``Store.cached``'s), else
+   evicted (no disk access, no thread hop: the trust argument is ``RecordCache.cached``'s), else
    ``await Catalog.lookup`` (validates from disk in a worker thread, waits out an eviction
    round, pulls a miss from the remote tier when one is configured). Who may start that pull
    is the publish role's decision (a pull stages and commits like a publication); anyone who

@@ -11,7 +11,7 @@ choose a pinned key.
 
 Lock order: ``_lock`` (an ``asyncio.Lock``, loop) serializes the residency's ``hold``/``drop``
 (``Residency`` has no lock of its own), held across the worker thread that runs them; under it
-only ``Store.open_payloads``. ``PinSet.save`` serializes itself (a ``threading.Lock`` in the
+only ``RecordCache.open_payloads``. ``PinSet.save`` serializes itself (a ``threading.Lock`` in the
 worker thread) and is never called under ``_lock``. The capacity lock (``CapacityGate``) is never
 taken under ``_lock``, nor ``_lock`` under it.
 """
@@ -61,10 +61,10 @@ class Pinning:
 
     async def hold_resident(self, key: str, record: ArtifactRecord | None = None) -> str:
         if record is None:
-            record = await asyncio.to_thread(self.store.lookup, key)
+            record = await asyncio.to_thread(self.store.records.lookup, key)
 
         def hold() -> str:
-            fds = self.store.open_payloads(record)
+            fds = self.store.records.open_payloads(record)
             try:
                 return self.residency.hold(key, [fd for _, fd in fds])
             finally:

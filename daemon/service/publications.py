@@ -167,7 +167,7 @@ class Publications:
 
     def _exists(self, key: str) -> bool:
         try:
-            self._store.lookup(key)
+            self._store.records.lookup(key)
         except ArtifactNotFound:
             return False
         return True
@@ -204,7 +204,7 @@ class Publications:
         waited = False
         while True:
             # Provably absent (not validated, not denied, no directory): no thread hop.
-            absent = self._store.absent_now(key)
+            absent = self._store.records.absent_now(key)
             if not absent and await asyncio.to_thread(self._exists, key):
                 if channel is not None and self.channels is not None:
                     await self.channels.set(channel, key, set_by="publication", check=True)
@@ -246,7 +246,7 @@ class Publications:
                     self._gate.purge_sync(ticket.take_trash())
                 source = self._open_reuse(reuse_base, reuse, specs) if reuse_base and reuse else None
                 try:
-                    return self._store.begin(identity, specs, format_metadata=format_metadata,
+                    return self._store.installer.begin(identity, specs, format_metadata=format_metadata,
                                              max_file_bytes=max_file_bytes), source
                 except BaseException:
                     if source is not None:
@@ -272,8 +272,8 @@ class Publications:
         (evicted, denied): the writer then writes every tensor. A request that names tensors
         the base does not have as specified is ``InvalidRequest``."""
         try:
-            record = self._store.lookup(base)
-            fds = self._store.open_payloads(record)
+            record = self._store.records.lookup(base)
+            fds = self._store.records.open_payloads(record)
         except InvalidRequest:
             raise
         except HwrError:
@@ -387,7 +387,7 @@ class Publications:
                 for fd in opened.values():
                     os.close(fd)
                 return False, exc
-            record = self._store.commit(  # closes ``opened``
+            record = self._store.installer.commit(  # closes ``opened``
                 pub.staging, expected_tensor_sha256=dict(expected) or None, trusted_digests=trusted_digests,
                 opened=opened, durable=pub.durable, prehashed=prehashed)
             ticket = pub.ticket
@@ -436,7 +436,7 @@ class Publications:
                 # The abort truncates the staging files: never under a file hwrd still hashes
                 # (through a mapping, a truncated page is a SIGBUS) or copies reused bytes into.
                 await asyncio.wait([asyncio.shield(f) for f in pub.prehashed.values()])
-            await asyncio.to_thread(self._store.abort, pub.staging)
+            await asyncio.to_thread(self._store.installer.abort, pub.staging)
         finally:
             self._finish(pub, PubState.ABORTED)
         return True

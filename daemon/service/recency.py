@@ -41,8 +41,8 @@ class Recency:
     def sync(self) -> None:
         """Note the artifacts validated since the last call (all of them at the first) in the
         LRU index, at their recorded last use or else their creation time."""
-        for key in self._store.take_added():
-            record = self._store.listed(key)
+        for key in self._store.records.take_added():
+            record = self._store.records.listed(key)
             if record is not None:
                 self.lru.note(key, self.access.get(key, record.created_at))
 

@@ -47,7 +47,7 @@ class Scrubber:
         """Verify every artifact at the configured bandwidth cap; returns the keys found corrupt."""
         rate = self.config.scrub_bandwidth_mib_s * (1 << 20)
         bad = []
-        for record in await asyncio.to_thread(self.store.artifacts):
+        for record in await asyncio.to_thread(self.store.records.artifacts):
             started = time.monotonic()
 
             def throttle(done: int, _total: int, started: float = started) -> None:

@@ -164,16 +164,16 @@ class StoreService:
     # ------------------------------------------------------------------ acquire gate
     def lookup_now(self, key: str) -> ArtifactRecord | None:
         """The cached validated record when ``key`` can be leased right now without waiting or
-        touching the disk (``Store.cached``), else None: then await ``lookup``."""
-        return None if key in self.evicting else self.store.cached(key)
+        touching the disk (``RecordCache.cached``), else None: then await ``lookup``."""
+        return None if key in self.evicting else self.store.records.cached(key)
 
     async def lookup(self, key: str) -> ArtifactRecord:
-        """``Store.lookup`` that waits while ``key`` is being evicted. No await follows the final
+        """``RecordCache.lookup`` that waits while ``key`` is being evicted. No await follows the final
         check, so the caller's ``add_lease`` runs before any later eviction round can mark it."""
-        record = await asyncio.to_thread(self.store.lookup, key)
+        record = await asyncio.to_thread(self.store.records.lookup, key)
         while key in self.evicting:
             await self._settled.wait()
-            record = await asyncio.to_thread(self.store.lookup, key)
+            record = await asyncio.to_thread(self.store.records.lookup, key)
         return record
 
     # ------------------------------------------------------------------ eviction marks (read by lookup)
@@ -196,7 +196,7 @@ class StoreService:
 
     def purge_sync(self, trash: list[Path]) -> None:
         """Delete retired artifacts' bytes now, in the calling (worker) thread (one directory
-        fsync at most for the lot: ``Store.delete_retired``)."""
+        fsync at most for the lot: ``Retirement.delete``)."""
         self.purger.purge_sync(trash)
 
     def allocated(self, ticket: Ticket) -> None:

@@ -83,7 +83,7 @@ class ArtifactRecord:
     @functools.cached_property
     def guard_fingerprints(self) -> tuple[Fingerprint, ...]:
         """``fingerprints`` minus the payload files: the directory, ``READY.json`` and
-        ``manifest.json`` (the cheap guard of ``Store.cached``; computed once per record)."""
+        ``manifest.json`` (the cheap guard of ``RecordCache.cached``; computed once per record)."""
         payloads = set(self.files)
         return tuple(fp for fp in self.fingerprints if fp not in payloads)
 

@@ -96,7 +96,7 @@ class ReuseSource:
 def open_reuse(record: ArtifactRecord, fds: Sequence[tuple[str, int]], names: Sequence[str],
                specs: Mapping[str, StagedTensor]) -> ReuseSource:
     """The ``ReuseSource`` of ``names`` in the base ``record`` whose payloads are ``fds`` (from
-    ``Store.open_payloads``; taken: closed by the source, or here on failure). Raises
+    ``RecordCache.open_payloads``; taken: closed by the source, or here on failure). Raises
     ``InvalidRequest`` for a name the new publication does not have, or whose dtype or shape
     differ from the base's."""
     source = ReuseSource(record.key, {}, {}, {}, {}, {}, dict(fds))

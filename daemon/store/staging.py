@@ -229,7 +229,7 @@ class ProducerDigests:
     """SHA-256 digests that a daemon-owned producer computed while it wrote a staging.
 
     ``files``: payload file name -> digest of the whole file; ``tensors``: tensor name -> digest
-    of its bytes. ``Store.commit(trusted_digests=...)`` then builds the manifest from them
+    of its bytes. ``Installer.commit(trusted_digests=...)`` then builds the manifest from them
     instead of re-reading and re-hashing every payload byte.
 
     Trust argument: only daemon-owned writers report these, never a client:
@@ -281,7 +281,7 @@ def write_tensor(staging: Staging, name: str, tensor: torch.Tensor, fd: int | No
     file_name, offset, nbytes = staging.placements[name]
     if nbytes == 0:
         return
-    import torch  # only writers that hold tensors call this (producers, store.publish in tests)
+    import torch  # only writers that hold tensors call this (producers, store.installer.publish in tests)
 
     raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
     own = fd is None

@@ -21,7 +21,7 @@ MIB = 1 << 20
 def staged(store: Store, name: str, files: int = 3) -> tuple[object, dict[str, torch.Tensor]]:
     tensors = {f"t{i}": torch.arange(i * MIB, (i + 1) * MIB, dtype=torch.float32) for i in range(files)}
     specs = [StagedTensor(n, torch.float32, tuple(t.shape)) for n, t in tensors.items()]
-    staging = store.begin(ArtifactIdentity.simple(name), specs, max_file_bytes=4 * MIB)
+    staging = store.installer.begin(ArtifactIdentity.simple(name), specs, max_file_bytes=4 * MIB)
     assert len(staging.plans) == files
     for n, t in tensors.items():
         write_tensor(staging, n, t)
@@ -33,7 +33,7 @@ def test_prehashed_files_are_committed_with_the_digests_of_a_full_hash(tmp_path:
         staging, _ = staged(store, "m/pre")
         done = {d.name: d for d in (prehash(staging, i) for i in (0, 2)) if d is not None}
         assert sorted(done) == [staging.plans[0].name, staging.plans[2].name]
-        record = store.commit(staging, opened={n: d.fd for n, d in done.items()}, prehashed=done)
+        record = store.installer.commit(staging, opened={n: d.fd for n, d in done.items()}, prehashed=done)
         assert store.verify(record.key).key == record.key  # every digest re-hashed: they agree
         for name, d in done.items():  # taken and closed by the commit
             with pytest.raises(OSError):
@@ -51,7 +51,7 @@ def test_a_file_changed_after_it_was_hashed_fails_the_commit(tmp_path: Path) -> 
         os.pwrite(fd, b"\x01", plan.size - 1)
         os.close(fd)
         with pytest.raises(ManifestCorrupt):
-            store.commit(staging, opened={done.name: done.fd}, prehashed={done.name: done})
+            store.installer.commit(staging, opened={done.name: done.fd}, prehashed={done.name: done})
 
 
 def test_a_file_someone_still_holds_is_not_hashed_early(tmp_path: Path) -> None:
@@ -62,7 +62,7 @@ def test_a_file_someone_still_holds_is_not_hashed_early(tmp_path: Path) -> None:
             assert prehash(staging, 0) is None
         finally:
             os.close(held)
-        store.abort(staging)
+        store.installer.abort(staging)
 
 
 def test_the_layout_of_a_publication_hashed_while_written_is_a_function_of_its_size() -> None:
@@ -81,11 +81,12 @@ def test_a_remote_node_re_plans_the_layout_of_a_revision_hashed_while_written(tm
     specs = [StagedTensor(f"blocks.{i}.w", torch.float32, (8 * MIB // 4,)) for i in range(10)]  # 80 MiB
     with Store.open(tmp_path / "store") as store:
         total = sum(8 * MIB for _ in specs)
-        staging = store.begin(ArtifactIdentity.simple("m/remote"), specs, max_file_bytes=overlap_file_bytes(total))
+        staging = store.installer.begin(ArtifactIdentity.simple("m/remote"), specs,
+                                        max_file_bytes=overlap_file_bytes(total))
         assert len(staging.plans) > 1
         for spec in specs:
             write_tensor(staging, spec.name, torch.ones(spec.shape))
-        record = store.commit(staging, durable=False)
+        record = store.installer.commit(staging, durable=False)
         directory = tmp_path / "store" / "artifacts" / record.key
         plan = plan_from_documents(record.key, (directory / READY_FILE).read_bytes(),
                                    (directory / MANIFEST_FILE).read_bytes(), "file:///remote")

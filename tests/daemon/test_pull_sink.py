@@ -98,7 +98,7 @@ def _remote_with_artifact(tmp: Path) -> tuple[FileRemote, str]:
     """A file:// remote laid out as hwrd pushes, holding one artifact a real store published."""
     with Store.open(tmp / "origin") as origin:
         tensors = {"w": torch.arange(300_000, dtype=torch.float32), "b": torch.ones(4096, dtype=torch.bfloat16)}
-        record = origin.publish(ArtifactIdentity.simple("sink/pull"), tensors)
+        record = origin.installer.publish(ArtifactIdentity.simple("sink/pull"), tensors)
         shutil.copytree(origin.root / "artifacts" / record.key, tmp / "remote" / "artifacts" / record.key)
     return FileRemote(parse_location(f"file://{tmp / 'remote'}")), record.key
 
