@@ -72,7 +72,7 @@ def _worker_build(tmp: Path, store: Store, options: dict, keep_fp32: bool = Fals
     outputs = producer.plan([base.SourceTensor(e.name, e.dtype, e.shape) for e in header.entries], 0)
     specs = [StagedTensor(o.name, o.dtype, o.shape) for o in outputs]
     staging = store.installer.begin(ArtifactIdentity.simple(f"digests-{json.dumps(options, sort_keys=True)}"), specs,
-                          max_file_bytes=1200)  # several payload files, mixed item sizes
+                                    max_file_bytes=1200)  # several payload files, mixed item sizes
     fds = {name: os.open(path, os.O_RDWR) for name, path, _size in staging.files}
     st = os.fstat(src_fd)
     job = {"producer": "cast", "options": options, "rank": 0,

@@ -41,4 +41,4 @@ def test_received_descriptors_are_close_on_exec(hwrd: DaemonProcess) -> None:
             client._connection.exchange({"op": "release", "lease_id": reply["lease_id"]}, want_fds=False)
             with contextlib.suppress(HwrError):
                 client._connection.exchange({"op": "publish_abort", "publication_id": staged["publication_id"]},
-                                      want_fds=False)
+                                            want_fds=False)

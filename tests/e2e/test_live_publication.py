@@ -77,7 +77,7 @@ def test_a_writer_that_keeps_a_handed_over_file_cannot_commit(shared_hwrd: Daemo
             # hwrd hands out no writable descriptor of a publication with handed-over files
             with pytest.raises(PublicationFailed):
                 client._connection.exchange({"op": "staging_fds", "publication_id": pub._publication_id,
-                                       "publication_token": pub._token}, want_fds=True)
+                                             "publication_token": pub._token}, want_fds=True)
             with pytest.raises(PublicationFailed) as refused:
                 pub.commit()
             assert "still holds" in refused.value.message

@@ -73,7 +73,7 @@ def test_a_leasing_client_never_opens_grpc_and_its_leases_are_the_rpc_leases(lea
                 pb.ReleaseRequest(lease_id=by_identity.lease_id), metadata=client._connection.metadata, timeout=20)
         assert released.released is True
         assert client._connection.exchange({"op": "release", "lease_id": by_identity.lease_id},
-                                     want_fds=False)[0] == {"ok": True, "released": False}
+                                           want_fds=False)[0] == {"ok": True, "released": False}
         by_identity.close()
         assert client.status()["version"]  # a control call opens the channel lazily
         assert client._connection.channel is not None
