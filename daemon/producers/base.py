@@ -115,7 +115,8 @@ def row_blocks(shape: Sequence[int], itemsize: int, budget: int | None = None) -
 
 
 class ArtifactProducer(ABC):
-    """A deterministic transform; subclasses set ``name``/``version`` and implement the rest."""
+    """A deterministic transform; subclasses set ``name``/``version`` and implement the rest.
+    Daemon-side (prewarm); not ``hwr.client.resolver.Producer``, a client's in-process producer."""
 
     name: ClassVar[str]
     version: ClassVar[str]

@@ -298,6 +298,7 @@ class Store:
         return self.reaper.sweep() + recovery.reclaim_trash(self.root / "tmp", live)
 
     def staging_entries(self) -> list[str]:
+        """Names in ``tmp/`` (open stagings and trash), sorted; one ``listdir``."""
         return sorted(os.listdir(self.root / "tmp"))
 
     # ----------------------------------------------------------------- deny and remove

@@ -64,7 +64,9 @@ def overlap_file_bytes(total: int) -> int | None:
 
 @dataclass(frozen=True)
 class StagedTensor:
-    """What one tensor of an artifact will be. ``dtype``: torch dtype, ``"BF16"`` or ``"torch.bfloat16"``."""
+    """One tensor to stage: what it will be in the artifact (name, dtype, shape, kind, role), no
+    bytes. ``dtype``: torch dtype, ``"BF16"`` or ``"torch.bfloat16"``. Not the client's
+    ``hwr.client.publisher.TensorSpec`` (a publisher's wire form of the same facts)."""
 
     name: str
     dtype: torch.dtype | str
