@@ -32,8 +32,11 @@ collaborators directly (``store.records.lookup(key)``, ``store.installer.commit(
                   at the next open
 ``writer_bounds`` ``store.reaper``, ``StagingReaper``: discarded stagings a writer still holds
 
-Keys: every method (here or on a collaborator) that turns a caller's key into a path checks it
-(``records.check_key``: ``InvalidRequest`` unless 64 lowercase hex digits).
+Keys: the methods that act on a caller's key (``records.lookup``, ``records.allow``,
+``retirement.retire``, and ``verify``, ``deny``, ``is_denied`` here) check it
+(``records.check_key``: ``InvalidRequest`` unless 64 lowercase hex digits); the cheap reads
+(``records.listed``, ``records.cached``, ``records.absent_now``, ``denylist.reason``) expect a
+key its caller already checked.
 
 Publication steps (``FAULT_HOOK`` is called with each name of ``PUBLICATION_STEPS``, in order)
 are described in ``installer``. A crash before the rename leaves only staging (wiped at the
