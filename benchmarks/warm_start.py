@@ -233,7 +233,7 @@ def worker_hwr_breakdown(spec: dict[str, Any]) -> dict[str, Any]:
     t = time.perf_counter()
     client = hc.connect(spec["socket"])
     lap("connect() as a whole (after the above)")
-    reply, fds, tail = client._peer_exchange({"op": "acquire", "key": spec["key"]}, want_fds=True)
+    reply, fds, tail = client._connection.exchange({"op": "acquire", "key": spec["key"]}, want_fds=True)
     lap("peer acquire: lease + descriptors + manifest bytes (one exchange)")
     manifest = Manifest.from_json(tail)
     lap("manifest parse + validation (first time in a process; cached after)")
@@ -256,7 +256,7 @@ def worker_hwr_breakdown(spec: dict[str, Any]) -> dict[str, Any]:
     del maps
     t = time.perf_counter()
     lease = Lease(lease_id=reply["lease_id"], key=reply["key"], manifest=manifest, fds=fds,
-                  release=client._release)
+                  release=client._acquirer.release)
     lap("Lease() as a whole (after the above)")
     t_rel = time.perf_counter()
     lease.close()
@@ -390,7 +390,7 @@ def worker_lease_pool(spec: dict[str, Any]) -> dict[str, Any]:
                 common.wait_until(start + i * interval)
             t0 = clock()
             if ping:  # the floor: one bare round trip on the same socket, answered inline
-                client._peer_exchange({"op": "ping"}, want_fds=False)
+                client._connection.exchange({"op": "ping"}, want_fds=False)
                 t1 = t2 = clock()
             else:
                 lease = client.acquire(key)

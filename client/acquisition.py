@@ -1,9 +1,9 @@
-"""Leases from hwrd: acquire on the peer channel, checkpoint leases, reattach after a reconnect.
+"""Leases from hwrd: acquire on the peer channel, and reattach after a reconnect.
 
-An ``Acquirer`` turns an identity or key into a ``Lease`` (one peer request and one reply: the
-lease id, the manifest and the payload descriptors, see ``hwr.daemon.peer.channel``), leases registered
-checkpoints (``acquire_checkpoint``: the Acquire RPC, then the descriptors on the peer channel),
-and keeps the table of open leases that a reconnect reattaches.
+An ``Acquirer`` turns an identity, key or channel name into a ``Lease`` (one peer request and one
+reply: the lease id, the manifest and the payload descriptors, see ``hwr.daemon.peer.channel``),
+and keeps the table of open leases that a reconnect reattaches. Checkpoint leases
+(``Client.acquire_checkpoint``) are not in that table: they are never reattached.
 
 Two per-process manifest caches make a repeated lease of one artifact cheap: ``_MANIFESTS``
 (key -> digest and parsed manifest: the request says which manifest this process holds, and the
@@ -52,10 +52,8 @@ from hwr.client.errors import DaemonUnavailable, DeadlineExceeded, HwrError, Inv
 from hwr.client.identity import ArtifactIdentity, is_key
 from hwr.client.manifest import Manifest
 from hwr.client.wire import close_fds
-from hwr.protos.hwr.v1 import hwr_pb2 as pb
 
 if TYPE_CHECKING:  # the lease modules import torch: only the calls that build tensors load them
-    from hwr.client.checkpoint_lease import CheckpointLease
     from hwr.client.connection import Connection, ReattachReport
     from hwr.client.lease import Lease
 
@@ -226,23 +224,6 @@ class Acquirer:
         if not self._connection.active:
             return
         self._connection.exchange({"op": "release", "lease_id": lease_id}, want_fds=False)
-
-    def acquire_checkpoint(self, checkpoint_id: str, *, populate: bool = False,
-                           timeout: float | None = None) -> CheckpointLease:
-        """Lease the canonical tensors of a registered checkpoint (id or unique prefix)."""
-        ref = pb.ArtifactRef(checkpoint=pb.CheckpointRef(checkpoint_id=checkpoint_id))
-        response: pb.AcquireResponse = self._connection.call("Acquire", pb.AcquireRequest(artifact=ref), timeout)
-        try:
-            _reply, fds, _tail = self._connection.exchange(
-                {"op": "fds", "lease_id": response.lease_id, "lease_token": response.lease_token}, want_fds=True)
-        except BaseException:
-            self.release(response.lease_id)
-            raise
-        from hwr.client.checkpoint_lease import CheckpointLease
-
-        return CheckpointLease(lease_id=response.lease_id, checkpoint_id=response.key,
-                               files=[(f.name, f.size) for f in response.files], fds=fds,
-                               release=self.release, populate=populate)
 
     def any_open(self) -> bool:
         """Whether a lease of this table is still open (the reconnect watcher runs while so)."""

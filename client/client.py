@@ -18,11 +18,16 @@ Contract:
 - Thread safety: calls may be made from several threads; peer-channel exchanges are serialized.
 
 How it is built: ``Client`` is the one class users get, composed of a ``Connection`` (sockets,
-session, reconnect, fork: ``hwr.client.connection``), an ``Acquirer`` (leases and their reattach:
-``hwr.client.acquisition``) and ``Publications`` (``hwr.client.publications``); the control RPCs
-come from its base ``AdminCalls`` (``hwr.client.admin``). The lock order is written in
-``Connection.__init__``; the collaborators add only ``Publications``' own lock, never held while
-another is taken.
+session, reconnect, fork: ``hwr.client.connection``), an ``Acquirer`` (the table of open leases
+and their reattach: ``hwr.client.acquisition``) and ``SessionPublications`` (the publishers this
+session started: ``hwr.client.session_publications``); the control RPCs come from its bases
+``AdminCalls`` (``hwr.client.admin``) and ``ChannelCalls`` (``hwr.client.channel_calls``).
+``publish`` (a streaming ``Publisher`` fed from a mapping, reusing a channel's unchanged tensors)
+and ``acquire_checkpoint`` (one RPC and one descriptor exchange; checkpoint leases are not
+reattached) are written here. Tests and tools that need the wire reach the collaborators
+(``client._connection.exchange``, ``client._acquirer.peer_acquire``). The lock order is written
+in ``Connection.__init__``; the collaborators add only ``SessionPublications``' own lock, never
+held while another is taken.
 """
 
 from __future__ import annotations
@@ -37,21 +42,18 @@ from hwr.client.acquisition import Acquirer, PullProgress
 from hwr.client.admin import AdminCalls
 from hwr.client.channel_calls import ChannelCalls
 from hwr.client.connection import Connection, ReattachReport
-from hwr.client.errors import ChannelNotFound
+from hwr.client.errors import ChannelNotFound, InvalidRequest
 from hwr.client.paths import default_socket
-from hwr.client.publications import Publications
+from hwr.client.session_publications import SessionPublications
+from hwr.protos.hwr.v1 import hwr_pb2 as pb
 
 if TYPE_CHECKING:  # torch is imported only by the calls that build tensors (hwrctl never does)
-    import grpc
     import torch
-    from google.protobuf.message import Message
 
     from hwr.client.checkpoint_lease import CheckpointLease
     from hwr.client.identity import ArtifactIdentity
     from hwr.client.lease import Lease
-    from hwr.client.manifest import Manifest
     from hwr.client.publisher import Publisher, TensorSpec
-    from hwr.protos.hwr.v1 import hwr_pb2_grpc
 
 __all__ = ["Client", "connect"]
 
@@ -69,7 +71,7 @@ class Client(ChannelCalls, AdminCalls):
         self._connection = Connection(socket_path, timeout=timeout, client_name=client_name)
         self._acquirer = Acquirer(self._connection)
         self._connection.reattach = self._acquirer.reattach
-        self._publications = Publications(self._connection)
+        self._publications = SessionPublications(self._connection)
 
     # the session ----------------------------------------------------------------------------
     @property
@@ -142,8 +144,22 @@ class Client(ChannelCalls, AdminCalls):
 
     def acquire_checkpoint(self, checkpoint_id: str, *, populate: bool = False,
                            timeout: float | None = None) -> CheckpointLease:
-        """Lease the canonical tensors of a registered checkpoint (id or unique prefix)."""
-        return self._acquirer.acquire_checkpoint(checkpoint_id, populate=populate, timeout=timeout)
+        """Lease the canonical tensors of a registered checkpoint (id or unique prefix): the
+        ``Acquire`` RPC, then its descriptors on the peer channel (released again when that
+        fails). Not reattached after a reconnect."""
+        ref = pb.ArtifactRef(checkpoint=pb.CheckpointRef(checkpoint_id=checkpoint_id))
+        response: pb.AcquireResponse = self._connection.call("Acquire", pb.AcquireRequest(artifact=ref), timeout)
+        try:
+            _reply, fds, _tail = self._connection.exchange(
+                {"op": "fds", "lease_id": response.lease_id, "lease_token": response.lease_token}, want_fds=True)
+        except BaseException:
+            self._acquirer.release(response.lease_id)
+            raise
+        from hwr.client.checkpoint_lease import CheckpointLease
+
+        return CheckpointLease(lease_id=response.lease_id, checkpoint_id=response.key,
+                               files=[(f.name, f.size) for f in response.files], fds=fds,
+                               release=self._acquirer.release, populate=populate)
 
     # publication ----------------------------------------------------------------------------
     def publisher(self, identity: ArtifactIdentity, specs: Sequence[TensorSpec], *,
@@ -171,8 +187,10 @@ class Client(ChannelCalls, AdminCalls):
         ``reuse_unchanged`` (the default), tensors byte-equal to the channel's current revision
         are not written again: hwrd takes them from that revision (``hwr.client.revision_diff``,
         ``hwr.daemon.store.reuse``); the result is the same artifact either way."""
+        if not tensors:
+            raise InvalidRequest("nothing to publish")
         base = None
-        if channel is not None and reuse_unchanged and tensors:
+        if channel is not None and reuse_unchanged:
             try:
                 base = self.acquire_channel(channel)
             except ChannelNotFound:
@@ -184,10 +202,15 @@ class Client(ChannelCalls, AdminCalls):
 
                 digests = {t.name: t.sha256 for t in base.manifest.tensors}
                 reuse = {name: digests[name] for name in unchanged(tensors, base)}
-            return self._publications.publish(identity, tensors, buffers=buffers, wait_timeout=wait_timeout,
-                                              verify=verify, channel=channel, durable=durable,
-                                              reuse_base=base.key if base is not None and reuse else None,
-                                              reuse=reuse)
+            from hwr.client.publisher import specs_for
+
+            with self.publisher(identity, specs_for(dict(tensors), buffers), wait_timeout=wait_timeout,
+                                verify=verify, channel=channel, durable=durable,
+                                reuse_base=base.key if base is not None and reuse else None, reuse=reuse) as pub:
+                if pub.staged:
+                    for name in pub.write_order(tensors):
+                        pub.write(name, tensors[name])
+                return pub.commit()
         finally:
             if base is not None:
                 base.close()
@@ -212,34 +235,3 @@ class Client(ChannelCalls, AdminCalls):
 
     def __repr__(self) -> str:
         return f"Client(socket={str(self.socket_path)!r}, closed={self._connection.closed})"
-
-    # plumbing: the connection's and acquirer's calls under the names tests and tools use ------
-    @property
-    def _channel(self) -> grpc.Channel | None:
-        return self._connection.channel
-
-    @property
-    def _stub(self) -> hwr_pb2_grpc.HostWeightRuntimeStub:
-        return self._connection.stub
-
-    @property
-    def _token(self) -> str:
-        return self._connection.token
-
-    @property
-    def _metadata(self) -> tuple[tuple[str, str], ...]:
-        return self._connection.metadata
-
-    def _call(self, method: str, request: Message, timeout: float | None = None) -> Any:
-        return self._connection.call(method, request, timeout)
-
-    def _peer_exchange(self, request: dict[str, Any], *, want_fds: bool,
-                       timeout: float | None = None) -> tuple[dict[str, Any], list[int], bytes]:
-        return self._connection.exchange(request, want_fds=want_fds, timeout=timeout)
-
-    def _peer_acquire(self, key: str, identity: bytes | None = None,
-                      deadline: float | None = None) -> tuple[str, str, Manifest, list[int]]:
-        return self._acquirer.peer_acquire(key, identity, deadline)
-
-    def _release(self, lease_id: str) -> None:
-        self._acquirer.release(lease_id)

@@ -66,8 +66,8 @@ from hwr.daemon.service.recency import AccessTimes, Recency
 from hwr.daemon.service.roles import Roles, roles_from
 from hwr.daemon.service.scrubber import Scrubber
 from hwr.daemon.service.sessions import Registry, Session
-from hwr.daemon.store.memfd_staging import MemfdStagings
 from hwr.daemon.store.root import Store
+from hwr.daemon.store.writer_bounds import MemfdStagings
 from hwr.daemon.system import fsguard
 from hwr.daemon.system.activation import Assignment, GrpcRelay, private_grpc_path
 from hwr.daemon.system.config import DaemonConfig
@@ -300,7 +300,7 @@ class Daemon:
     def _committed(self, key: str) -> None:
         # Push after publish (pulls excluded); a non-durable revision stays on this node: it is
         # gone at the next start, and superseded within seconds anyway.
-        if self._fleet is not None and not (self._store is not None and self._store.is_volatile(key)):
+        if self._fleet is not None and not (self._store is not None and self._store.volatile.marked(key)):
             self._fleet.committed(key)
 
     async def _on_session_end(self, session: Session) -> None:

@@ -29,7 +29,7 @@ from hwr.client.errors import HwrError
 
 if TYPE_CHECKING:
     from hwr.daemon.service.catalog import Waiter
-    from hwr.daemon.store.validation import ArtifactRecord
+    from hwr.daemon.store.inspection import ArtifactRecord
 
 __all__ = ["REMOTE_PHASES", "PullProgress"]
 

@@ -67,7 +67,7 @@ from hwr.client.manifest import MANIFEST_FILE, READY_FILE, Manifest, ReadyMarker
 from hwr.daemon.fleet.progress import PullProgress
 from hwr.daemon.fleet.remote import RemoteObjectInvalid, RemoteStore
 from hwr.daemon.fleet.sink import DownloadSink
-from hwr.daemon.store.staging import ProducerDigests, TensorSpec, overlap_file_bytes, plan_payloads
+from hwr.daemon.store.staging import ProducerDigests, StagedTensor, overlap_file_bytes, plan_payloads
 
 if TYPE_CHECKING:
     from hwr.daemon.service.catalog import ArtifactRecord, Catalog
@@ -83,7 +83,7 @@ class RemotePlan:
     """What step 4 accepted: the manifest, the specs that re-plan its layout, the files to fetch."""
 
     manifest: Manifest
-    specs: tuple[TensorSpec, ...]
+    specs: tuple[StagedTensor, ...]
     files: tuple[tuple[str, int], ...]  # (name, size) in the manifest's order
     format_metadata: dict[str, Any]
     overlap: bool = False  # laid out in several files (``staging.overlap_file_bytes``)
@@ -116,7 +116,7 @@ def plan_from_documents(key: str, ready: bytes, manifest_bytes: bytes | None, re
         raise refuse(f"its manifest names another identity ({manifest.key[:16]})")
     if manifest.artifact_content_sha256 != marker.artifact_content_sha256:
         raise refuse("READY.json and manifest.json disagree on the content digest")
-    specs = tuple(TensorSpec(t.name, t.dtype, tuple(t.shape), kind=t.kind, role=t.role)  # type: ignore[arg-type]
+    specs = tuple(StagedTensor(t.name, t.dtype, tuple(t.shape), kind=t.kind, role=t.role)  # type: ignore[arg-type]
                   for t in manifest.tensors)
     total = sum(t.nbytes for t in manifest.tensors)
     for overlap in (False, True):

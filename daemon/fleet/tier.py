@@ -36,7 +36,7 @@ from hwr.daemon.fleet.remote import RemoteEntry, RemoteLocation, RemoteStore, op
 if TYPE_CHECKING:
     from hwr.daemon.service.catalog import Catalog, MissPolicy
     from hwr.daemon.service.publishing import Publishing
-    from hwr.daemon.store.validation import ArtifactRecord
+    from hwr.daemon.store.inspection import ArtifactRecord
     from hwr.daemon.system.config import DaemonConfig
 
 __all__ = ["PULL_OUTCOMES", "PUSH_OUTCOMES", "Fleet", "location_of"]

@@ -53,8 +53,8 @@ if TYPE_CHECKING:  # the worker's side: blocks.py imports torch
 __all__ = [
     "BLOCK_BYTES",
     "DTYPE_ALIASES",
+    "ArtifactProducer",
     "OutputTensor",
-    "Producer",
     "SourceTensor",
     "row_blocks",
 ]
@@ -114,8 +114,9 @@ def row_blocks(shape: Sequence[int], itemsize: int, budget: int | None = None) -
         yield start, min(rows, start + step)
 
 
-class Producer(ABC):
-    """A deterministic transform; subclasses set ``name``/``version`` and implement the rest."""
+class ArtifactProducer(ABC):
+    """A deterministic transform; subclasses set ``name``/``version`` and implement the rest.
+    Daemon-side (prewarm); not ``hwr.client.resolver.Producer``, a client's in-process producer."""
 
     name: ClassVar[str]
     version: ClassVar[str]
@@ -124,7 +125,7 @@ class Producer(ABC):
 
     @classmethod
     @abstractmethod
-    def from_options(cls, options: Mapping[str, Any]) -> Producer: ...
+    def from_options(cls, options: Mapping[str, Any]) -> ArtifactProducer: ...
 
     @abstractmethod
     def options(self) -> dict[str, Any]:

@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 from hwr.client.identity import ArtifactIdentity, SourceIdentity
 from hwr.client.wire import close_fds
 from hwr.daemon.checkpoints.registry import Checkpoint, Checkpoints
-from hwr.daemon.producers import Producer, SourceTensor
+from hwr.daemon.producers import ArtifactProducer, SourceTensor
 from hwr.daemon.producers.runner import run_job
-from hwr.daemon.store.staging import ProducerDigests, Staging, TensorSpec
+from hwr.daemon.store.staging import ProducerDigests, StagedTensor, Staging
 
 if TYPE_CHECKING:
     from hwr.daemon.service.catalog import Catalog
@@ -58,7 +58,7 @@ def source_identity(ckpt: Checkpoint) -> SourceIdentity:
     return SourceIdentity(ckpt.model_id, ckpt.revision, f"hwr-checkpoint:{ckpt.checkpoint_id}")
 
 
-def checkpoint_identity(ckpt: Checkpoint, producer: Producer, rank: int) -> ArtifactIdentity:
+def checkpoint_identity(ckpt: Checkpoint, producer: ArtifactProducer, rank: int) -> ArtifactIdentity:
     return producer.identity(source_identity(ckpt), rank)
 
 
@@ -72,7 +72,7 @@ async def build_rank(
     publications: Publishing,
     catalog: Catalog,
     ckpt: Checkpoint,
-    producer: Producer,
+    producer: ArtifactProducer,
     rank: int,
     timeout: float,
     wait_timeout: float,
@@ -86,7 +86,7 @@ async def build_rank(
     checkpoints.check(ckpt)
     outputs = producer.plan(source_tensors(ckpt), rank)
     identity = checkpoint_identity(ckpt, producer, rank)
-    specs = [TensorSpec(o.name, o.dtype, o.shape, kind=o.kind, role=o.role) for o in outputs]  # type: ignore[arg-type]
+    specs = [StagedTensor(o.name, o.dtype, o.shape, kind=o.kind, role=o.role) for o in outputs]  # type: ignore[arg-type]
     begun = await publications.begin(None, identity, specs, wait_timeout=wait_timeout)
     if begun.publication is None:
         record = await asyncio.to_thread(catalog.lookup_sync, begun.key)
@@ -114,7 +114,7 @@ async def build_rank(
                          int(done.get("peak_rss_bytes", 0)), time.monotonic() - started)
 
 
-def _job(checkpoints: Checkpoints, ckpt: Checkpoint, producer: Producer, rank: int, staging: Staging,
+def _job(checkpoints: Checkpoints, ckpt: Checkpoint, producer: ArtifactProducer, rank: int, staging: Staging,
          throttle_s: float) -> tuple[dict[str, Any], list[int]]:
     fds: list[int] = []
     try:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from hwr.client.errors import InvalidRequest
 from hwr.client.safetensors_header import DTYPES
-from hwr.daemon.producers.base import FLOAT_CODES, OutputTensor, Producer, SourceTensor, dtype_code, row_blocks
+from hwr.daemon.producers.base import FLOAT_CODES, ArtifactProducer, OutputTensor, SourceTensor, dtype_code, row_blocks
 
 if TYPE_CHECKING:
     from hwr.daemon.producers.blocks import SourceReader, TensorSink
@@ -45,7 +45,7 @@ def stream_tensor(output: OutputTensor, reader: SourceReader, sink: TensorSink, 
         sink.write(output.name, start * row * out_item, block)
 
 
-class CastProducer(Producer):
+class CastProducer(ArtifactProducer):
     name = "cast"
     version = "1"
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from hwr.client.errors import InvalidRequest
 from hwr.client.safetensors_header import DTYPES
-from hwr.daemon.producers.base import FLOAT_CODES, OutputTensor, Producer, SourceTensor, dtype_code, row_blocks
+from hwr.daemon.producers.base import FLOAT_CODES, ArtifactProducer, OutputTensor, SourceTensor, dtype_code, row_blocks
 from hwr.daemon.producers.cast import check_patterns, matches_any, stream_tensor
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ E4M3_MAX = 448.0
 SCALE_SUFFIX = "_scale"
 
 
-class Fp8PerTensorProducer(Producer):
+class Fp8PerTensorProducer(ArtifactProducer):
     name = "fp8-per-tensor"
     version = "1"
     representation_name = "fp8-per-tensor"

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from hwr.client.errors import InvalidRequest
 from hwr.client.identity import RuntimeLayout, canonical_json, find_lone_surrogate
 from hwr.client.safetensors_header import DTYPES
-from hwr.daemon.producers.base import FLOAT_CODES, OutputTensor, Producer, SourceTensor, dtype_code, row_blocks
+from hwr.daemon.producers.base import FLOAT_CODES, ArtifactProducer, OutputTensor, SourceTensor, dtype_code, row_blocks
 from hwr.daemon.producers.cast import matches_any, stream_tensor
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ def parse_plan(data: bytes | str | Mapping[str, Any]) -> dict[str, Any]:
     return {"default": default, "rules": out}
 
 
-class TpSliceProducer(Producer):
+class TpSliceProducer(ArtifactProducer):
     name = "tp-slice"
     version = "1"
     representation_name = "tp-slice"

@@ -24,7 +24,7 @@ from hwr.protos.hwr.v1 import hwr_pb2 as pb
 
 if TYPE_CHECKING:
     from hwr.daemon.checkpoints.registry import Checkpoint, Checkpoints
-    from hwr.daemon.producers import Producer
+    from hwr.daemon.producers import ArtifactProducer
     from hwr.daemon.producers.build import BuiltArtifact
 
 __all__ = ["CheckpointsMixin"]
@@ -142,7 +142,7 @@ class CheckpointsMixin(Handlers):
                                       on_progress=progress)
         return [built]
 
-    async def _prewarm(self, request: pb.PrewarmRequest, ckpt: Checkpoint, producer: Producer, ranks: list[int],
+    async def _prewarm(self, request: pb.PrewarmRequest, ckpt: Checkpoint, producer: ArtifactProducer, ranks: list[int],
                        queue: asyncio.Queue[pb.PrewarmResponse]) -> list[BuiltArtifact]:
         from hwr.daemon.producers.build import build_rank
 
@@ -165,7 +165,7 @@ class CheckpointsMixin(Handlers):
 
 
 def _prewarm_args(checkpoints: Checkpoints,
-                  request: pb.PrewarmRequest) -> tuple[Checkpoint, Producer, list[int]]:
+                  request: pb.PrewarmRequest) -> tuple[Checkpoint, ArtifactProducer, list[int]]:
     from hwr.daemon.producers import make_producer
 
     if not request.checkpoint or len(request.checkpoint) > 4096:

@@ -27,7 +27,7 @@ A publication takes the admission slot first and keeps it until ``finished``; it
 turn in the room queue without holding ``lock``; ``lock`` (an ``asyncio.Lock``) is held across
 one usage snapshot and the eviction round that follows it (``evict`` and ``collect_garbage``
 take it too), across thread hops that take only the store's own locks (the /proc scan,
-``Store.retire``/``remove``, ``Purger.purge``). Nothing waits for the admission slot or a room
+``Retirement.retire``/``Store.remove``, ``Purger.purge``). Nothing waits for the admission slot or a room
 turn while holding ``lock``, and the pin lock (``hwr.daemon.service.pinning``) is never taken
 under it, nor it under the pin lock.
 """
@@ -215,7 +215,7 @@ class Capacity:
     async def usage(self) -> Usage:
         """Committed + reserved bytes, never an undercount (may double count a commit in flight).
 
-        The committed bytes are the store's in-memory accounting (``Store.committed_bytes``:
+        The committed bytes are the store's in-memory accounting (``UsageLedger.total``:
         an artifact counts from the moment its rename into ``artifacts/`` is done until its rename
         out). The reservations are read BEFORE it: a publication renames its artifact into
         ``artifacts/`` first and drops its reservation afterwards (``finished``), so each of its
@@ -246,7 +246,7 @@ class Capacity:
         (``before_staging``, in the same worker hop as its staging), or, when
         ``purge_after_commit`` is True, once its commit's ``artifacts/`` fsync made the
         retirement durable (``after_commit``;
-        (``Store.delete_retired``: saves a directory fsync). That is allowed only for at most
+        (``Retirement.delete``: saves a directory fsync). That is allowed only for at most
         ``PURGE_AFTER_COMMIT_MAX_BYTES`` of trash and only when the filesystem keeps
         ``min_free_bytes`` free with the trash still on it: the store limit counts committed and
         reserved bytes (retired ones are neither), and the free-space floor then holds on the

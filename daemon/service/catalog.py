@@ -8,7 +8,7 @@ tier, the producers' builds, channels, pins and the scrub read records only thro
 - ``lookup_now(key)``: the cached validated record when ``key`` can be leased right now (not
   marked by an eviction round, and ``RecordCache.cached``'s cheap guard holds), else None;
   never blocks, never touches the payloads. Read from the record cache itself (no forward).
-- ``lookup_settled(key)``: the validated record (``Store.lookup``, in a worker thread), waiting
+- ``lookup_settled(key)``: the validated record (``RecordCache.lookup``, in a worker thread), waiting
   while an eviction round has marked ``key``. No await follows the final check, so a caller
   that leases or pins right after it runs before any later round can mark the key.
 - ``lookup(key)``: ``lookup_settled``, and on a miss with a remote tier (``fetcher``) a pull
@@ -48,7 +48,7 @@ from hwr.daemon.policy.key_prefix import unique_prefix
 
 # The record the read API hands out; the transports name it from here (they never import the
 # store room).
-from hwr.daemon.store.validation import ArtifactRecord
+from hwr.daemon.store.inspection import ArtifactRecord
 
 if TYPE_CHECKING:
     from hwr.daemon.service.mapping_scan import PayloadFiles
@@ -136,12 +136,12 @@ class Entry:
 
 
 class Catalog:
-    def __init__(self, store: Store, marks: EvictionMarks, *, pins: PinnedKeys,
+    def __init__(self, store: Store, marks: EvictionMarks, *, pins: PinnedKeys | None = None,
                  on_verification_failure: Callable[[str], None] | None = None) -> None:
         self._store = store
         self._records = store.records  # the record cache, read directly on the acquire hot path
         self._marks = marks  # an acquire of a key an eviction round marked waits for the round
-        self._pins = pins
+        self._pins = pins  # None: nothing is pinned (a catalog without the node service's pins)
         self._on_verification_failure = on_verification_failure
         #: Filled by the wiring when a remote tier is configured (it is built after the catalog).
         self.fetcher: MissFetcher | None = None
@@ -157,13 +157,13 @@ class Catalog:
         return None if key in self._marks.evicting else self._records.cached(key)
 
     async def lookup_settled(self, key: str) -> ArtifactRecord:
-        """``Store.lookup`` that waits while ``key`` is being evicted (no pull, no metric). No
+        """``RecordCache.lookup`` that waits while ``key`` is being evicted (no pull, no metric). No
         await follows the final check, so the caller's lease or pin runs before any later
         eviction round can mark it."""
-        record = await asyncio.to_thread(self._store.lookup, key)
+        record = await asyncio.to_thread(self._store.records.lookup, key)
         while key in self._marks.evicting:
             await self._marks.settled.wait()  # read at each wait: every round has its own event
-            record = await asyncio.to_thread(self._store.lookup, key)
+            record = await asyncio.to_thread(self._store.records.lookup, key)
         return record
 
     async def lookup(self, key: str, *, pull: bool = True, how: MissPolicy = WAIT) -> ArtifactRecord:
@@ -188,7 +188,7 @@ class Catalog:
         """For a key a lease already holds (the peer channel's descriptor request, off the
         await path) or a worker thread (a push): the cached record, else the store's full
         lookup in this thread."""
-        return self.lookup_now(key) or self._store.lookup(key)
+        return self.lookup_now(key) or self._store.records.lookup(key)
 
     def open_payloads(self, record: ArtifactRecord) -> list[int]:
         """Read-only payload descriptors in manifest order, each re-checked by ``fstat``."""
@@ -206,16 +206,16 @@ class Catalog:
 
     def deny_reason(self, key: str) -> str | None:
         """Why ``key`` is denied, None when it is not (in memory: no thread hop)."""
-        return self._store.deny_reason(key)
+        return self._store.denylist.reason(key)
 
     def is_volatile(self, key: str) -> bool:
         """Whether ``key`` was committed non-durably (gone at the next open)."""
-        return self._store.is_volatile(key)
+        return self._store.volatile.marked(key)
 
     # ---------------------------------------------------------------- keys and listings
     async def resolve(self, prefix: str) -> str:
         """A full key from a key or a unique prefix (see the module docstring's namespace)."""
-        return unique_prefix(prefix, await self.known_keys() | self._pins.keys())
+        return unique_prefix(prefix, await self.known_keys() | (self._pins.keys() if self._pins is not None else set()))
 
     async def known_keys(self) -> set[str]:
         """Keys present in ``artifacts/`` or carrying a deny marker."""
@@ -223,15 +223,15 @@ class Catalog:
 
     async def artifacts(self) -> list[ArtifactRecord]:
         """Every validated, not denied artifact, by key."""
-        return await asyncio.to_thread(self._store.artifacts)
+        return await asyncio.to_thread(self._store.records.artifacts)
 
     def artifacts_now(self) -> list[ArtifactRecord]:
         """``artifacts`` in the calling thread (the metrics scrape, the sd_notify status line)."""
-        return self._store.artifacts()
+        return self._store.records.artifacts()
 
     def take_added(self) -> list[str]:
         """Keys that became records since the last call, each once (the LRU index's feed)."""
-        return self._store.take_added()
+        return self._store.records.take_added()
 
     async def entries(self, include_denied: bool = False) -> list[Entry]:
         records = await self.artifacts()
@@ -254,11 +254,11 @@ class Catalog:
     # ---------------------------------------------------------------- capacity's reads (blocking unless said)
     def listed(self, key: str) -> ArtifactRecord | None:
         """The record of a validated, listed artifact from memory (no disk), else None."""
-        return self._store.listed(key)
+        return self._store.records.listed(key)
 
     def committed_bytes(self) -> int:
         """Bytes of the artifacts in ``artifacts/`` (the store's in-memory accounting)."""
-        return self._store.committed_bytes()
+        return self._store.usage.total()
 
     def usage_by_key(self) -> dict[str, int]:
         """Each artifact's bytes, rescanned from the disk (an operator's truth)."""
@@ -267,10 +267,10 @@ class Catalog:
     def inspected(self, key: str) -> PayloadFiles | None:
         """The validated record, else a fresh inspection of a denied artifact (its payload
         inodes, for the mapping scan); None when neither reads."""
-        from hwr.daemon.store.validation import inspect_artifact
+        from hwr.daemon.store.inspection import inspect_artifact
 
         try:
-            return self._store.lookup(key)
+            return self._store.records.lookup(key)
         except HwrError:
             pass
         try:
@@ -280,11 +280,11 @@ class Catalog:
 
     def absent_now(self, key: str) -> bool:
         """True when ``key`` provably has no artifact (one ``lstat``); False: ask ``lookup``."""
-        return self._store.absent_now(key)
+        return self._store.records.absent_now(key)
 
     def open_named_payloads(self, record: ArtifactRecord) -> list[tuple[str, int]]:
         """``open_payloads`` with each descriptor's file name (a reuse base's, ``store.reuse``)."""
-        return self._store.open_payloads(record)
+        return self._store.records.open_payloads(record)
 
     # ---------------------------------------------------------------- the operator's record commands
     async def verify(self, key: str, progress: Callable[[int, int], None] | None = None) -> ArtifactRecord:
@@ -302,8 +302,8 @@ class Catalog:
         """Remove ``key``'s deny marker and re-validate it now, so that listings show it again
         before anyone acquires it (one that fails validation is denied again, for that reason).
         Returns whether it was denied."""
-        was = self._store.deny_reason(key) is not None
-        await asyncio.to_thread(self._store.allow, key)
+        was = self._store.denylist.reason(key) is not None
+        await asyncio.to_thread(self._store.records.allow, key)
         with contextlib.suppress(HwrError):
             await self.lookup_settled(key)
         return was

@@ -90,7 +90,7 @@ class Watch:
 class Channels:
     """The channels of one store root and their watches (see the module docstring).
 
-    ``volatile(key)``: whether ``key`` is a non-durable artifact (``Store.is_volatile``);
+    ``volatile(key)``: whether ``key`` is a non-durable artifact (``VolatileSet.marked``);
     ``lookup(key)``: the ready artifact's record, waiting out an eviction round that marked it
     (``Catalog.lookup_settled``); typed errors (``ArtifactNotFound``, ``ArtifactDenied``, ...).
     """

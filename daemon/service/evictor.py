@@ -22,7 +22,7 @@ never evicted automatically (an operator may want to inspect them); ``evict`` re
 
 Contract: on the daemon's event loop only; blocking store work runs in worker threads. The
 records come from the read API (``hwr.daemon.service.catalog``); only the removals
-(``Store.retire``/``remove``) are direct store calls. The marks (``EvictionMarks``: ``evicting``
+(``Retirement.retire``/``Store.remove``) are direct store calls. The marks (``EvictionMarks``: ``evicting``
 and ``settled``, shared with the read API, which waits on them) need no lock (one thread); each
 round and each ``evict`` runs under the capacity lock, which the caller holds, so rounds never
 overlap. ``settled`` is replaced at the end of every round: a waiter waits on the event it read.
@@ -51,8 +51,8 @@ if TYPE_CHECKING:
     from hwr.daemon.service.purger import Purger
     from hwr.daemon.service.recency import Recency
     from hwr.daemon.service.sessions import Registry
+    from hwr.daemon.store.inspection import ArtifactRecord
     from hwr.daemon.store.root import Store
-    from hwr.daemon.store.validation import ArtifactRecord
 
 __all__ = ["EvictionMarks", "EvictionReport", "Evictor"]
 
@@ -224,7 +224,7 @@ class Evictor:
             for key in keys:
                 with contextlib.suppress(ArtifactNotFound):
                     if defer:
-                        trash.append(self.store.retire(key))
+                        trash.append(self.store.retirement.retire(key))
                     else:
                         self.store.remove(key)
                 done.append(key)

@@ -6,7 +6,7 @@ Every ``housekeeping_interval_s``, in this order: drop journal holds of processe
 new artifacts in the LRU index (also without eviction pressure, so the store's list of added
 keys never grows with every commit of a months-long run); cancel staged publications past
 ``publication_deadline_s`` and those whose staging grew past its plan, and take back the blocks
-of discarded stagings a writer still holds (``hwr.daemon.store.staging_bounds``); last, rescan
+of discarded stagings a writer still holds (``hwr.daemon.store.writer_bounds``); last, rescan
 the store's usage (changes behind the daemon's back), so a failing listing cannot skip the
 deadline checks.
 
@@ -74,9 +74,9 @@ class Housekeeping:
 
     async def _bound_staging(self, publications: Publishing) -> None:
         """Cancel staged publications whose files grew past their plan, and take back the
-        blocks of discarded stagings a writer still holds (``hwr.daemon.store.staging_bounds``)."""
+        blocks of discarded stagings a writer still holds (``hwr.daemon.store.writer_bounds``)."""
         from hwr.daemon.service.publishing import PubState
-        from hwr.daemon.store.staging_bounds import overgrown
+        from hwr.daemon.store.writer_bounds import overgrown
 
         staged = [(p.publication_id, p.staging) for p in publications.active()
                   if p.state is PubState.STAGED and p.staging is not None]

@@ -54,7 +54,7 @@ from hwr.daemon.store import fileio as store_io
 
 if TYPE_CHECKING:
     from hwr.daemon.service.catalog import Catalog
-    from hwr.daemon.store.validation import ArtifactRecord
+    from hwr.daemon.store.inspection import ArtifactRecord
 
 __all__ = ["PinSet", "Pinning", "Residency"]
 

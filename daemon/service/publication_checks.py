@@ -16,7 +16,7 @@ from hwr.client.errors import IdentityError, InvalidRequest
 from hwr.client.identity import parse_canonical
 from hwr.client.safetensors_header import DTYPES
 from hwr.client.wire import MAX_WAIT_TIMEOUT_MS
-from hwr.daemon.store.staging import TensorSpec
+from hwr.daemon.store.staging import StagedTensor
 
 __all__ = ["KINDS", "MAX_PUBLICATION_BYTES", "MAX_TENSORS", "RequestedTensor", "format_metadata", "tensor_specs",
            "wait_timeout_s"]
@@ -38,7 +38,7 @@ class RequestedTensor:
     role: str
 
 
-def tensor_specs(tensors: Sequence[RequestedTensor]) -> list[TensorSpec]:
+def tensor_specs(tensors: Sequence[RequestedTensor]) -> list[StagedTensor]:
     if not tensors:
         raise InvalidRequest("a publication needs at least one tensor", details={"field": "tensors"})
     if len(tensors) > MAX_TENSORS:
@@ -63,7 +63,7 @@ def tensor_specs(tensors: Sequence[RequestedTensor]) -> list[TensorSpec]:
         if t.kind not in KINDS:
             raise InvalidRequest("unknown tensor kind", details={"tensor": t.name[:200]})
         seen.add(t.name)
-        specs.append(TensorSpec(name=t.name, dtype=t.dtype, shape=tuple(int(d) for d in t.shape),
+        specs.append(StagedTensor(name=t.name, dtype=t.dtype, shape=tuple(int(d) for d in t.shape),
                                 kind="buffer" if t.kind == "buffer" else "parameter", role=t.role or "weight"))
     return specs
 

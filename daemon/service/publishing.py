@@ -60,10 +60,10 @@ if TYPE_CHECKING:
     from hwr.daemon.service.capacity import Capacity, Claim
     from hwr.daemon.service.catalog import Catalog
     from hwr.daemon.service.channels import Channels
-    from hwr.daemon.store.memfd_staging import MemfdStagings
+    from hwr.daemon.store.inspection import ArtifactRecord
     from hwr.daemon.store.root import Store
-    from hwr.daemon.store.staging import ProducerDigests, Staging, TensorSpec
-    from hwr.daemon.store.validation import ArtifactRecord
+    from hwr.daemon.store.staging import ProducerDigests, StagedTensor, Staging
+    from hwr.daemon.store.writer_bounds import MemfdStagings
 
 __all__ = ["DAEMON_OWNER", "BeginResult", "PubState", "Publication", "Publishing"]
 
@@ -140,7 +140,7 @@ class Publishing:
         self._prehash_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="hwr-prehash")
         self.committed = 0
         self.failed = 0
-        # Sealed memfd staging of small client publications (hwr.daemon.store.memfd_staging), set by
+        # Sealed memfd staging of small client publications (hwr.daemon.store.writer_bounds), set by
         # the daemon; None: every publication writes its staging files.
         self.memfd_staging: MemfdStagings | None = None
         # The channels a publication may set (hwr.daemon.service.channels), set by the daemon;
@@ -161,7 +161,7 @@ class Publishing:
         self,
         session: Session | None,
         identity: ArtifactIdentity,
-        specs: Sequence[TensorSpec],
+        specs: Sequence[StagedTensor],
         *,
         wait_timeout: float,
         format_metadata: dict[str, Any] | None = None,
@@ -234,7 +234,7 @@ class Publishing:
                     capacity.before_staging(claim)
                 source = self._open_reuse(reuse_base, reuse, specs) if reuse_base and reuse else None
                 try:
-                    return self._store.begin(identity, specs, format_metadata=format_metadata,
+                    return self._store.installer.begin(identity, specs, format_metadata=format_metadata,
                                              max_file_bytes=max_file_bytes, plans=plans), source
                 except BaseException:
                     if source is not None:
@@ -255,7 +255,7 @@ class Publishing:
             session.publications.add(pub.publication_id)
         return BeginResult("staged", key, pub)
 
-    def _open_reuse(self, base: str, names: Sequence[str], specs: Sequence[TensorSpec]) -> ReuseSource | None:
+    def _open_reuse(self, base: str, names: Sequence[str], specs: Sequence[StagedTensor]) -> ReuseSource | None:
         """The base's ``ReuseSource`` (blocking); None when the base cannot be read any more
         (evicted, denied): the writer then writes every tensor. A request that names tensors
         the base does not have as specified is ``InvalidRequest``."""
@@ -390,7 +390,7 @@ class Publishing:
                 for fd in opened.values():
                     os.close(fd)
                 return False, exc
-            record = self._store.commit(  # closes ``opened``
+            record = self._store.installer.commit(  # closes ``opened``
                 pub.staging, expected_tensor_sha256=dict(expected) or None, trusted_digests=trusted_digests,
                 opened=opened, durable=pub.durable, prehashed=prehashed)
             if self._capacity is not None and pub.claim is not None:
@@ -437,7 +437,7 @@ class Publishing:
                 # The abort truncates the staging files: never under a file hwrd still hashes
                 # (through a mapping, a truncated page is a SIGBUS) or copies reused bytes into.
                 await asyncio.wait([asyncio.shield(f) for f in pub.prehashed.values()])
-            await asyncio.to_thread(self._store.abort, pub.staging)
+            await asyncio.to_thread(self._store.installer.abort, pub.staging)
         finally:
             self._finish(pub, PubState.ABORTED)
         return True
@@ -489,7 +489,7 @@ class Publishing:
         pub.done.set()
 
 
-def _nbytes(spec: TensorSpec) -> int:
+def _nbytes(spec: StagedTensor) -> int:
     count = 1
     for d in spec.shape:
         count *= d

@@ -1,7 +1,7 @@
 """Deletion of retired artifacts' bytes, in a thread pool of its own.
 
-``Store.retire`` only renames an artifact into ``tmp/`` trash (a flock and a rename, no fsync);
-``Store.delete_retired`` makes the retirement durable (one directory fsync for the lot) and
+``Retirement.retire`` only renames an artifact into ``tmp/`` trash (a flock and a rename, no fsync);
+``Retirement.delete`` makes the retirement durable (one directory fsync for the lot) and
 deletes the bytes. ``Purger`` runs the latter in two threads of its own, not in the loop's
 default executor, where threads stuck in fsync would make every acquire's lookup hop wait for a
 free worker.
@@ -34,20 +34,20 @@ class Purger:
 
     def __init__(self, store: Store) -> None:
         self._store = store
-        # No lock of its own: each task is one ``Store.delete_retired`` (which takes the store's
+        # No lock of its own: each task is one ``Retirement.delete`` (which takes the store's
         # locks in the worker thread); nothing here is shared between the threads.
         self.pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="hwr-purge")
 
     def purge_sync(self, trash: list[Path]) -> None:
         """Delete retired artifacts' bytes now, in the calling (worker) thread (one directory
-        fsync at most for the lot: ``Store.delete_retired``)."""
-        self._store.delete_retired(trash)
+        fsync at most for the lot: ``Retirement.delete``)."""
+        self._store.retirement.delete(trash)
 
     async def purge(self, trash: list[Path]) -> None:
         """Delete retired artifacts' bytes, to the end even if the caller is cancelled."""
         if not trash:
             return
-        task = asyncio.get_running_loop().run_in_executor(self.pool, self._store.delete_retired, list(trash))
+        task = asyncio.get_running_loop().run_in_executor(self.pool, self._store.retirement.delete, list(trash))
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:

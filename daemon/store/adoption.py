@@ -135,13 +135,13 @@ def finish(store: Store, report: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if item["status"] != "pending":
             continue
         key = item["key"]
-        reason = store.deny_reason(key)
+        reason = store.denylist.reason(key)
         if reason is not None:
             item.update(status="rejected", reason=f"denied ({reason}): see deny/{key}.json")
             continue
         try:
             if key in done_before:
-                store.lookup(key)
+                store.records.lookup(key)
             else:
                 store.verify(key)
         except HwrError as exc:

@@ -12,7 +12,7 @@ cost ~0.4 s of system time per GiB more than the mapping's page faults, on a mac
 time, not parallelism, is the limit (2 busy cores); so the mapping stays. Limit: a file's digest
 is inherently serial, so one huge file hashes at one core's speed, and each byte is hashed
 twice (file and tensor digests are both part of the manifest format). Daemon-owned producers
-report their digests instead (``Store.commit(trusted_digests=...)``), which skips this pass.
+report their digests instead (``Installer.commit(trusted_digests=...)``), which skips this pass.
 
 ``start_writeback`` asks the kernel to begin writing dirty pages of a range to disk now
 (``sync_file_range(SYNC_FILE_RANGE_WRITE)``), so the ``fsync`` that makes a publication durable
@@ -140,7 +140,7 @@ class GroupSync:
     rename survives a crash is decided by the journal, not by who fsyncs: before the round it may
     or may not be durable, and either outcome is a complete artifact or none. Group commit only
     changes WHEN the caller learns it is durable; no caller is told before its own round ends.
-    The same holds for retirements (rename out of ``artifacts/``) that ``Store.delete_retired`` makes durable.
+    The same holds for retirements (rename out of ``artifacts/``) that ``Retirement.delete`` makes durable.
 
     Limits: a failed round fails every caller it covered (none retries: after a failed fsync the
     page state is unknown, so a retry that "succeeds" would prove nothing); thread-safe, not

@@ -27,7 +27,7 @@ from hwr.client.errors import HwrError, ManifestCorrupt
 from hwr.daemon.store import fileio as store_io
 from hwr.daemon.store.reuse import ReuseSource
 from hwr.daemon.store.staging import Staging
-from hwr.daemon.store.staging_bounds import allocation_ok
+from hwr.daemon.store.writer_bounds import allocation_ok
 from hwr.daemon.system.exclusive import open_sole
 
 __all__ = ["PreHashed", "prehash"]

@@ -1,6 +1,6 @@
 """The record cache: validated artifact records in memory, and every way of looking one up.
 
-A record (``validation.ArtifactRecord``) is cached once an artifact passed metadata validation
+A record (``inspection.ArtifactRecord``) is cached once an artifact passed metadata validation
 (at open, at its first lookup, or as the result of a commit); a warm lookup then only compares
 recorded ``lstat`` fingerprints (a few microseconds). The lookups, from the cheapest:
 
@@ -32,17 +32,27 @@ from hwr.client.errors import (
     ArtifactNotFound,
     ChecksumMismatch,
     HwrError,
+    InvalidRequest,
     ManifestCorrupt,
     ManifestIncompatible,
     StoreIOError,
 )
+from hwr.client.identity import is_key
 from hwr.daemon.store import fileio as store_io
 from hwr.daemon.store.denylist import DenyList
+from hwr.daemon.store.inspection import ArtifactRecord, inspect_artifact, same_fingerprints
 from hwr.daemon.store.keylocks import KeyLocks
 from hwr.daemon.store.usage import UsageLedger
-from hwr.daemon.store.validation import ArtifactRecord, inspect_artifact, same_fingerprints
 
-__all__ = ["RecordCache"]
+__all__ = ["RecordCache", "check_key"]
+
+
+def check_key(key: object) -> str:
+    """``key`` itself when it is 64 lowercase hex digits (the only strings that become paths),
+    else ``InvalidRequest``."""
+    if not is_key(key):
+        raise InvalidRequest("an artifact key is 64 lowercase hex digits", details={"key": str(key)[:80]})
+    return key  # type: ignore[return-value]
 
 
 class _Unconfirmed(Exception):
@@ -122,8 +132,9 @@ class RecordCache:
         self.deny(key, "VALIDATION", exc.code, exc.message)
 
     def allow(self, key: str) -> None:
-        """Remove ``key``'s deny marker and record: its next lookup re-validates from scratch."""
-        self._denied.clear(key)
+        """Remove ``key``'s deny marker and record: its next lookup re-validates from scratch
+        (idempotent; ``InvalidRequest`` for a bad key)."""
+        self._denied.clear(check_key(key))
         self.drop(key)
 
     def inspect_denied(self, key: str) -> ArtifactRecord | None:
@@ -176,10 +187,11 @@ class RecordCache:
         return record if same_fingerprints(record.guard_fingerprints) else None
 
     def lookup(self, key: str) -> ArtifactRecord:
-        """The validated record of ``key`` (a valid key: the caller checked it).
+        """The validated record of ``key``.
 
-        Raises ``ArtifactDenied``, ``ArtifactNotFound``, ``ManifestCorrupt`` or
-        ``ManifestIncompatible`` (the key is denied then), ``StoreIOError``.
+        Raises ``InvalidRequest`` (not a key: ``check_key``), ``ArtifactDenied``,
+        ``ArtifactNotFound``, ``ManifestCorrupt`` or ``ManifestIncompatible`` (the key is denied
+        then), ``StoreIOError``.
 
         Only a failure confirmed under ``key``'s lock denies the key, and a record is only
         cached under it. Every change the store makes to ``artifacts/<key>`` (a retirement for
@@ -189,6 +201,7 @@ class RecordCache:
         the before or the after (gone: ``ArtifactNotFound``). The fast paths (a warm record
         whose fingerprints hold; no directory at all) take no lock; the first inspection of a
         directory does."""
+        check_key(key)
         try:
             return self._lookup(key, final=False)
         except _Unconfirmed:

@@ -12,7 +12,7 @@ functions around them do the I/O.
 
 Limits: only this process may have made an interrupted publication (one owner per root, held by
 ``locks/daemon.lock``), which is why finishing one is safe; validation at open is the metadata
-level (``validation.inspect_artifact``), never a re-hash.
+level (``inspection.inspect_artifact``), never a re-hash.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from hwr.client.identity import is_key
 from hwr.client.manifest import READY_FILE
 from hwr.daemon.store import fileio as store_io
 from hwr.daemon.store.denylist import DenyList
+from hwr.daemon.store.inspection import inspect_artifact
 from hwr.daemon.store.records import RecordCache
 from hwr.daemon.store.retirement import TRASH_INFIX
-from hwr.daemon.store.staging_bounds import truncate_tree
-from hwr.daemon.store.validation import inspect_artifact
+from hwr.daemon.store.writer_bounds import truncate_tree
 
 __all__ = [
     "finish_interrupted_publication",

@@ -24,7 +24,7 @@ from pathlib import Path
 from hwr.client.errors import ArtifactNotFound
 from hwr.daemon.store import fileio as store_io
 from hwr.daemon.store.keylocks import KeyLocks
-from hwr.daemon.store.records import RecordCache
+from hwr.daemon.store.records import RecordCache, check_key
 from hwr.daemon.store.usage import UsageLedger
 from hwr.daemon.store.volatile import VolatileSet
 
@@ -69,8 +69,9 @@ class Retirement:
 
     def retire(self, key: str) -> Path:
         """Move ``key``'s artifact into a trash directory in ``tmp/`` and return its path.
-        Raises ``ArtifactNotFound`` (no directory), ``StoreIOError``."""
-        with self._keys.hold(key):
+        Raises ``InvalidRequest`` (not a key), ``ArtifactNotFound`` (no directory),
+        ``StoreIOError``. Fast (no fsync); the bytes stay on disk until ``delete``."""
+        with self._keys.hold(check_key(key)):
             self._records.drop(key)
             path = self._artifacts / key
             if not os.path.lexists(path):

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from hwr.client.errors import InvalidRequest
 from hwr.client.manifest import TensorRecord
 from hwr.client.safetensors_header import read_header
-from hwr.daemon.store.staging import PayloadPlan, TensorSpec
-from hwr.daemon.store.validation import ArtifactRecord
+from hwr.daemon.store.inspection import ArtifactRecord
+from hwr.daemon.store.staging import PayloadPlan, StagedTensor
 
 __all__ = ["MAX_REUSED", "ReuseSource", "open_reuse"]
 
@@ -94,9 +94,9 @@ class ReuseSource:
 
 
 def open_reuse(record: ArtifactRecord, fds: Sequence[tuple[str, int]], names: Sequence[str],
-               specs: Mapping[str, TensorSpec]) -> ReuseSource:
+               specs: Mapping[str, StagedTensor]) -> ReuseSource:
     """The ``ReuseSource`` of ``names`` in the base ``record`` whose payloads are ``fds`` (from
-    ``Store.open_payloads``; taken: closed by the source, or here on failure). Raises
+    ``RecordCache.open_payloads``; taken: closed by the source, or here on failure). Raises
     ``InvalidRequest`` for a name the new publication does not have, or whose dtype or shape
     differ from the base's."""
     source = ReuseSource(record.key, {}, {}, {}, {}, {}, dict(fds))

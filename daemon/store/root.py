@@ -11,25 +11,39 @@ Layout (the same names as vLLM-Omni 0.30, so one of its roots can be adopted)::
     <root>/deny/<key>.json             deny marker: schema_version, stage, reason, message
     <root>/volatile/<key>              marker of a non-durable artifact: removed at the next open
 
-``Store`` is the one entry point: it checks keys and the open state, then dispatches to the
-collaborators that each own one concept, its state and its lock:
+``Store`` owns the root (its lock, ``domain.json``, recovery and validation at open) and
+wires the collaborators that each own one concept, its state and its lock. Callers use the
+collaborators directly (``store.records.lookup(key)``, ``store.installer.commit(staging)``);
+``Store`` itself keeps only what combines several of them (``verify``, ``deny``, ``remove``,
+``rescan_usage``, ``reclaim_stale_staging``, ``denied_records``, ``known_keys``):
 
 ``recovery``      what the previous owner left half done, at open (and stale trash later)
-``publication``   ``Publisher``: begin/abort/commit (sealing in ``sealing``), the install rules
-``records``       ``RecordCache``: validated records and every lookup (listed, cached, lookup, ...)
-``verification``  re-hashing every byte
-``usage``         ``UsageLedger``: payload bytes per ``artifacts/`` entry, kept in memory
-``denylist``      ``DenyList``: deny markers and quarantine moves
-``retirement``    ``Retirement``: retire into trash, delete the trash once durable
+``installer``     ``store.installer``, ``Installer``: begin/abort/commit/publish (sealing in
+                  ``sealing``), the install rules
+``records``       ``store.records``, ``RecordCache``: validated records and every lookup
+                  (listed, cached, absent_now, lookup, open_payloads, artifacts, take_added)
+``inspection``    metadata checks of an artifact directory (no payload byte read)
+``checksums``     ``verify``: every byte re-hashed
+``usage``         ``store.usage``, ``UsageLedger``: payload bytes per ``artifacts/`` entry, in memory
+``denylist``      ``store.denylist``, ``DenyList``: deny markers and quarantine moves
+``retirement``    ``store.retirement``, ``Retirement``: retire into trash, delete it once durable
 ``keylocks``      ``KeyLocks``: per-key mutual exclusion
-``volatile``      ``VolatileSet``: markers of non-durable artifacts, dropped at the next open
+``volatile``      ``store.volatile``, ``VolatileSet``: markers of non-durable artifacts, dropped
+                  at the next open
+``writer_bounds`` ``store.reaper``, ``StagingReaper``: discarded stagings a writer still holds
+
+Keys: the methods that act on a caller's key (``records.lookup``, ``records.allow``,
+``retirement.retire``, and ``verify``, ``deny``, ``is_denied`` here) check it
+(``records.check_key``: ``InvalidRequest`` unless 64 lowercase hex digits); the cheap reads
+(``records.listed``, ``records.cached``, ``records.absent_now``, ``denylist.reason``) expect a
+key its caller already checked.
 
 Publication steps (``FAULT_HOOK`` is called with each name of ``PUBLICATION_STEPS``, in order)
-are described in ``publication``. A crash before the rename leaves only staging (wiped at the
+are described in ``installer``. A crash before the rename leaves only staging (wiped at the
 next start); after it a complete artifact.
 
 Validation: full hashing once at publication and on ``verify``; metadata level
-(``validation``) at start and on the first lookup, then a warm lookup compares recorded
+(``inspection``) at start and on the first lookup, then a warm lookup compares recorded
 ``lstat`` fingerprints (a few microseconds). Corruption writes a deny marker and raises
 ``ManifestCorrupt``/``ChecksumMismatch``/``ManifestIncompatible``; a denied key raises
 ``ArtifactDenied``; only 64-hex keys ever become paths.
@@ -49,31 +63,30 @@ import itertools
 import logging
 import os
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hwr.client.errors import ArtifactNotFound, HwrError, InvalidRequest, StoreIOError, StoreLocked
-from hwr.client.identity import ArtifactIdentity, is_key
+from hwr.client.errors import ArtifactNotFound, HwrError, StoreIOError, StoreLocked
+from hwr.client.identity import is_key
 from hwr.daemon.store import fileio as store_io
 from hwr.daemon.store import recovery
+from hwr.daemon.store.checksums import verify
 from hwr.daemon.store.denylist import CORRUPTION_CODES, OPERATOR_DENIED, DenyList
 from hwr.daemon.store.domain import ensure_domain
+from hwr.daemon.store.inspection import ArtifactRecord, Fingerprint
+from hwr.daemon.store.installer import Installer
 from hwr.daemon.store.keylocks import KeyLocks
-from hwr.daemon.store.prehash import PreHashed
-from hwr.daemon.store.publication import Publisher
-from hwr.daemon.store.records import RecordCache
+from hwr.daemon.store.records import RecordCache, check_key
 from hwr.daemon.store.retirement import Retirement
-from hwr.daemon.store.staging import PayloadPlan, ProducerDigests, Staging, TensorSpec
-from hwr.daemon.store.staging_bounds import StagingReaper
+from hwr.daemon.store.staging import StagedTensor, Staging
 from hwr.daemon.store.usage import UsageLedger, listing_changes, scan_sizes
-from hwr.daemon.store.validation import ArtifactRecord, Fingerprint
-from hwr.daemon.store.verification import verify
 from hwr.daemon.store.volatile import VolatileSet
+from hwr.daemon.store.writer_bounds import StagingReaper
 from hwr.daemon.system import fsguard
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 __all__ = [
     "CORRUPTION_CODES",
@@ -82,14 +95,14 @@ __all__ = [
     "PUBLICATION_STEPS",
     "ArtifactRecord",
     "Fingerprint",
+    "StagedTensor",
     "Staging",
     "Store",
-    "TensorSpec",
 ]
 
 log = logging.getLogger("hwrd.store")
 
-#: Test hook called with each publication step name (see ``publication``).
+#: Test hook called with each publication step name (see ``installer``).
 FAULT_HOOK: Callable[[str], None] | None = None
 PUBLICATION_STEPS = (
     "staged",
@@ -110,12 +123,6 @@ def _step(name: str) -> None:
         hook(name)
 
 
-def _check_key(key: object) -> str:
-    if not is_key(key):
-        raise InvalidRequest("an artifact key is 64 lowercase hex digits", details={"key": str(key)[:80]})
-    return key  # type: ignore[return-value]
-
-
 class Store:
     """The artifact store of one root; use ``Store.open`` (also a context manager).
 
@@ -128,13 +135,14 @@ class Store:
     2. ``DenyList._lock``: held across a deny marker's write, rename and fsync;
     3. ``UsageLedger._scan_lock``: held across a usage rescan's listing, under no other lock;
     4. leaves, held only for in-memory updates, never across a syscall nor while taking another
-       lock: ``RecordCache._lock``, ``UsageLedger._lock``, ``Publisher._lock``,
+       lock: ``RecordCache._lock``, ``UsageLedger._lock``, ``Installer._lock``,
        ``Retirement._lock``, ``KeyLocks._table_lock``, ``StagingReaper._lock`` and
        ``GroupSync``'s. Waiting for a ``GroupSync`` round under a key's lock is safe: the
        round's leader only fsyncs, it never waits for a lock meanwhile.
 
-    Readers of single values (``listed``, ``cached``, ``deny_reason``, ``usage_by_key``,
-    ``committed_bytes``) take no lock: a dict lookup or copy is atomic under the interpreter lock.
+    Readers of single values (``records.listed``, ``records.cached``, ``denylist.reason``,
+    ``usage.by_key``, ``usage.total``) take no lock: a dict lookup or copy is atomic under the
+    interpreter lock.
     """
 
     def __init__(self, root: Path, lock_fd: int, filesystem_type: str) -> None:
@@ -143,7 +151,7 @@ class Store:
         self.euid = os.geteuid()
         self.start_report: list[tuple[str, HwrError]] = []
         self._lock_fd: int | None = lock_fd
-        self.reaper = StagingReaper()  # discarded stagings a writer still holds (staging_bounds)
+        self.reaper = StagingReaper()  # discarded stagings a writer still holds (writer_bounds)
         # Commits and retirements rename entries of artifacts/; they share its fsyncs (GroupSync).
         self._artifacts_sync = store_io.GroupSync(root / "artifacts")
         # Unique names for staging and trash directories (tmp/ is wiped at every start, so
@@ -152,31 +160,31 @@ class Store:
         self._run = uuid.uuid4().hex[:24]
         self._seq = itertools.count()
         self._keys = KeyLocks()
-        self._usage = UsageLedger()
-        self._denied = DenyList(root, self._usage)
-        self._records = RecordCache(root, self.euid, self._denied, self._keys, self._usage)
-        self._volatile = VolatileSet(root / "volatile")
-        self._publisher = Publisher(
+        self.usage = UsageLedger()
+        self.denylist = DenyList(root, self.usage)
+        self.records = RecordCache(root, self.euid, self.denylist, self._keys, self.usage)
+        self.volatile = VolatileSet(root / "volatile")
+        self.installer = Installer(
             root,
-            records=self._records,
-            denied=self._denied,
+            records=self.records,
+            denied=self.denylist,
             keys=self._keys,
-            usage=self._usage,
+            usage=self.usage,
             artifacts_sync=self._artifacts_sync,
             reaper=self.reaper,
-            volatile=self._volatile,
+            volatile=self.volatile,
             unique=self._unique,
             require_open=self._require_open,
             step=_step,
         )
-        self._retirement = Retirement(
+        self.retirement = Retirement(
             root,
-            records=self._records,
+            records=self.records,
             keys=self._keys,
-            usage=self._usage,
+            usage=self.usage,
             artifacts_sync=self._artifacts_sync,
             unique=self._unique,
-            volatile=self._volatile,
+            volatile=self.volatile,
         )
 
     # ----------------------------------------------------------------- lifecycle
@@ -219,12 +227,12 @@ class Store:
         ensure_domain(self.root, self.filesystem_type)
         recovery.remove_legacy_key_locks(self.root / "locks")
         recovery.wipe_tmp(self.root / "tmp")
-        self._volatile.drop_at_open(self.root / "artifacts")  # before validation: see ``volatile``
-        self._denied.load()
+        self.volatile.drop_at_open(self.root / "artifacts")  # before validation: see ``volatile``
+        self.denylist.load()
         self.start_report.extend(
-            recovery.validate_at_open(self.root / "artifacts", self.euid, self._denied, self._records)
+            recovery.validate_at_open(self.root / "artifacts", self.euid, self.denylist, self.records)
         )
-        self._usage.reset(self._scan_sizes())
+        self.usage.reset(self._scan_sizes())
 
     def close(self) -> None:
         """Release the root (idempotent; safe on a half-opened Store). Open stagings are left for
@@ -241,7 +249,7 @@ class Store:
 
     def __repr__(self) -> str:
         state = "open" if self._lock_fd is not None else "closed"
-        return f"Store(root={str(self.root)!r}, artifacts={len(self._records)}, {state})"
+        return f"Store(root={str(self.root)!r}, artifacts={len(self.records)}, {state})"
 
     def _require_open(self) -> None:
         if self._lock_fd is None:
@@ -251,123 +259,24 @@ class Store:
         """32 hex digits, unique within this Store's life (see ``_run``)."""
         return f"{self._run}{next(self._seq):08x}"
 
-    # ----------------------------------------------------------------- publication
-    def begin(
-        self,
-        identity: ArtifactIdentity,
-        specs: Sequence[TensorSpec],
-        *,
-        max_file_bytes: int | None = None,
-        format_metadata: Mapping[str, object] | None = None,
-        plans: tuple[PayloadPlan, ...] | None = None,
-    ) -> Staging:
-        """``Publisher.begin``: a staging directory with preallocated payloads and their headers."""
-        return self._publisher.begin(identity, specs, max_file_bytes=max_file_bytes, format_metadata=format_metadata,
-                                     plans=plans)
-
-    def abort(self, staging: Staging) -> None:
-        """``Publisher.abort``: discard a staging directory (idempotent)."""
-        self._publisher.abort(staging)
-
-    def publish(
-        self,
-        identity: ArtifactIdentity,
-        tensors: Mapping[str, torch.Tensor],
-        *,
-        kinds: Mapping[str, str] | None = None,
-        max_file_bytes: int | None = None,
-    ) -> ArtifactRecord:
-        """Convenience: ``begin`` + write CPU tensors + ``commit`` (aborts on any failure)."""
-        return self._publisher.publish(identity, tensors, kinds=kinds, max_file_bytes=max_file_bytes)
-
-    def commit(
-        self,
-        staging: Staging,
-        *,
-        expected_tensor_sha256: Mapping[str, str] | None = None,
-        trusted_digests: ProducerDigests | None = None,
-        opened: dict[str, int] | None = None,
-        durable: bool = True,
-        prehashed: Mapping[str, PreHashed] | None = None,
-    ) -> ArtifactRecord:
-        """``Publisher.commit``: validate, hash and atomically publish ``staging`` (its errors
-        are listed there); returns the committed (or joined) record. ``durable`` False: no
-        fsync, and the artifact is removed at the next open (``volatile``); ``prehashed``:
-        files hashed while the rest was written (``prehash``)."""
-        return self._publisher.commit(
-            staging, expected_tensor_sha256=expected_tensor_sha256, trusted_digests=trusted_digests, opened=opened,
-            durable=durable, prehashed=prehashed,
-        )
-
-    def is_volatile(self, key: str) -> bool:
-        """Whether ``key``'s artifact was committed non-durably (gone at the next open)."""
-        return key in self._volatile
-
-    def take_added(self) -> list[str]:
-        """Keys that became records (validated artifacts) since the last call, each once per
-        arrival; the first call returns every key validated at start."""
-        return self._records.take_added()
-
-    # ----------------------------------------------------------------- lookup
-    @property
-    def records(self) -> RecordCache:
-        """The record cache itself, for the read API above the store (``hwr.daemon.service.catalog``)."""
-        return self._records
-
-    # Several of these answer the same question at different costs; see ``records`` for which
-    # to use where.
-    def listed(self, key: str) -> ArtifactRecord | None:
-        """The in-memory record of ``key`` when ``artifacts()`` would list it; O(1), no disk."""
-        return self._records.listed(key)
-
-    def absent_now(self, key: str) -> bool:
-        """True when ``key`` provably has no artifact (one ``lstat``); False: ask ``lookup``."""
-        return self._records.absent_now(key)
-
-    def lookup(self, key: str) -> ArtifactRecord:
-        """The validated record of ``key`` (``RecordCache.lookup``; the module docstring lists
-        the errors)."""
-        return self._records.lookup(_check_key(key))
-
-    def cached(self, key: str) -> ArtifactRecord | None:
-        """The record of ``key`` when a cheap guard still holds, else None: then call ``lookup``
-        (``RecordCache.cached`` says why the guard is sound)."""
-        return self._records.cached(key)
-
-    def open_payloads(self, record: ArtifactRecord) -> list[tuple[str, int]]:
-        """Open each payload ``O_RDONLY|O_NOFOLLOW|O_CLOEXEC``, re-checked by ``fstat`` (caller closes)."""
-        return self._records.open_payloads(record)
-
-    def artifacts(self) -> list[ArtifactRecord]:
-        """Every validated, not denied artifact, by key."""
-        return self._records.artifacts()
-
+    # ----------------------------------------------------------------- keys and verification
     def known_keys(self) -> set[str]:
         """Keys present in ``artifacts/`` or carrying a deny marker."""
-        denied = set(self._denied.sorted_keys())
+        denied = set(self.denylist.sorted_keys())
         return {e for e in os.listdir(self.root / "artifacts") if is_key(e)} | denied
 
     def verify(self, key: str, progress: Callable[[int, int], None] | None = None) -> ArtifactRecord:
         """Re-hash every byte; a mismatch quarantines and denies the key, raising ``ChecksumMismatch``.
         A key an operator denied is verified too (its bytes are judged, the deny stays); one
         denied because it was found corrupt raises ``ArtifactDenied``."""
-        return verify(_check_key(key), records=self._records, denied=self._denied, keys=self._keys, progress=progress)
+        return verify(check_key(key), records=self.records, denied=self.denylist, keys=self._keys, progress=progress)
 
     # ----------------------------------------------------------------- usage and staging
-    def usage_by_key(self) -> dict[str, int]:
-        """Payload bytes of every key directory in ``artifacts/`` (denied ones included: they use
-        disk), from memory (see ``usage``)."""
-        return self._usage.by_key()
-
-    def committed_bytes(self) -> int:
-        """Sum of ``usage_by_key``: never less than what this daemon has in ``artifacts/``."""
-        return self._usage.total()
-
     def rescan_usage(self) -> dict[str, int]:
         """Re-read ``artifacts/`` (sizes of validated artifacts from memory, others by ``lstat``)
         into the accounting, logging entries added or removed behind the daemon's back; blocking
         (a worker thread), one ``listdir`` plus ``lstat`` calls for unknown entries."""
-        result = self._usage.rescan(self._scan_sizes)
+        result = self.usage.rescan(self._scan_sizes)
         added, gone = listing_changes(result.before, result.after)
         if added or gone:
             log.warning(
@@ -381,54 +290,35 @@ class Store:
 
     def _scan_sizes(self) -> dict[str, int]:
         """``usage.scan_sizes`` of ``artifacts/``, knowing validated and accounted entries."""
-        known = self._records.sizes()
-        known.update(self._usage.by_key())
+        known = self.records.sizes()
+        known.update(self.usage.by_key())
         return scan_sizes(self.root / "artifacts", known)
 
     def reclaim_stale_staging(self) -> int:
         """Remove ``tmp/`` entries that belong to no open staging (trash of interrupted removals),
         and reclaim discarded stagings a writer held (``StagingReaper.sweep``)."""
-        live = self._publisher.open_ids()
+        live = self.installer.open_ids()
         return self.reaper.sweep() + recovery.reclaim_trash(self.root / "tmp", live)
 
     def staging_entries(self) -> list[str]:
+        """Names in ``tmp/`` (open stagings and trash), sorted; one ``listdir``."""
         return sorted(os.listdir(self.root / "tmp"))
 
-    # ----------------------------------------------------------------- deny, allow, remove
-    def deny_reason(self, key: str) -> str | None:
-        return self._denied.reason(key)
-
+    # ----------------------------------------------------------------- deny and remove
     def is_denied(self, key: str) -> bool:
-        return _check_key(key) in self._denied
-
-    def denied_keys(self) -> list[str]:
-        return self._denied.sorted_keys()
+        """Whether ``key`` carries a deny marker (any kind); ``InvalidRequest`` for a bad key."""
+        return check_key(key) in self.denylist
 
     def denied_records(self) -> list[tuple[str, ArtifactRecord | None]]:
         """Every denied key, by key, with the record of its directory when that is still in
         ``artifacts/`` and valid (an operator's deny), else None. Inspected here, never cached:
         a denied artifact is not served."""
-        return [(key, self._records.inspect_denied(key)) for key in self._denied.sorted_keys()]
+        return [(key, self.records.inspect_denied(key)) for key in self.denylist.sorted_keys()]
 
     def deny(self, key: str, reason: str) -> None:
         """Deny ``key`` by an operator (a later publication will not replace it)."""
-        self._records.deny(_check_key(key), "LIFECYCLE", OPERATOR_DENIED, reason)
-
-    def allow(self, key: str) -> None:
-        """Remove a deny marker; the next lookup re-validates from scratch (idempotent)."""
-        self._records.allow(_check_key(key))
+        self.records.deny(check_key(key), "LIFECYCLE", OPERATOR_DENIED, reason)
 
     def remove(self, key: str) -> None:
         """Delete the artifact (moved into ``tmp/`` first, so a crash never leaves half of it)."""
-        self.delete_retired([self.retire(key)])
-
-    def retire(self, key: str) -> Path:
-        """Move the artifact out of ``artifacts/`` into a trash directory in ``tmp/`` (fast, no
-        fsync); its bytes stay on disk until ``delete_retired``. Trash left by a crash is wiped at
-        start and by ``reclaim_stale_staging``."""
-        return self._retirement.retire(_check_key(key))
-
-    def delete_retired(self, trash: Sequence[Path]) -> None:
-        """Make ``retire``s durable (fsync ``artifacts/``), then delete the trash's files; the fsync
-        is skipped when a later one has already completed (``Retirement.delete``)."""
-        self._retirement.delete(trash)
+        self.retirement.delete([self.retirement.retire(key)])

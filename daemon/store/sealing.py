@@ -31,7 +31,7 @@ from hwr.client.safetensors_header import contiguous_stride
 from hwr.daemon.store import fileio as store_io
 from hwr.daemon.store.prehash import PreHashed
 from hwr.daemon.store.staging import ProducerDigests, Staging
-from hwr.daemon.store.staging_bounds import allocation_ok
+from hwr.daemon.store.writer_bounds import allocation_ok
 
 __all__ = ["seal"]
 

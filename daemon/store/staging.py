@@ -39,8 +39,8 @@ __all__ = [
     "OVERLAP_MIN_FILE_BYTES",
     "PayloadPlan",
     "ProducerDigests",
+    "StagedTensor",
     "Staging",
-    "TensorSpec",
     "overlap_file_bytes",
     "plan_payloads",
     "write_tensor",
@@ -63,8 +63,10 @@ def overlap_file_bytes(total: int) -> int | None:
 
 
 @dataclass(frozen=True)
-class TensorSpec:
-    """What one tensor of an artifact will be. ``dtype``: torch dtype, ``"BF16"`` or ``"torch.bfloat16"``."""
+class StagedTensor:
+    """One tensor to stage: what it will be in the artifact (name, dtype, shape, kind, role), no
+    bytes. ``dtype``: torch dtype, ``"BF16"`` or ``"torch.bfloat16"``. Not the client's
+    ``hwr.client.publisher.TensorSpec`` (a publisher's wire form of the same facts)."""
 
     name: str
     dtype: torch.dtype | str
@@ -108,7 +110,7 @@ class PayloadPlan:
         return len(self.head)
 
 
-def _check_specs(specs: Sequence[TensorSpec]) -> None:
+def _check_specs(specs: Sequence[StagedTensor]) -> None:
     if not specs:
         raise InvalidRequest("an artifact needs at least one tensor")
     names = [s.name for s in specs]
@@ -129,10 +131,10 @@ def _check_specs(specs: Sequence[TensorSpec]) -> None:
         spec.info  # noqa: B018 - raises InvalidRequest for an unknown dtype
 
 
-def plan_payloads(specs: Sequence[TensorSpec], max_file_bytes: int | None = None) -> tuple[PayloadPlan, ...]:
+def plan_payloads(specs: Sequence[StagedTensor], max_file_bytes: int | None = None) -> tuple[PayloadPlan, ...]:
     """Assign tensors to payload files and lay each one out (deterministic for the same specs;
     memoised for hashable specs: a checkpoint's ranks or a churn of same-shaped artifacts
-    repeat one plan; a publication plans once and passes the plan to ``Store.begin``).
+    repeat one plan; a publication plans once and passes the plan to ``Installer.begin``).
 
     The specs are validated at every call, before the cache: ``(True, 4)`` and ``(2.0, 4)``
     compare and hash equal to int shapes, so a cache hit must not stand in for validation.
@@ -147,11 +149,11 @@ def plan_payloads(specs: Sequence[TensorSpec], max_file_bytes: int | None = None
 
 
 @functools.lru_cache(maxsize=256)
-def _plan_cached(specs: tuple[TensorSpec, ...], max_file_bytes: int | None) -> tuple[PayloadPlan, ...]:
+def _plan_cached(specs: tuple[StagedTensor, ...], max_file_bytes: int | None) -> tuple[PayloadPlan, ...]:
     return _plan(specs, max_file_bytes)
 
 
-def _plan(specs: Sequence[TensorSpec], max_file_bytes: int | None) -> tuple[PayloadPlan, ...]:
+def _plan(specs: Sequence[StagedTensor], max_file_bytes: int | None) -> tuple[PayloadPlan, ...]:
     """The layout of validated specs (``plan_payloads`` validates).
 
     Tensors go, in layout order (larger item size first, then name), into
@@ -159,7 +161,7 @@ def _plan(specs: Sequence[TensorSpec], max_file_bytes: int | None) -> tuple[Payl
     per file; a tensor larger than the limit gets a file of its own.
     """
     order = sorted(specs, key=lambda s: (-s.info.itemsize, s.name))
-    groups: list[list[TensorSpec]] = [[]]
+    groups: list[list[StagedTensor]] = [[]]
     used = 0
     for spec in order:
         size = spec.info.itemsize * _numel(spec.shape)
@@ -190,7 +192,7 @@ class Staging:
     key: str
     identity: ArtifactIdentity
     path: Path
-    specs: tuple[TensorSpec, ...]
+    specs: tuple[StagedTensor, ...]
     plans: tuple[PayloadPlan, ...]
     placements: Mapping[str, tuple[str, int, int]] = field(repr=False)
     format_metadata: Mapping[str, Any] = field(default_factory=dict, repr=False)
@@ -205,7 +207,7 @@ class Staging:
         id: str,
         identity: ArtifactIdentity,
         path: Path,
-        specs: Sequence[TensorSpec],
+        specs: Sequence[StagedTensor],
         plans: tuple[PayloadPlan, ...],
         format_metadata: Mapping[str, Any] | None = None,
     ) -> Staging:
@@ -229,7 +231,7 @@ class ProducerDigests:
     """SHA-256 digests that a daemon-owned producer computed while it wrote a staging.
 
     ``files``: payload file name -> digest of the whole file; ``tensors``: tensor name -> digest
-    of its bytes. ``Store.commit(trusted_digests=...)`` then builds the manifest from them
+    of its bytes. ``Installer.commit(trusted_digests=...)`` then builds the manifest from them
     instead of re-reading and re-hashing every payload byte.
 
     Trust argument: only daemon-owned writers report these, never a client:
@@ -281,7 +283,7 @@ def write_tensor(staging: Staging, name: str, tensor: torch.Tensor, fd: int | No
     file_name, offset, nbytes = staging.placements[name]
     if nbytes == 0:
         return
-    import torch  # only writers that hold tensors call this (producers, store.publish in tests)
+    import torch  # only writers that hold tensors call this (producers, store.installer.publish in tests)
 
     raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
     own = fd is None

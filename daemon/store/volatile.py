@@ -48,6 +48,10 @@ class VolatileSet:
     def __contains__(self, key: object) -> bool:
         return key in self._keys
 
+    def marked(self, key: str) -> bool:
+        """Whether ``key``'s artifact was committed non-durably (gone at the next open)."""
+        return key in self._keys
+
     def mark(self, key: str) -> None:
         """Create ``key``'s marker durably (before its artifact is renamed in)."""
         fd = os.open(self._dir / key, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)

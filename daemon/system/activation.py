@@ -45,6 +45,9 @@ __all__ = ["Assignment", "GrpcRelay", "InheritedSocket", "assign", "inherited_so
 
 log = logging.getLogger("hwrd.activation")
 SD_LISTEN_FDS_START = 3
+#: How long the relay waits for a closed stream's connection to end (its buffer flushed) before
+#: it aborts it.
+RELAY_CLOSE_WAIT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -198,10 +201,27 @@ class GrpcRelay:
         finally:
             for writer in (client_w, server_w):
                 writer.close()
+            for writer in (client_w, server_w):
+                await _ended(writer)
 
 
 def _nothing() -> None:
     return None
+
+
+async def _ended(writer: asyncio.StreamWriter) -> None:
+    """Wait until a closed stream's connection has ended, and take how it ended: a peer that went
+    away while the relay wrote to it (``BrokenPipeError``) is an ordinary end of a relayed
+    connection, and left untaken asyncio logs it as an error when the stream is collected. A
+    connection that does not end within ``RELAY_CLOSE_WAIT_S`` (a peer that stopped reading) is
+    aborted."""
+    try:
+        await asyncio.wait_for(writer.wait_closed(), RELAY_CLOSE_WAIT_S)
+    except (TimeoutError, OSError):
+        writer.transport.abort()
+    except asyncio.CancelledError:
+        writer.transport.abort()
+        raise
 
 
 async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

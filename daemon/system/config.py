@@ -96,7 +96,7 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     operator_uids: tuple[int, ...] = ()
     operator_gids: tuple[int, ...] = ()
     # Client publications up to this many payload bytes stage in sealed memfds (they cannot grow
-    # past their size: hwr.daemon.store.memfd_staging); larger ones stage in files. 0: always files.
+    # past their size: hwr.daemon.store.writer_bounds); larger ones stage in files. 0: always files.
     memfd_staging_max_bytes: int = 64 << 20
     # Fleet tier (hwr.daemon.fleet.remote): "" off, "s3://BUCKET/PREFIX" or "file:///PATH". Credentials
     # come only from the S3 client's standard chain, never from this file.

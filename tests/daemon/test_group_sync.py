@@ -15,7 +15,7 @@ import torch
 from hwr.client.identity import ArtifactIdentity
 from hwr.daemon.store import fileio as store_io
 from hwr.daemon.store.fileio import GroupSync
-from hwr.daemon.store.root import Store, TensorSpec
+from hwr.daemon.store.root import StagedTensor, Store
 
 
 class GatedFsync:
@@ -125,7 +125,8 @@ def test_concurrent_commits_share_directory_fsyncs_and_all_land(short_tmp: Path,
             real_fsync_dir(path)
 
         monkeypatch.setattr(store_io, "fsync_dir", hold_the_first_round)
-        stagings = [store.begin(ArtifactIdentity.simple(f"group-{i}"), [TensorSpec("w", torch.float32, (64,))])
+        stagings = [store.installer.begin(ArtifactIdentity.simple(f"group-{i}"),
+                                          [StagedTensor("w", torch.float32, (64,))])
                     for i in range(8)]
         rounds_before, joined_before = sync.rounds, sync.joined
         barrier = threading.Barrier(len(stagings))
@@ -133,7 +134,7 @@ def test_concurrent_commits_share_directory_fsyncs_and_all_land(short_tmp: Path,
 
         def commit(staging) -> None:  # type: ignore[no-untyped-def]
             barrier.wait()
-            records.append(store.commit(staging))
+            records.append(store.installer.commit(staging))
 
         threads = [threading.Thread(target=commit, args=(s,)) for s in stagings]
         for t in threads:
@@ -145,7 +146,7 @@ def test_concurrent_commits_share_directory_fsyncs_and_all_land(short_tmp: Path,
         rounds, joined = sync.rounds - rounds_before, sync.joined - joined_before
         assert (rounds, joined) == (2, 7), f"8 concurrent commits ran {rounds} directory fsyncs ({joined} joined)"
     with Store.open(short_tmp / "store") as reopened:  # every one validates after a restart
-        assert len(reopened.artifacts()) == 8 and reopened.start_report == []
+        assert len(reopened.records.artifacts()) == 8 and reopened.start_report == []
 
 
 def test_a_mark_is_covered_only_by_a_round_that_started_after_it_and_succeeded(
@@ -173,19 +174,20 @@ def test_a_mark_is_covered_only_by_a_round_that_started_after_it_and_succeeded(
 
 
 def test_deleting_retired_artifacts_reuses_a_later_commits_fsync(short_tmp: Path) -> None:
-    spec = [TensorSpec("w", torch.float32, (64,))]
+    spec = [StagedTensor("w", torch.float32, (64,))]
     with Store.open(short_tmp / "store") as store:
         for name in ("old-a", "old-b", "new"):
             if name != "new":
-                store.commit(store.begin(ArtifactIdentity.simple(name), spec))
-        trash = [store.retire(ArtifactIdentity.simple(n).key) for n in ("old-a", "old-b")]
+                store.installer.commit(store.installer.begin(ArtifactIdentity.simple(name), spec))
+        trash = [store.retirement.retire(ArtifactIdentity.simple(n).key) for n in ("old-a", "old-b")]
         rounds = store._artifacts_sync.rounds
-        store.delete_retired(trash[:1])  # nothing synced since its retirement: one round here
+        store.retirement.delete(trash[:1])  # nothing synced since its retirement: one round here
         assert store._artifacts_sync.rounds == rounds + 1 and not trash[0].exists()
-        store.commit(store.begin(ArtifactIdentity.simple("new"), spec))  # its install syncs artifacts/
+        # its install syncs artifacts/
+        store.installer.commit(store.installer.begin(ArtifactIdentity.simple("new"), spec))
         rounds = store._artifacts_sync.rounds
-        store.delete_retired(trash[1:])  # covered by the commit's round: no fsync of its own
+        store.retirement.delete(trash[1:])  # covered by the commit's round: no fsync of its own
         assert store._artifacts_sync.rounds == rounds and not trash[1].exists()
         assert os.listdir(store.root / "tmp") == []
     with Store.open(short_tmp / "store") as reopened:
-        assert [r.key for r in reopened.artifacts()] == [ArtifactIdentity.simple("new").key]
+        assert [r.key for r in reopened.records.artifacts()] == [ArtifactIdentity.simple("new").key]

@@ -20,7 +20,7 @@ from hwr.client.safetensors_header import read_header
 from hwr.daemon.producers import base, worker
 from hwr.daemon.producers.digests import StreamDigests
 from hwr.daemon.store import fileio as store_io
-from hwr.daemon.store.root import Store, TensorSpec
+from hwr.daemon.store.root import StagedTensor, Store
 from hwr.daemon.store.staging import ProducerDigests
 
 
@@ -70,9 +70,9 @@ def _worker_build(tmp: Path, store: Store, options: dict, keep_fp32: bool = Fals
     header = read_header(src_fd, require_alignment=False)
     producer = worker.make_producer("cast", options)
     outputs = producer.plan([base.SourceTensor(e.name, e.dtype, e.shape) for e in header.entries], 0)
-    specs = [TensorSpec(o.name, o.dtype, o.shape) for o in outputs]
-    staging = store.begin(ArtifactIdentity.simple(f"digests-{json.dumps(options, sort_keys=True)}"), specs,
-                          max_file_bytes=1200)  # several payload files, mixed item sizes
+    specs = [StagedTensor(o.name, o.dtype, o.shape) for o in outputs]
+    staging = store.installer.begin(ArtifactIdentity.simple(f"digests-{json.dumps(options, sort_keys=True)}"), specs,
+                                    max_file_bytes=1200)  # several payload files, mixed item sizes
     fds = {name: os.open(path, os.O_RDWR) for name, path, _size in staging.files}
     st = os.fstat(src_fd)
     job = {"producer": "cast", "options": options, "rank": 0,
@@ -107,7 +107,7 @@ def test_worker_digests_equal_a_rehash_and_commit_trusts_them(short_tmp: Path, m
         calls = []
         monkeypatch.setattr(store_io, "hash_ranges", lambda *a, **k: calls.append(a) or (_ for _ in ()).throw(
             AssertionError("commit re-hashed despite complete producer digests")))
-        record = store.commit(staging, trusted_digests=ProducerDigests.parse(done["digests"]))
+        record = store.installer.commit(staging, trusted_digests=ProducerDigests.parse(done["digests"]))
         assert calls == []
         assert {t.name: t.sha256 for t in record.manifest.tensors} == tensor_sha
         monkeypatch.undo()
@@ -119,11 +119,11 @@ def test_a_wrong_producer_digest_is_committed_but_caught_by_verify(short_tmp: Pa
         staging, done = _worker_build(short_tmp, store, {"dtype": "fp16"})
         digests = done["digests"]
         digests["tensors"]["w"] = "0" * 64  # a producer that lies (or a hashing bug)
-        record = store.commit(staging, trusted_digests=ProducerDigests.parse(digests))
+        record = store.installer.commit(staging, trusted_digests=ProducerDigests.parse(digests))
         with pytest.raises(ChecksumMismatch):
             store.verify(record.key)
         with pytest.raises(ArtifactDenied):
-            store.lookup(record.key)
+            store.records.lookup(record.key)
 
 
 def test_incomplete_or_malformed_digests_fall_back_to_hashing(short_tmp: Path) -> None:
@@ -134,7 +134,7 @@ def test_incomplete_or_malformed_digests_fall_back_to_hashing(short_tmp: Path) -
         digests = done["digests"]
         true_w = digests["tensors"].pop("w")
         digests["tensors"]["not-a-tensor"] = "0" * 64
-        record = store.commit(staging, trusted_digests=ProducerDigests.parse(digests))
+        record = store.installer.commit(staging, trusted_digests=ProducerDigests.parse(digests))
         assert next(t.sha256 for t in record.manifest.tensors if t.name == "w") == true_w
         store.verify(record.key)
 

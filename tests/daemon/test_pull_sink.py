@@ -15,7 +15,6 @@ import os
 import random
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -101,7 +100,7 @@ def _remote_with_artifact(tmp: Path) -> tuple[FileRemote, str]:
     """A file:// remote laid out as hwrd pushes, holding one artifact a real store published."""
     with Store.open(tmp / "origin") as origin:
         tensors = {"w": torch.arange(300_000, dtype=torch.float32), "b": torch.ones(4096, dtype=torch.bfloat16)}
-        record = origin.publish(ArtifactIdentity.simple("sink/pull"), tensors)
+        record = origin.installer.publish(ArtifactIdentity.simple("sink/pull"), tensors)
         shutil.copytree(origin.root / "artifacts" / record.key, tmp / "remote" / "artifacts" / record.key)
     return FileRemote(parse_location(f"file://{tmp / 'remote'}")), record.key
 
@@ -109,8 +108,7 @@ def _remote_with_artifact(tmp: Path) -> tuple[FileRemote, str]:
 def _pull(root: Path, remote: FileRemote, key: str) -> tuple[object, str]:
     async def go() -> tuple[object, str]:
         with Store.open(root) as store:
-            # The read API the puller reads through, with no eviction rounds and no pins.
-            catalog = Catalog(store, EvictionMarks(), pins=SimpleNamespace(keys=set))
+            catalog = Catalog(store, EvictionMarks())  # the read API the puller reads through
             puller = Puller(remote, catalog, Publishing(store, catalog), wait_timeout=10)
             try:
                 return await puller.pull(key)

@@ -60,8 +60,8 @@ def test_endpoint_with_credentials_is_refused() -> None:
 
 def _published(tmp: Path, model: str) -> tuple[str, bytes, bytes]:
     with Store.open(tmp / model.replace("/", "-")) as store:
-        record = store.publish(ArtifactIdentity.simple(model), {"w": torch.arange(4096, dtype=torch.float32),
-                                                                "b": torch.ones(16, dtype=torch.bfloat16)})
+        record = store.installer.publish(ArtifactIdentity.simple(model), {"w": torch.arange(4096, dtype=torch.float32),
+                                                                          "b": torch.ones(16, dtype=torch.bfloat16)})
         path = store.root / "artifacts" / record.key
         return record.key, (path / "READY.json").read_bytes(), (path / "manifest.json").read_bytes()
 

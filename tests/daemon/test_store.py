@@ -27,7 +27,7 @@ from hwr.client.errors import (
 from hwr.client.identity import ArtifactIdentity
 from hwr.client.safetensors_header import read_header
 from hwr.daemon.store import fileio as store_io
-from hwr.daemon.store.root import Store, TensorSpec
+from hwr.daemon.store.root import StagedTensor, Store
 from hwr.daemon.store.staging import write_tensor
 from hwr.daemon.system import fsguard
 
@@ -46,9 +46,9 @@ def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def _read_back(store: Store, key: str) -> dict[str, bytes]:
-    record = store.lookup(key)
+    record = store.records.lookup(key)
     out = {}
-    for (name, fd), _ in zip(store.open_payloads(record), record.manifest.files, strict=True):
+    for (name, fd), _ in zip(store.records.open_payloads(record), record.manifest.files, strict=True):
         try:
             header = read_header(fd)
             for t in record.manifest.tensors_in(name):
@@ -71,7 +71,7 @@ def store(tmp_path: Path):
 
 def test_publish_then_lookup_returns_identical_bytes(store: Store) -> None:
     tensors = _tensors()
-    record = store.publish(IDENTITY, tensors, max_file_bytes=4096)
+    record = store.installer.publish(IDENTITY, tensors, max_file_bytes=4096)
     assert record.key == IDENTITY.key and len(record.manifest.files) >= 2
     assert _read_back(store, IDENTITY.key) == {n: _raw(t) for n, t in tensors.items()}
     assert store.verify(IDENTITY.key) == record
@@ -83,63 +83,63 @@ def test_publish_then_lookup_returns_identical_bytes(store: Store) -> None:
 
 def test_the_record_built_at_commit_equals_a_full_inspection(store: Store) -> None:
     """``record_for_commit`` (no re-read) must describe exactly what ``inspect_artifact`` finds."""
-    from hwr.daemon.store.validation import inspect_artifact
+    from hwr.daemon.store.inspection import inspect_artifact
 
-    record = store.publish(IDENTITY, _tensors(), max_file_bytes=4096)
+    record = store.installer.publish(IDENTITY, _tensors(), max_file_bytes=4096)
     inspected = inspect_artifact(store.root / "artifacts" / IDENTITY.key, IDENTITY.key, os.geteuid())
     assert record == inspected
     assert record.fingerprints == inspected.fingerprints and record.files == inspected.files
-    assert store.cached(IDENTITY.key) is record  # the cheap guard holds for the commit-time record
+    assert store.records.cached(IDENTITY.key) is record  # the cheap guard holds for the commit-time record
 
 
 def test_content_digest_is_independent_of_file_split(tmp_path: Path) -> None:
     with Store.open(tmp_path / "a") as a, Store.open(tmp_path / "b") as b:
-        one = a.publish(IDENTITY, _tensors())
-        many = b.publish(IDENTITY, _tensors(), max_file_bytes=1)
+        one = a.installer.publish(IDENTITY, _tensors())
+        many = b.installer.publish(IDENTITY, _tensors(), max_file_bytes=1)
     assert len(one.manifest.files) == 1 and len(many.manifest.files) == 5
     assert one.manifest.artifact_content_sha256 == many.manifest.artifact_content_sha256
 
 
 def test_restart_keeps_artifacts_and_second_owner_is_refused(tmp_path: Path) -> None:
     with Store.open(tmp_path / "s") as s:
-        s.publish(IDENTITY, _tensors())
+        s.installer.publish(IDENTITY, _tensors())
         with pytest.raises(StoreLocked):
             Store.open(tmp_path / "s")
     with Store.open(tmp_path / "s") as s:
-        assert [r.key for r in s.artifacts()] == [IDENTITY.key] and not s.start_report
+        assert [r.key for r in s.records.artifacts()] == [IDENTITY.key] and not s.start_report
         assert (s.root / "domain.json").is_file()
 
 
 def test_lookup_errors(store: Store) -> None:
     with pytest.raises(ArtifactNotFound):
-        store.lookup("0" * 64)
+        store.records.lookup("0" * 64)
     for bad in ("../etc", "A" * 64, "0" * 63, IDENTITY.canonical_bytes.decode()):
         with pytest.raises(InvalidRequest):
-            store.lookup(bad)
+            store.records.lookup(bad)
 
 
 def test_expected_hash_mismatch_removes_staging(store: Store) -> None:
     tensors = _tensors()
-    staging = store.begin(IDENTITY, [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
+    staging = store.installer.begin(IDENTITY, [StagedTensor(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
     for n, t in tensors.items():
         write_tensor(staging, n, t)
     expected = {n: hashlib.sha256(_raw(t)).hexdigest() for n, t in tensors.items()}
     expected["steps"] = "0" * 64
     with pytest.raises(ChecksumMismatch):
-        store.commit(staging, expected_tensor_sha256=expected)
+        store.installer.commit(staging, expected_tensor_sha256=expected)
     assert not staging.path.exists()
     with pytest.raises(ArtifactNotFound):
-        store.lookup(IDENTITY.key)
+        store.records.lookup(IDENTITY.key)
 
 
 def test_overwritten_header_is_rejected_at_commit(store: Store) -> None:
-    staging = store.begin(IDENTITY, [TensorSpec("w", torch.float32, (4,))])
+    staging = store.installer.begin(IDENTITY, [StagedTensor("w", torch.float32, (4,))])
     _name, path, _ = staging.files[0]
     with open(path, "r+b") as f:
         f.write(b"\xff" * 8)
     with pytest.raises(ManifestCorrupt):
-        store.commit(staging)
-    store.abort(staging)  # idempotent after commit removed it
+        store.installer.commit(staging)
+    store.installer.abort(staging)  # idempotent after commit removed it
 
 
 def test_two_publishers_of_one_identity_make_one_artifact(store: Store) -> None:
@@ -147,7 +147,7 @@ def test_two_publishers_of_one_identity_make_one_artifact(store: Store) -> None:
 
     def publish() -> None:
         try:
-            results.append(store.publish(IDENTITY, _tensors()))
+            results.append(store.installer.publish(IDENTITY, _tensors()))
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
@@ -161,10 +161,10 @@ def test_two_publishers_of_one_identity_make_one_artifact(store: Store) -> None:
 
 
 def test_collision_keeps_the_first_artifact(store: Store) -> None:
-    first = store.publish(IDENTITY, _tensors(0))
+    first = store.installer.publish(IDENTITY, _tensors(0))
     with pytest.raises(IdentityCollision):
-        store.publish(IDENTITY, _tensors(1))
-    assert store.lookup(IDENTITY.key) == first
+        store.installer.publish(IDENTITY, _tensors(1))
+    assert store.records.lookup(IDENTITY.key) == first
     assert not list((store.root / "tmp").iterdir())
 
 
@@ -186,19 +186,19 @@ def _corrupt_payload_byte(store: Store) -> None:
 
 
 def test_corrupt_bytes_found_by_verify_are_quarantined_and_denied(store: Store) -> None:
-    store.publish(IDENTITY, _tensors())
+    store.installer.publish(IDENTITY, _tensors())
     _corrupt_payload_byte(store)
     with pytest.raises(ManifestCorrupt):  # the ctime moved: the warm check catches it
-        store.lookup(IDENTITY.key)
-    store.allow(IDENTITY.key)  # operator re-admits; metadata checks now pass, bytes do not
-    store.lookup(IDENTITY.key)
+        store.records.lookup(IDENTITY.key)
+    store.records.allow(IDENTITY.key)  # operator re-admits; metadata checks now pass, bytes do not
+    store.records.lookup(IDENTITY.key)
     with pytest.raises(ChecksumMismatch):
         store.verify(IDENTITY.key)
     assert store.is_denied(IDENTITY.key) and (store.root / "deny" / f"{IDENTITY.key}.json").is_file()
     assert any(p.name.startswith(IDENTITY.key + ".checksum.") for p in (store.root / "quarantine").iterdir())
     with pytest.raises(ArtifactDenied):
-        store.lookup(IDENTITY.key)
-    store.publish(IDENTITY, _tensors())  # corruption-denied keys may be rebuilt once
+        store.records.lookup(IDENTITY.key)
+    store.installer.publish(IDENTITY, _tensors())  # corruption-denied keys may be rebuilt once
     assert not store.is_denied(IDENTITY.key) and store.verify(IDENTITY.key)
 
 
@@ -253,24 +253,24 @@ def _hostile_header(path: Path) -> None:
 def test_metadata_damage_is_denied_not_leased(tmp_path: Path, damage, restart: bool) -> None:
     root = tmp_path / "s"
     with Store.open(root) as s:
-        s.publish(IDENTITY, _tensors(), max_file_bytes=4096)
+        s.installer.publish(IDENTITY, _tensors(), max_file_bytes=4096)
         payload = sorted((root / "artifacts" / IDENTITY.key).glob("*.safetensors"))[0]
         damage(payload)
         if not restart:
             with pytest.raises(ManifestCorrupt):
-                s.lookup(IDENTITY.key)
+                s.records.lookup(IDENTITY.key)
     with Store.open(root) as s:
         if restart:
             assert [k for k, _ in s.start_report] == [IDENTITY.key]
-        assert s.is_denied(IDENTITY.key) and s.artifacts() == []
+        assert s.is_denied(IDENTITY.key) and s.records.artifacts() == []
         with pytest.raises(ArtifactDenied):
-            s.lookup(IDENTITY.key)
+            s.records.lookup(IDENTITY.key)
 
 
 def test_tampered_manifest_is_denied(tmp_path: Path) -> None:
     root = tmp_path / "s"
     with Store.open(root) as s:
-        s.publish(IDENTITY, _tensors())
+        s.installer.publish(IDENTITY, _tensors())
     manifest = root / "artifacts" / IDENTITY.key / "manifest.json"
     _writable(manifest)
     manifest.write_bytes(manifest.read_bytes().replace(b'"weight"', b'"weigh7"'))
@@ -281,17 +281,17 @@ def test_tampered_manifest_is_denied(tmp_path: Path) -> None:
 
 
 def test_deny_allow_remove(store: Store) -> None:
-    store.publish(IDENTITY, _tensors())
+    store.installer.publish(IDENTITY, _tensors())
     store.deny(IDENTITY.key, "bad weights reported")
     with pytest.raises(ArtifactDenied):
-        store.lookup(IDENTITY.key)
+        store.records.lookup(IDENTITY.key)
     with pytest.raises(ArtifactDenied):  # an operator deny is not replaced by a publisher
-        store.publish(IDENTITY, _tensors())
-    store.allow(IDENTITY.key)
-    assert store.lookup(IDENTITY.key).key == IDENTITY.key
+        store.installer.publish(IDENTITY, _tensors())
+    store.records.allow(IDENTITY.key)
+    assert store.records.lookup(IDENTITY.key).key == IDENTITY.key
     store.remove(IDENTITY.key)
     with pytest.raises(ArtifactNotFound):
-        store.lookup(IDENTITY.key)
+        store.records.lookup(IDENTITY.key)
 
 
 @pytest.mark.parametrize("helper", ["fallocate", "fsync", "rename", "pwrite"])
@@ -303,11 +303,11 @@ def test_injected_io_errors_are_typed_and_leave_no_staging(store: Store, monkeyp
 
     monkeypatch.setattr(store_io, helper, fail)
     with pytest.raises(NoSpace if code == errno.ENOSPC else PublicationFailed):
-        store.publish(IDENTITY, _tensors())
+        store.installer.publish(IDENTITY, _tensors())
     monkeypatch.undo()
     assert not list((store.root / "tmp").iterdir())
     assert not list((store.root / "artifacts").iterdir())
-    store.publish(IDENTITY, _tensors())
+    store.installer.publish(IDENTITY, _tensors())
 
 
 def test_world_writable_root_is_rejected(tmp_path: Path) -> None:
@@ -339,17 +339,17 @@ def test_close_is_idempotent_and_releases_the_root(tmp_path: Path) -> None:
 def test_a_lookup_racing_a_removal_or_a_quarantine_reports_the_artifact_state(store: Store) -> None:
     """An acquire validated just before an eviction or a quarantine moved the directory must
     answer with what the artifact is now (gone, or denied), never a raw I/O error."""
-    store.publish(IDENTITY, _tensors())
-    record = store.lookup(IDENTITY.key)
-    store.delete_retired([store.retire(IDENTITY.key)])  # evicted between lookup and open
+    store.installer.publish(IDENTITY, _tensors())
+    record = store.records.lookup(IDENTITY.key)
+    store.retirement.delete([store.retirement.retire(IDENTITY.key)])  # evicted between lookup and open
     with pytest.raises(ArtifactNotFound):
-        store.open_payloads(record)
-    store.publish(IDENTITY, _tensors())
-    record = store.lookup(IDENTITY.key)
+        store.records.open_payloads(record)
+    store.installer.publish(IDENTITY, _tensors())
+    record = store.records.lookup(IDENTITY.key)
     store.deny(IDENTITY.key, "quarantined by a scrub")
-    store.retire(IDENTITY.key)
+    store.retirement.retire(IDENTITY.key)
     with pytest.raises(ArtifactDenied):
-        store.open_payloads(record)
+        store.records.open_payloads(record)
 
 
 @pytest.mark.parametrize("sizes", [[0, 1, 4097], [1 << 16, 3 << 20], [5 << 20]])
@@ -414,7 +414,7 @@ def test_a_commit_closes_the_checked_descriptors_it_is_given(store: Store, damag
     from hwr.daemon.system.exclusive import open_sole
 
     tensor = torch.arange(1 << 12, dtype=torch.float32)
-    staging = store.begin(IDENTITY, [TensorSpec("w", tensor.dtype, tuple(tensor.shape))])
+    staging = store.installer.begin(IDENTITY, [StagedTensor("w", tensor.dtype, tuple(tensor.shape))])
     write_tensor(staging, "w", tensor)
     if damage:
         with open(staging.files[0][1], "r+b") as f:
@@ -424,9 +424,9 @@ def test_a_commit_closes_the_checked_descriptors_it_is_given(store: Store, damag
     assert len(os.listdir("/proc/self/fd")) == before + len(opened)
     if damage:
         with pytest.raises(ManifestCorrupt):
-            store.commit(staging, opened=opened)
+            store.installer.commit(staging, opened=opened)
     else:
-        record = store.commit(staging, opened=opened)
+        record = store.installer.commit(staging, opened=opened)
         assert record.manifest.tensors[0].sha256 == hashlib.sha256(tensor.numpy().tobytes()).hexdigest()
     assert len(os.listdir("/proc/self/fd")) == before
     for fd in opened.values():
@@ -442,9 +442,9 @@ def test_plan_validation_is_not_skipped_for_specs_equal_to_a_planned_one(bad_sha
     from hwr.daemon.store.staging import plan_payloads
 
     good = tuple(int(d) for d in bad_shape)
-    plan_payloads([TensorSpec("w", torch.float32, good)])  # now memoised
+    plan_payloads([StagedTensor("w", torch.float32, good)])  # now memoised
     with pytest.raises(InvalidRequest):
-        plan_payloads([TensorSpec("w", torch.float32, bad_shape)])
+        plan_payloads([StagedTensor("w", torch.float32, bad_shape)])
 
 
 def _retire_at(monkeypatch, store: Store, name: str, target: Path) -> list[Path]:
@@ -457,7 +457,7 @@ def _retire_at(monkeypatch, store: Store, name: str, target: Path) -> list[Path]
 
     def call(path, *args, **kwargs):  # type: ignore[no-untyped-def]
         if not evictor and str(path).startswith(str(target)):
-            evictor.append(threading.Thread(target=lambda: trash.append(store.retire(target.name))))
+            evictor.append(threading.Thread(target=lambda: trash.append(store.retirement.retire(target.name))))
             evictor[0].start()
             evictor[0].join(1.0)
         return real(path, *args, **kwargs)
@@ -474,27 +474,27 @@ def test_a_lookup_racing_an_eviction_reports_not_found_and_denies_nothing(
     reports the artifact gone. A first inspection holds the key lock: the eviction waits, and
     the lookup returns the intact artifact. Never a deny: that would refuse every later
     publication of the identity until an operator allowed it."""
-    store.publish(IDENTITY, _tensors())
+    store.installer.publish(IDENTITY, _tensors())
     if not cached:
         store.deny(IDENTITY.key, "x")
-        store.allow(IDENTITY.key)  # drops the validated record: the next lookup inspects
+        store.records.allow(IDENTITY.key)  # drops the validated record: the next lookup inspects
     target = store.root / "artifacts" / IDENTITY.key
     trash = _retire_at(monkeypatch, store, "lstat" if cached else "open", target)
     if cached:
         with pytest.raises(ArtifactNotFound):
-            store.lookup(IDENTITY.key)
+            store.records.lookup(IDENTITY.key)
     else:
-        assert store.lookup(IDENTITY.key).key == IDENTITY.key
+        assert store.records.lookup(IDENTITY.key).key == IDENTITY.key
     deadline = time.monotonic() + 10
     while not trash and time.monotonic() < deadline:
         time.sleep(0.01)
     monkeypatch.undo()
     assert trash, "the retire never ran: the test raced nothing"
-    store.delete_retired(trash)
+    store.retirement.delete(trash)
     with pytest.raises(ArtifactNotFound):
-        store.lookup(IDENTITY.key)
-    assert store.deny_reason(IDENTITY.key) is None and not list((store.root / "deny").iterdir())
-    assert store.publish(IDENTITY, _tensors()).key == IDENTITY.key
+        store.records.lookup(IDENTITY.key)
+    assert store.denylist.reason(IDENTITY.key) is None and not list((store.root / "deny").iterdir())
+    assert store.installer.publish(IDENTITY, _tensors()).key == IDENTITY.key
     assert _read_back(store, IDENTITY.key)["steps"] == _raw(_tensors()["steps"])
 
 
@@ -507,7 +507,7 @@ def test_a_lookup_during_a_commit_rename_waits_for_the_commit(store: Store, monk
 
     def lookup() -> None:
         try:
-            seen["record"] = store.lookup(IDENTITY.key)
+            seen["record"] = store.records.lookup(IDENTITY.key)
         except Exception as exc:  # the assertion below names it
             seen["error"] = exc
 
@@ -522,12 +522,12 @@ def test_a_lookup_during_a_commit_rename_waits_for_the_commit(store: Store, monk
             seen["thread"] = t
 
     monkeypatch.setattr(store_module, "FAULT_HOOK", hook)
-    record = store.publish(IDENTITY, _tensors())
+    record = store.installer.publish(IDENTITY, _tensors())
     seen["thread"].join(10)  # type: ignore[attr-defined]
     assert seen["mode"] != 0o555, "the window this test is about no longer exists"
     assert "error" not in seen, seen.get("error")
     assert seen["waited"] and seen["record"] == record
-    assert store.deny_reason(IDENTITY.key) is None
+    assert store.denylist.reason(IDENTITY.key) is None
 
 
 def test_an_inspection_racing_an_eviction_and_a_republication_never_caches_the_old_record(
@@ -538,9 +538,9 @@ def test_an_inspection_racing_an_eviction_and_a_republication_never_caches_the_o
     every later lookup would find it "changed since it was validated" and deny a good artifact.
     The inspection runs under the key lock, so the other thread's eviction waits for it (up to
     1 s here, then the lookup goes on)."""
-    store.publish(IDENTITY, _tensors())
+    store.installer.publish(IDENTITY, _tensors())
     store.deny(IDENTITY.key, "x")
-    store.allow(IDENTITY.key)  # no record cached: the next lookup inspects the directory
+    store.records.allow(IDENTITY.key)  # no record cached: the next lookup inspects the directory
     payload = str(store.root / "artifacts" / IDENTITY.key / "model-00001.safetensors")
     rebuilt = {**_tensors(), "extra": torch.ones(100)}  # another size: no fingerprint can match
     real_open, real_close = os.open, os.close
@@ -548,8 +548,8 @@ def test_an_inspection_racing_an_eviction_and_a_republication_never_caches_the_o
     other: list[threading.Thread] = []
 
     def republish() -> None:
-        store.delete_retired([store.retire(IDENTITY.key)])
-        store.publish(IDENTITY, rebuilt)
+        store.retirement.delete([store.retirement.retire(IDENTITY.key)])
+        store.installer.publish(IDENTITY, rebuilt)
 
     def open_(path, *args, **kwargs):  # type: ignore[no-untyped-def]
         fd = real_open(path, *args, **kwargs)
@@ -566,10 +566,10 @@ def test_an_inspection_racing_an_eviction_and_a_republication_never_caches_the_o
 
     monkeypatch.setattr(os, "open", open_)
     monkeypatch.setattr(os, "close", close)
-    first = store.lookup(IDENTITY.key)
+    first = store.records.lookup(IDENTITY.key)
     other[0].join(10)
     monkeypatch.undo()
     assert not other[0].is_alive() and "extra" not in {t.name for t in first.manifest.tensors}
-    assert "extra" in {t.name for t in store.lookup(IDENTITY.key).manifest.tensors}  # the new record
-    assert store.deny_reason(IDENTITY.key) is None
+    assert "extra" in {t.name for t in store.records.lookup(IDENTITY.key).manifest.tensors}  # the new record
+    assert store.denylist.reason(IDENTITY.key) is None
     assert _read_back(store, IDENTITY.key)["extra"] == _raw(rebuilt["extra"])

@@ -26,7 +26,7 @@ def hook(name):
 store_module.FAULT_HOOK = hook
 s = store_module.Store.open(root)
 tensors = {"w": torch.arange(4096, dtype=torch.float32).reshape(64, 64), "b": torch.ones(3, dtype=torch.bfloat16)}
-s.publish(ArtifactIdentity.simple("crash/model"), tensors, max_file_bytes=8192)
+s.installer.publish(ArtifactIdentity.simple("crash/model"), tensors, max_file_bytes=8192)
 """
 IDENTITY = ArtifactIdentity.simple("crash/model")
 _COMMITTED = {"renamed", "dir_fsynced"}
@@ -45,6 +45,6 @@ def test_crash_at_each_step_recovers(tmp_path: Path, step: str) -> None:
             assert {t.name for t in record.manifest.tensors} == {"w", "b"}
         else:
             with pytest.raises(ArtifactNotFound):
-                store.lookup(IDENTITY.key)
+                store.records.lookup(IDENTITY.key)
             assert not list((root / "artifacts").iterdir())
-            store.publish(IDENTITY, {"w": torch.zeros(2)})  # the next publisher succeeds
+            store.installer.publish(IDENTITY, {"w": torch.zeros(2)})  # the next publisher succeeds

@@ -31,7 +31,7 @@ from hwr.daemon.service.pinning import PinSet
 from hwr.daemon.service.recency import AccessTimes, Recency
 from hwr.daemon.service.sessions import Registry
 from hwr.daemon.store.root import Store
-from hwr.daemon.store.staging import TensorSpec, write_tensor
+from hwr.daemon.store.staging import StagedTensor, write_tensor
 
 
 def test_a_commit_between_the_disk_read_and_the_reservation_drop_is_still_counted(tmp_path: Path) -> None:
@@ -44,14 +44,14 @@ def test_a_commit_between_the_disk_read_and_the_reservation_drop_is_still_counte
         service = _capacity(config, store)
         loop = asyncio.get_running_loop()
         identity = ArtifactIdentity.simple("racing")
-        staging = store.begin(identity, [TensorSpec("w", tensor.dtype, tuple(tensor.shape))])
+        staging = store.installer.begin(identity, [StagedTensor("w", tensor.dtype, tuple(tensor.shape))])
         write_tensor(staging, "w", tensor)
         reservation = service.reservations.add(identity.key, staging.files[0][2])
-        real = store.committed_bytes
+        real = store.usage.total
 
         def count_then_commit() -> int:
             counted = real()  # the artifact is still staging: not in this count
-            store.commit(staging)  # ... it lands right after, and the publication finishes
+            store.installer.commit(staging)  # ... it lands right after, and the publication finishes
             dropped = threading.Event()
             loop.call_soon_threadsafe(lambda: (service.reservations.drop(reservation), dropped.set()))
             # ``usage`` reads the count on the loop itself (then the drop can only run after it
@@ -60,11 +60,11 @@ def test_a_commit_between_the_disk_read_and_the_reservation_drop_is_still_counte
                 assert dropped.wait(10)
             return counted
 
-        store.committed_bytes = count_then_commit  # type: ignore[method-assign]
+        store.usage.total = count_then_commit  # type: ignore[method-assign]
         try:
             usage = await service.usage()
         finally:
-            store.committed_bytes = real  # type: ignore[method-assign]
+            store.usage.total = real  # type: ignore[method-assign]
             service.holds.close()
         return usage.committed_bytes + usage.reserved_bytes, staging.files[0][2]
 
@@ -86,18 +86,21 @@ def test_retired_bytes_of_a_publication_that_never_commits_are_deleted_or_left_f
                              serialized_admission=False, mlock_budget_bytes=0, scrub_bandwidth_mib_s=0)
     tensor = torch.ones(64)
     for name in ("a", "b"):
-        staging = store.begin(ArtifactIdentity.simple(name), [TensorSpec("w", tensor.dtype, tuple(tensor.shape))])
+        staging = store.installer.begin(ArtifactIdentity.simple(name),
+                                        [StagedTensor("w", tensor.dtype, tuple(tensor.shape))])
         write_tensor(staging, "w", tensor)
-        store.commit(staging)
+        store.installer.commit(staging)
 
     async def scenario() -> tuple[list[str], list[str]]:
         service = _capacity(config, store)
         ledger = service.reservations
-        first = Claim("k1", False, ledger.add("k1", 1), [store.retire(ArtifactIdentity.simple("a").key)], True)
+        first = Claim("k1", False, ledger.add("k1", 1),
+                      [store.retirement.retire(ArtifactIdentity.simple("a").key)], True)
         service.finished(first, committed=False)
         service.purger.pool.shutdown(wait=True)  # the deletion ran in the pool
         after_first = sorted(p.name for p in (store.root / "tmp").iterdir())
-        second = Claim("k2", False, ledger.add("k2", 1), [store.retire(ArtifactIdentity.simple("b").key)], True)
+        second = Claim("k2", False, ledger.add("k2", 1),
+                       [store.retirement.retire(ArtifactIdentity.simple("b").key)], True)
         service.finished(second, committed=False)  # pool shut down: no exception, trash stays
         service.holds.close()
         return after_first, sorted(p.name for p in (store.root / "tmp").iterdir())
@@ -109,7 +112,7 @@ def test_retired_bytes_of_a_publication_that_never_commits_are_deleted_or_left_f
     assert after_first == []
     assert len(after_second) == 1 and ".removed." in after_second[0]
     with Store.open(tmp_path / "root") as reopened:  # the next start wipes it
-        assert list((reopened.root / "tmp").iterdir()) == [] and reopened.artifacts() == []
+        assert list((reopened.root / "tmp").iterdir()) == [] and reopened.records.artifacts() == []
 
 
 def _capacity(config: SimpleNamespace, store: Store) -> Capacity:
@@ -125,9 +128,10 @@ def _capacity(config: SimpleNamespace, store: Store) -> Capacity:
 
 def _publish(store: Store, name: str, elements: int) -> str:
     tensor = torch.full((elements,), 1.0)
-    staging = store.begin(ArtifactIdentity.simple(name), [TensorSpec("w", tensor.dtype, tuple(tensor.shape))])
+    staging = store.installer.begin(ArtifactIdentity.simple(name),
+                                    [StagedTensor("w", tensor.dtype, tuple(tensor.shape))])
     write_tensor(staging, "w", tensor)
-    return store.commit(staging).key
+    return store.installer.commit(staging).key
 
 
 def _on_disk(store: Store) -> dict[str, int]:
@@ -151,11 +155,11 @@ def test_the_in_memory_usage_equals_the_disk_under_concurrent_commits_retirement
         try:
             for i in range(25):
                 key = _publish(store, f"w{n}-{i}", 256 * (1 + (i % 4)))
-                if key not in store.usage_by_key():
+                if key not in store.usage.by_key():
                     errors.append(f"{key[:12]} committed but not counted")
                 if i % 2:
-                    store.delete_retired([store.retire(key)])
-                    if key in store.usage_by_key():
+                    store.retirement.delete([store.retirement.retire(key)])
+                    if key in store.usage.by_key():
                         errors.append(f"{key[:12]} retired but still counted")
         except Exception as exc:  # reported on the main thread
             errors.append(repr(exc))
@@ -180,8 +184,8 @@ def test_the_in_memory_usage_equals_the_disk_under_concurrent_commits_retirement
         assert errors == []
         expected = _on_disk(store)
         assert len(expected) == 4 * 12 + 4 * (25 % 2)  # the even-numbered ones stay
-        assert store.usage_by_key() == expected
-        assert store.committed_bytes() == sum(expected.values())
+        assert store.usage.by_key() == expected
+        assert store.usage.total() == sum(expected.values())
         assert "behind the daemon" not in caplog.text  # type: ignore[attr-defined]
     finally:
         store.close()
@@ -192,18 +196,18 @@ def test_a_rescan_counts_what_changed_behind_the_daemons_back(tmp_path: Path, ca
     try:
         kept = _publish(store, "kept", 1024)
         gone = _publish(store, "gone", 2048)
-        counted = store.committed_bytes()
+        counted = store.usage.total()
         assert counted == sum(_on_disk(store).values()) > 4 * (1024 + 2048)
         stray = ArtifactIdentity.simple("copied in").key
         shutil.copytree(store.root / "artifacts" / kept, store.root / "artifacts" / stray)
         (store.root / "artifacts" / gone).chmod(0o755)  # as an operator with rights would
         shutil.rmtree(store.root / "artifacts" / gone)
-        assert store.committed_bytes() == counted  # memory only until a rescan
+        assert store.usage.total() == counted  # memory only until a rescan
         caplog.set_level(logging.WARNING, logger="hwrd.store")  # type: ignore[attr-defined]
         sizes = store.rescan_usage()
         assert set(sizes) == {kept, stray}
         assert sizes[stray] >= 4 * 1024  # an unvalidated entry counts every file in it
-        assert store.committed_bytes() == sum(sizes.values())
+        assert store.usage.total() == sum(sizes.values())
         assert "1 entries appeared" in caplog.text and "1 vanished" in caplog.text  # type: ignore[attr-defined]
     finally:
         store.close()
@@ -224,7 +228,7 @@ def test_publishing_and_retiring_leave_no_per_key_files_in_locks(tmp_path: Path)
     (root / "locks" / "unrelated.lock").write_bytes(b"")  # not ours to delete
     with Store.open(root) as store:
         assert sorted(p.name for p in (root / "locks").iterdir()) == ["daemon.lock", "unrelated.lock"]
-        assert len(store.artifacts()) == 10
+        assert len(store.records.artifacts()) == 10
 
 
 def test_publications_waiting_for_room_are_woken_one_at_a_time_in_arrival_order(tmp_path: Path) -> None:
@@ -300,16 +304,16 @@ def test_a_lookup_that_races_a_quarantine_reports_the_deny_not_a_missing_artifac
         def inspect_then_quarantine(path, key_, euid):  # type: ignore[no-untyped-def]
             record = real(path, key_, euid)
             # The scrub's verify lands here: deny first, then move the directory aside.
-            store._records.deny_for(key_, ChecksumMismatch("flipped", details={"key": key_}))
-            store._denied.quarantine(path, "checksum", key_)
+            store.records.deny_for(key_, ChecksumMismatch("flipped", details={"key": key_}))
+            store.denylist.quarantine(path, "checksum", key_)
             return record
 
-        store._records.drop(key)  # as verify does first: the next lookup inspects the disk
+        store.records.drop(key)  # as verify does first: the next lookup inspects the disk
         monkeypatch.setattr(store_module, "inspect_artifact", inspect_then_quarantine)
-        record = store.lookup(key)
+        record = store.records.lookup(key)
         with pytest.raises(ArtifactDenied):
-            store.open_payloads(record)
-        assert key not in store.usage_by_key()
+            store.records.open_payloads(record)
+        assert key not in store.usage.by_key()
     finally:
         store.close()
 
@@ -318,7 +322,7 @@ def test_a_failed_rescan_keeps_the_accounting_and_the_next_one_works(tmp_path: P
     store = Store.open(tmp_path / "root")
     try:
         key = _publish(store, "kept", 256)
-        before = store.usage_by_key()
+        before = store.usage.by_key()
         real = store._scan_sizes
 
         def failing() -> dict[str, int]:
@@ -328,7 +332,7 @@ def test_a_failed_rescan_keeps_the_accounting_and_the_next_one_works(tmp_path: P
         with pytest.raises(OSError):
             store.rescan_usage()
         monkeypatch.setattr(store, "_scan_sizes", real)
-        assert store.usage_by_key() == before and store._usage._touched is None
+        assert store.usage.by_key() == before and store.usage._touched is None
         assert store.rescan_usage() == before and key in before
     finally:
         store.close()
@@ -367,17 +371,17 @@ def test_take_added_names_each_new_record_once_and_listed_hides_denied_ones(tmp_
     root = tmp_path / "root"
     with Store.open(root) as store:
         first = _publish(store, "first", 256)
-        assert store.take_added() == [first]
-        assert store.take_added() == []
+        assert store.records.take_added() == [first]
+        assert store.records.take_added() == []
         second = _publish(store, "second", 256)
         store.deny(first, "bad")
-        assert store.listed(first) is None and store.listed(second) is not None
-        assert store.take_added() == [second]
-        store.allow(first)
-        store.lookup(first)  # re-validated: a record again
-        assert store.take_added() == [first] and store.listed(first) is not None
+        assert store.records.listed(first) is None and store.records.listed(second) is not None
+        assert store.records.take_added() == [second]
+        store.records.allow(first)
+        store.records.lookup(first)  # re-validated: a record again
+        assert store.records.take_added() == [first] and store.records.listed(first) is not None
     with Store.open(root) as reopened:
-        assert sorted(reopened.take_added()) == sorted([first, second])
+        assert sorted(reopened.records.take_added()) == sorted([first, second])
 
 
 def test_housekeeping_feeds_the_lru_index_without_eviction_rounds(tmp_path: Path) -> None:
@@ -396,7 +400,7 @@ def test_housekeeping_feeds_the_lru_index_without_eviction_rounds(tmp_path: Path
             for i in range(5):
                 await asyncio.to_thread(_publish, store, f"kept-{i}", 256)
             await asyncio.sleep(0.3)  # several ticks
-            return store.take_added(), len(service.recency.lru)
+            return store.records.take_added(), len(service.recency.lru)
         finally:
             tick.cancel()
             with contextlib.suppress(asyncio.CancelledError):

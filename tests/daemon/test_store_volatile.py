@@ -13,15 +13,15 @@ from hwr.client.errors import ArtifactNotFound
 from hwr.client.identity import ArtifactIdentity
 from hwr.daemon.store import fileio as store_io
 from hwr.daemon.store import root as store_module
-from hwr.daemon.store.root import Store, TensorSpec
+from hwr.daemon.store.root import StagedTensor, Store
 from hwr.daemon.store.staging import write_tensor
 
 
 def commit(store: Store, name: str, *, durable: bool, value: float = 1.0) -> str:
     tensors = {"w": torch.full((256,), value)}
-    staging = store.begin(ArtifactIdentity.simple(name), [TensorSpec("w", torch.float32, (256,))])
+    staging = store.installer.begin(ArtifactIdentity.simple(name), [StagedTensor("w", torch.float32, (256,))])
     write_tensor(staging, "w", tensors["w"])
-    return store.commit(staging, durable=durable).key
+    return store.installer.commit(staging, durable=durable).key
 
 
 def test_a_non_durable_commit_fsyncs_nothing_and_is_gone_at_the_next_open(
@@ -34,16 +34,16 @@ def test_a_non_durable_commit_fsyncs_nothing_and_is_gone_at_the_next_open(
         volatile = commit(store, "m/volatile", durable=False)
         # only the marker's directory was fsynced (fsync_dir calls fsync on a directory descriptor)
         assert len(synced) == 1
-        assert store.is_volatile(volatile) and (root / "volatile" / volatile).exists()
+        assert store.volatile.marked(volatile) and (root / "volatile" / volatile).exists()
         synced.clear()
         durable = commit(store, "m/durable", durable=True)
-        assert len(synced) >= 4 and not store.is_volatile(durable)  # payload, documents, dirs
-        assert store.lookup(volatile).key == volatile  # served like any other while hwrd runs
+        assert len(synced) >= 4 and not store.volatile.marked(durable)  # payload, documents, dirs
+        assert store.records.lookup(volatile).key == volatile  # served like any other while hwrd runs
     with Store.open(root) as store:
         with pytest.raises(ArtifactNotFound):
-            store.lookup(volatile)
-        assert store.lookup(durable).key == durable
-        assert os.listdir(root / "volatile") == [] and not store.is_volatile(volatile)
+            store.records.lookup(volatile)
+        assert store.records.lookup(durable).key == durable
+        assert os.listdir(root / "volatile") == [] and not store.volatile.marked(volatile)
 
 
 def test_the_marker_is_in_place_before_the_rename(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -67,7 +67,7 @@ def test_the_marker_is_in_place_before_the_rename(tmp_path: Path, monkeypatch: p
     with Store.open(root) as store:  # the next open removes it, marker last
         assert not (root / "artifacts" / key).exists() and os.listdir(root / "volatile") == []
         with pytest.raises(ArtifactNotFound):
-            store.lookup(key)
+            store.records.lookup(key)
 
 
 def test_a_removed_non_durable_artifact_leaves_no_marker_to_drop_a_durable_one(tmp_path: Path) -> None:
@@ -75,19 +75,19 @@ def test_a_removed_non_durable_artifact_leaves_no_marker_to_drop_a_durable_one(t
     with Store.open(root) as store:
         key = commit(store, "m/again", durable=False)
         store.remove(key)  # evicted: its marker goes with it
-        assert not store.is_volatile(key) and os.listdir(root / "volatile") == []
+        assert not store.volatile.marked(key) and os.listdir(root / "volatile") == []
         again = commit(store, "m/again", durable=True)
         assert again == key
     with Store.open(root) as store:
-        assert store.lookup(key).key == key
+        assert store.records.lookup(key).key == key
 
 
 def test_a_mapping_of_a_non_durable_artifact_stays_valid_after_it_is_dropped(tmp_path: Path) -> None:
     root = tmp_path / "store"
     with Store.open(root) as store:
         key = commit(store, "m/mapped", durable=False, value=3.0)
-        record = store.lookup(key)
-        (_name, fd), = store.open_payloads(record)
+        record = store.records.lookup(key)
+        (_name, fd), = store.records.open_payloads(record)
     try:
         import mmap
 

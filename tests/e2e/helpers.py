@@ -134,7 +134,7 @@ def peer_error(client: Any, request: dict[str, Any]) -> Any:
     from hwr.client.errors import HwrError
 
     with pytest.raises(HwrError) as caught:
-        client._peer_exchange(request, want_fds=True)
+        client._connection.exchange(request, want_fds=True)
     return caught.value
 
 

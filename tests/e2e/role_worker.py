@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
 
         def raw_begin() -> None:  # the gRPC form of publishing (client.publish uses the peer channel)
             identity = ArtifactIdentity.simple("roles/raw").canonical_bytes
-            client._call("BeginPublication", pb.BeginPublicationRequest(
+            client._connection.call("BeginPublication", pb.BeginPublicationRequest(
                 identity_json=identity, tensors=[pb.TensorSpec(name="w", dtype="F32", shape=[4])]))
 
         report["acquire"] = attempt(acquire)

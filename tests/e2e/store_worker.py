@@ -47,7 +47,7 @@ def main(mode: str, sock: str, key: str) -> None:
         # blind spot of the /proc mappings scan), and whose client never reattaches: after a
         # daemon restart only the lease journal knows it may still map these bytes.
         client.auto_reconnect = False
-        _lease_id, _key, _manifest, fds = client._peer_acquire(key)
+        _lease_id, _key, _manifest, fds = client._acquirer.peer_acquire(key)
         print("ready", flush=True)
         for _line in sys.stdin:
             digests = []

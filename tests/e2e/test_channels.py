@@ -133,10 +133,10 @@ def test_acquire_through_a_channel_leases_the_key_it_points_to_then(shared_hwrd:
         assert second.key == b and float(second.tensors["w"][0]) == 2.0
         assert first.key == a and float(first.tensors["w"][0]) == 1.0  # a lease is on a key: untouched
         # The gRPC form resolves the same way.
-        response: pb.AcquireResponse = client._call("Acquire", pb.AcquireRequest(
+        response: pb.AcquireResponse = client._connection.call("Acquire", pb.AcquireRequest(
             artifact=pb.ArtifactRef(channel="acq")))
         assert response.key == b
-        client._release(response.lease_id)
+        client._acquirer.release(response.lease_id)
         assert {x["key"] for x in client.leases() if x["session_id"] == client.session_id} == {a, b}
         first.close()
         second.close()

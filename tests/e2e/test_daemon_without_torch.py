@@ -205,17 +205,17 @@ def test_no_operation_of_hwrd_loads_torch(short_tmp: Path, spawn_daemon: Callabl
             assert float(lease.tensors[f"t{PEER_MAX_TENSORS}"][1]) == PEER_MAX_TENSORS
 
         # The RPCs no client call makes on its own: OpenSession, Acquire of an artifact, Release.
-        stub, metadata = client._stub, client._metadata
+        stub, metadata = client._connection.stub, client._connection.metadata
         stub.OpenSession(pb.OpenSessionRequest(client_name="no-torch", client_version="0"), metadata=metadata,
                          timeout=30)
         acquired = stub.Acquire(pb.AcquireRequest(artifact=pb.ArtifactRef(key=key_small)), metadata=metadata,
                                 timeout=30)
-        _reply, fds, _tail = client._peer_exchange(
+        _reply, fds, _tail = client._connection.exchange(
             {"op": "fds", "lease_id": acquired.lease_id, "lease_token": acquired.lease_token}, want_fds=True)
         for fd in fds:
             os.close(fd)
         assert stub.Release(pb.ReleaseRequest(lease_id=acquired.lease_id), metadata=metadata, timeout=30).released
-        assert client._peer_exchange({"op": "ping"}, want_fds=False)[0]["ok"]
+        assert client._connection.exchange({"op": "ping"}, want_fds=False)[0]["ok"]
 
         # Checkpoints: registration, a lease of the files, a prewarm with each producer.
         make_checkpoint(short_tmp / "ckpt")

@@ -22,10 +22,10 @@ LIST_FDS = "import os; print(' '.join(os.listdir('/proc/self/fd')))"
 def test_received_descriptors_are_close_on_exec(hwrd: DaemonProcess) -> None:
     with connect(hwrd.socket) as client:
         key = client.publish(ArtifactIdentity.simple("cloexec/a"), {"w": torch.ones(1024)})
-        reply, payload_fds, _tail = client._peer_exchange({"op": "acquire", "key": key}, want_fds=True)
+        reply, payload_fds, _tail = client._connection.exchange({"op": "acquire", "key": key}, want_fds=True)
         begin = {"op": "publish_begin", "identity": ArtifactIdentity.simple("cloexec/b").canonical_bytes.decode(),
                  "tensors": [["w", "F32", [1024], "parameter", ""]]}
-        staged, staging_fds, _tail = client._peer_exchange(begin, want_fds=True)
+        staged, staging_fds, _tail = client._connection.exchange(begin, want_fds=True)
         received = payload_fds + staging_fds
         try:
             assert payload_fds and staging_fds, (reply, staged)
@@ -38,7 +38,7 @@ def test_received_descriptors_are_close_on_exec(hwrd: DaemonProcess) -> None:
         finally:
             for fd in received:
                 os.close(fd)
-            client._peer_exchange({"op": "release", "lease_id": reply["lease_id"]}, want_fds=False)
+            client._connection.exchange({"op": "release", "lease_id": reply["lease_id"]}, want_fds=False)
             with contextlib.suppress(HwrError):
-                client._peer_exchange({"op": "publish_abort", "publication_id": staged["publication_id"]},
-                                      want_fds=False)
+                client._connection.exchange({"op": "publish_abort", "publication_id": staged["publication_id"]},
+                                            want_fds=False)

@@ -170,9 +170,10 @@ def test_a_caller_that_does_not_wait_misses_at_once_and_the_pull_goes_on(slow_fl
         assert [p["key"] for p in client.status()["remote"]["pulls"]] == [key]  # left running
         with pytest.raises(ArtifactNotFound):  # a second caller that does not wait joins nothing
             client.acquire(key, timeout=30, wait_for_pull=False)
-        granted = client._call("Acquire", pb.AcquireRequest(artifact=pb.ArtifactRef(key=key)), 60)  # gRPC waits too
+        # gRPC waits too
+        granted = client._connection.call("Acquire", pb.AcquireRequest(artifact=pb.ArtifactRef(key=key)), 60)
         assert granted.key == key and granted.lease_id
-        assert client._call("Release", pb.ReleaseRequest(lease_id=granted.lease_id)).released
+        assert client._connection.call("Release", pb.ReleaseRequest(lease_id=granted.lease_id)).released
         with client.acquire(key, timeout=60) as lease:
             assert digests(lease.tensors) == expected
     assert env["link"].sent["down"] < 2 * SIZE  # one pull for all three acquires

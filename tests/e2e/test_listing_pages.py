@@ -32,12 +32,12 @@ def test_ten_thousand_leases_are_listed_in_pages(spawn_daemon: Callable[..., Dae
     count = 10_000
     with connect(daemon.socket, client_name="\U0001f980" * 128) as client:  # 512 bytes of name per lease
         key = client.publish(ArtifactIdentity.simple("pages/leases"), {"w": torch.ones(4)})
-        reply, fds, _tail = client._peer_exchange({"op": "acquire", "key": key}, want_fds=True)
+        reply, fds, _tail = client._connection.exchange({"op": "acquire", "key": key}, want_fds=True)
         for fd in fds:
             os.close(fd)
         held = {reply["lease_id"]}
         while len(held) < count:  # raw acquires: the descriptors are closed at once
-            reply, fds, _tail = client._peer_exchange(
+            reply, fds, _tail = client._connection.exchange(
                 {"op": "acquire", "key": key, "have": reply["manifest_sha256"]}, want_fds=True)
             for fd in fds:
                 os.close(fd)

@@ -76,8 +76,8 @@ def test_a_writer_that_keeps_a_handed_over_file_cannot_commit(shared_hwrd: Daemo
                 pub.write(name, tensors[name])
             # hwrd hands out no writable descriptor of a publication with handed-over files
             with pytest.raises(PublicationFailed):
-                client._peer_exchange({"op": "staging_fds", "publication_id": pub._publication_id,
-                                       "publication_token": pub._token}, want_fds=True)
+                client._connection.exchange({"op": "staging_fds", "publication_id": pub._publication_id,
+                                             "publication_token": pub._token}, want_fds=True)
             with pytest.raises(PublicationFailed) as refused:
                 pub.commit()
             assert "still holds" in refused.value.message

@@ -66,7 +66,7 @@ def test_lone_surrogates_are_refused_where_they_enter(spawn_daemon: Callable[...
                 "key of a request": {"op": "acquire", "key": key, f"x{LONE}": 1},
             }.items():
                 with pytest.raises(HwrError) as refused:
-                    client._peer_exchange(request, want_fds=True)
+                    client._connection.exchange(request, want_fds=True)
                 refusals[name] = refused.value.code
             assert refusals == {"client name": "INVALID_ARGUMENT", "client version": "INVALID_ARGUMENT",
                                 "tensor name": "INVALID_ARGUMENT", "identity": "INVALID_IDENTITY",

@@ -56,7 +56,7 @@ def test_a_leasing_client_never_opens_grpc_and_its_leases_are_the_rpc_leases(lea
     with connect(daemon.socket, client_name="only-leases") as client:
         lease = client.acquire(key)
         by_identity = client.acquire(ArtifactIdentity.simple("e2e/peer-leases"))
-        assert client._channel is None, "acquire must not open a gRPC channel"
+        assert client._connection.channel is None, "acquire must not open a gRPC channel"
         for name, tensor in TENSORS.items():  # every dtype, shape and the empty tensor
             assert torch.equal(lease.tensors[name], tensor), name
             assert torch.equal(by_identity.tensors[name], tensor), name
@@ -64,26 +64,26 @@ def test_a_leasing_client_never_opens_grpc_and_its_leases_are_the_rpc_leases(lea
         assert sorted(x["lease_id"] for x in mine) == sorted([lease.lease_id, by_identity.lease_id])
         assert {x["client_name"] for x in mine} == {"only-leases"}  # the peer hello named the session
         lease.close()
-        assert client._channel is None
+        assert client._connection.channel is None
         remaining = [x["lease_id"] for x in publisher.leases() if x["session_id"] == client.session_id]
         assert remaining == [by_identity.lease_id]  # the release took effect before close() returned
         # A peer-acquired lease is released by the gRPC Release RPC too (one lease table).
         with grpc.insecure_channel(f"unix:{daemon.socket}") as channel:
             released = hwr_pb2_grpc.HostWeightRuntimeStub(channel).Release(
-                pb.ReleaseRequest(lease_id=by_identity.lease_id), metadata=client._metadata, timeout=20)
+                pb.ReleaseRequest(lease_id=by_identity.lease_id), metadata=client._connection.metadata, timeout=20)
         assert released.released is True
-        assert client._peer_exchange({"op": "release", "lease_id": by_identity.lease_id},
-                                     want_fds=False)[0] == {"ok": True, "released": False}
+        assert client._connection.exchange({"op": "release", "lease_id": by_identity.lease_id},
+                                           want_fds=False)[0] == {"ok": True, "released": False}
         by_identity.close()
         assert client.status()["version"]  # a control call opens the channel lazily
-        assert client._channel is not None
+        assert client._connection.channel is not None
 
 
 @pytest.mark.timeout(60)
 def test_typed_errors_on_the_peer_channel_equal_the_rpc_errors(leased) -> None:
     daemon, publisher, key = leased
     with connect(daemon.socket) as client:
-        token = client._token
+        token = client._connection.token
         cases = [
             ({"op": "acquire", "key": "0" * 64}, pb.AcquireRequest(artifact=pb.ArtifactRef(key="0" * 64))),
             ({"op": "acquire", "key": "XYZ"}, pb.AcquireRequest(artifact=pb.ArtifactRef(key="XYZ"))),
@@ -159,23 +159,23 @@ def test_the_manifest_crosses_once_and_the_journal_precedes_the_descriptors(leas
     daemon, _publisher, key = leased
     journal = daemon.root / "leases.journal"
     with connect(daemon.socket) as client:
-        first, fds, tail = client._peer_exchange({"op": "acquire", "key": key}, want_fds=True)
+        first, fds, tail = client._connection.exchange({"op": "acquire", "key": key}, want_fds=True)
         # The acquire record is in the file before the descriptors reach us (flush-before-send).
         assert f'"lease":"{first["lease_id"]}"'.encode() in journal.read_bytes()
         for fd in fds:
             os.close(fd)
         assert first["manifest_bytes"] == len(tail) > 0
-        again, fds, tail2 = client._peer_exchange({"op": "acquire", "key": key, "have": first["manifest_sha256"]},
+        again, fds, tail2 = client._connection.exchange({"op": "acquire", "key": key, "have": first["manifest_sha256"]},
                                                    want_fds=True)
         for fd in fds:
             os.close(fd)
         assert (again["manifest_bytes"], tail2, again["manifest_sha256"]) == (0, b"", first["manifest_sha256"])
-        stale, fds, tail3 = client._peer_exchange({"op": "acquire", "key": key, "have": "0" * 64}, want_fds=True)
+        stale, fds, tail3 = client._connection.exchange({"op": "acquire", "key": key, "have": "0" * 64}, want_fds=True)
         for fd in fds:
             os.close(fd)
         assert tail3 == tail
         for reply in (first, again, stale):
-            client._release(reply["lease_id"])
+            client._acquirer.release(reply["lease_id"])
         # Release records are coalesced into the next tick's write: they land without another request.
         wait_until(lambda: f'"op":"release","lease":"{stale["lease_id"]}"'.encode() in journal.read_bytes(),
                    timeout=2.0)

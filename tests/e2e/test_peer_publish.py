@@ -35,7 +35,7 @@ def _identity(name: str) -> ArtifactIdentity:
 def test_a_small_publication_goes_over_the_peer_channel_and_equals_the_rpc_one(shared_hwrd, monkeypatch) -> None:
     with connect(shared_hwrd.socket) as client:
         key = client.publish(_identity("small"), TENSORS)
-        assert client._channel is None, "a small publication must not open a gRPC channel"
+        assert client._connection.channel is None, "a small publication must not open a gRPC channel"
         assert key == _identity("small").key
         with client.acquire(key) as lease:
             for name, tensor in TENSORS.items():
@@ -43,7 +43,7 @@ def test_a_small_publication_goes_over_the_peer_channel_and_equals_the_rpc_one(s
         # The same tensors under another identity through the RPCs give the same content digest.
         monkeypatch.setattr(publisher_mod, "PEER_MAX_BYTES", 0)
         rpc_key = client.publish(_identity("small-rpc"), TENSORS)
-        assert client._channel is not None
+        assert client._connection.channel is not None
         shown = {a["key"]: a for a in client.list_artifacts()}
         assert shown[key]["size_bytes"] == shown[rpc_key]["size_bytes"]
         assert shown[key]["content_sha256"] == shown[rpc_key]["content_sha256"]
@@ -71,7 +71,7 @@ def test_peer_publication_errors_equal_the_rpc_errors_and_the_connection_stays_u
          pb.BeginPublicationRequest(identity_json=b"{}", tensors=[pb.TensorSpec(name="w", dtype="F32", shape=[4])])),
     ]
     with connect(shared_hwrd.socket) as client:
-        token = client._token
+        token = client._connection.token
         for fields, rpc_request in cases:
             request = {"op": "publish_begin", "identity": ident.decode(), **fields}
             peer = peer_error(client, request)
@@ -92,7 +92,7 @@ def test_peer_publication_errors_equal_the_rpc_errors_and_the_connection_stays_u
         assert isinstance(peer_error(client, {"op": "publish_commit", "publication_id": "x",
                                                "expected_sha256": ["a"]}), InvalidRequest)
         # ... and the connection still serves.
-        assert client._peer_exchange({"op": "ping"}, want_fds=False)[0] == {"ok": True}
+        assert client._connection.exchange({"op": "ping"}, want_fds=False)[0] == {"ok": True}
         key = client.publish(_identity("after-errors"), {"x": torch.ones(3)})
         with client.acquire(key) as lease:
             assert float(lease.tensors["x"].sum()) == 3.0
@@ -103,7 +103,7 @@ def test_a_second_publisher_waits_past_the_peer_cap_through_the_rpc_and_joins(sh
     specs = [TensorSpec("w", torch.float32, (8,))]
     with connect(shared_hwrd.socket) as first, connect(shared_hwrd.socket) as second:
         staged = first.publisher(_identity("join"), specs)
-        assert staged.staged and first._channel is None
+        assert staged.staged and first._connection.channel is None
         with pytest.raises(ActiveBuildTimeout):  # no wait asked: refused at once
             second.publisher(_identity("join"), specs, wait_timeout=0)
         result: dict[str, Any] = {}
@@ -122,7 +122,7 @@ def test_a_second_publisher_waits_past_the_peer_cap_through_the_rpc_and_joins(sh
         waiter.join(20)
         assert result["outcome"] == "joined" and result["key"] == key
         assert result["waited"] > publisher_mod.PEER_MAX_WAIT_S
-        assert second._channel is not None  # the rest of the wait went through BeginPublication
+        assert second._connection.channel is not None  # the rest of the wait went through BeginPublication
 
 
 def test_one_client_publishing_an_identity_from_two_threads_does_not_stall(shared_hwrd) -> None:

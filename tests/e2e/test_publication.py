@@ -96,7 +96,7 @@ def test_second_publisher_with_zero_wait_is_told_to_come_back(shared_hwrd: Daemo
                     pb.BeginPublicationRequest(identity_json=identity.canonical_bytes,
                                                tensors=[s.to_proto() for s in specs_for(tensors)],
                                                wait_timeout_ms=0),
-                    metadata=((SESSION_KEY, second._token),), timeout=10)
+                    metadata=((SESSION_KEY, second._connection.token),), timeout=10)
             assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             assert dict(caught.value.trailing_metadata())[ERROR_CODE_KEY] == "ACTIVE_BUILD_TIMEOUT"
             pub.write("w", tensors["w"])

@@ -26,7 +26,7 @@ def test_explicit_release_takes_effect_at_most_once(shared_hwrd: DaemonProcess) 
     with connect(shared_hwrd.socket) as client, grpc.insecure_channel(f"unix:{shared_hwrd.socket}") as channel:
         key = client.publish(ArtifactIdentity.simple("e2e/release"), TENSORS)
         stub = hwr_pb2_grpc.HostWeightRuntimeStub(channel)
-        metadata = ((SESSION_KEY, client._token),)
+        metadata = ((SESSION_KEY, client._connection.token),)
         lease = client.acquire(key)
         assert [x["lease_id"] for x in client.leases()] == [lease.lease_id]
 

@@ -54,7 +54,7 @@ def commit_raw(client: object, pub: object) -> str:
     """``publish_commit`` on the peer channel, keeping the publication if it fails (as
     ``Publisher.commit`` would not: it aborts on a failure)."""
     request = {"op": "publish_commit", "publication_id": pub._publication_id}  # type: ignore[attr-defined]
-    reply, _fds, _tail = client._peer_exchange(request, want_fds=False)  # type: ignore[attr-defined]
+    reply, _fds, _tail = client._connection.exchange(request, want_fds=False)  # type: ignore[attr-defined]
     return str(reply["key"])
 
 

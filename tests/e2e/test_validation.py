@@ -111,7 +111,7 @@ def _new_log(daemon: DaemonProcess, start: int) -> str:
 
 
 def _metadata(client: Client) -> tuple[tuple[str, str], ...]:
-    return ((SESSION_KEY, client._token),)
+    return ((SESSION_KEY, client._connection.token),)
 
 
 def _trailers(err: grpc.RpcError) -> dict[str, str]:
@@ -165,7 +165,8 @@ def test_calls_without_a_valid_session_are_unauthenticated(served: tuple[DaemonP
     daemon, client, key = served
     with grpc.insecure_channel(f"unix:{daemon.socket}") as channel:
         stub = hwr_pb2_grpc.HostWeightRuntimeStub(channel)
-        for metadata in ((), ((SESSION_KEY, ""),), ((SESSION_KEY, "0" * 48),), ((SESSION_KEY, client._token[:-1]),)):
+        for metadata in ((), ((SESSION_KEY, ""),), ((SESSION_KEY, "0" * 48),),
+                         ((SESSION_KEY, client._connection.token[:-1]),)):
             for rpc, request in (("Acquire", pb.AcquireRequest(artifact=pb.ArtifactRef(key=key))),
                                  ("GetStatus", pb.GetStatusRequest()), ("ListLeases", pb.ListLeasesRequest())):
                 with pytest.raises(grpc.RpcError) as caught:

@@ -223,10 +223,10 @@ def artifact(start: Callable[..., DaemonProcess]) -> Iterator[Callable[..., tupl
         daemon = start(*extra)
         with connect(daemon.socket) as client:
             key = publish(client, "hostile", 7, 4096)
-            reply, fds, _tail = client._peer_exchange({"op": "acquire", "key": key}, want_fds=True)
+            reply, fds, _tail = client._connection.exchange({"op": "acquire", "key": key}, want_fds=True)
             for fd in fds:
                 os.close(fd)
-            client._peer_exchange({"op": "release", "lease_id": reply["lease_id"]}, want_fds=False)
+            client._connection.exchange({"op": "release", "lease_id": reply["lease_id"]}, want_fds=False)
         return daemon, key, reply["manifest_sha256"]
     yield make
 

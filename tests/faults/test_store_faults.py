@@ -326,7 +326,7 @@ def test_a_slow_disk_does_not_time_out_a_small_publication_on_the_peer_channel(s
         took = time.monotonic() - began
         control.set()
         assert took > 1.0, f"the fsyncs were not slowed ({took:.2f} s): the test proves nothing"
-        assert client._channel is None, "the publication must have used the peer channel"
+        assert client._connection.channel is None, "the publication must have used the peer channel"
         assert client.reconnects == 0 and not held.closed
         assert [x["lease_id"] for x in client.leases() if x["session_id"] == client.session_id] == [held.lease_id]
         with client.acquire(key) as lease:

@@ -157,10 +157,11 @@ def _call(stub: Any, method: Any, request: Any, metadata: Any) -> Any:
 def _tidy(client: Any, name: str, response: Any) -> None:
     """Undo what an accepted request created, so the next example starts from the same state."""
     if name == "Acquire" and response.lease_id:
-        client._stub.Release(pb.ReleaseRequest(lease_id=response.lease_id), metadata=client._metadata)
+        client._connection.stub.Release(pb.ReleaseRequest(lease_id=response.lease_id),
+                                        metadata=client._connection.metadata)
     if name == "BeginPublication" and response.publication_id:
-        client._stub.AbortPublication(pb.AbortPublicationRequest(publication_id=response.publication_id),
-                                      metadata=client._metadata)
+        client._connection.stub.AbortPublication(pb.AbortPublicationRequest(publication_id=response.publication_id),
+                                                 metadata=client._connection.metadata)
 
 
 @pytest.mark.parametrize("method", list(SERVICE.methods), ids=lambda m: m.name)
@@ -174,7 +175,7 @@ def test_every_rpc_answers_malformed_input_with_a_typed_error(fuzz_daemon, metho
     @given(message(method.input_type, key), tokens)
     def run(request: Any, token: str) -> None:
         with checked(f"rpc {method.name}"):
-            metadata = {"valid": client._metadata, "none": (), "forged": ((SESSION_KEY, "f" * 48),)}[token]
+            metadata = {"valid": client._connection.metadata, "none": (), "forged": ((SESSION_KEY, "f" * 48),)}[token]
             try:
                 response = _call(stub, method, request, metadata)
             except grpc.RpcError as exc:

@@ -1,6 +1,7 @@
-"""A client's publications: ``publisher()``, ``publish()``, and when a peer begin may wait.
+"""The publications one client session started: each ``Publisher`` wired to the connection, and
+the staged ones the session's end aborts (``Client.publisher``/``Client.publish`` use it).
 
-``Publications`` starts each ``Publisher`` (``hwr.client.publisher``) on one connection, wiring
+``SessionPublications`` starts each ``Publisher`` (``hwr.client.publisher``) on one connection, wiring
 it to the peer channel (small publications: one round trip to stage, one to commit) and to the
 RPCs, and keeps the staged ones not yet finished: the session's end aborts them in the daemon,
 so ``abandon_unfinished`` drops their staging descriptors when the client closes.
@@ -21,19 +22,15 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from hwr.client.errors import InvalidRequest
-
 if TYPE_CHECKING:  # the publisher imports torch: only the calls that publish load it
-    import torch
-
     from hwr.client.connection import Connection
     from hwr.client.identity import ArtifactIdentity
     from hwr.client.publisher import Publisher, TensorSpec
 
-__all__ = ["Publications"]
+__all__ = ["SessionPublications"]
 
 
-class Publications:
+class SessionPublications:
     """The publications of one connection (see the module contract)."""
 
     def __init__(self, connection: Connection) -> None:
@@ -98,23 +95,6 @@ class Publications:
         the RPC instead (no connection held)."""
         with self._lock:
             return self._beginning <= 1 and all(p.finished for p in self._staged)
-
-    def publish(self, identity: ArtifactIdentity, tensors: Mapping[str, torch.Tensor], *,
-                buffers: Sequence[str] = (), wait_timeout: float = 600.0, verify: bool = False,
-                channel: str | None = None, durable: bool = True, reuse_base: str | None = None,
-                reuse: Mapping[str, str] | None = None) -> str:
-        """Publish a mapping of CPU tensors; returns the key (also when it already existed)."""
-        if not tensors:
-            raise InvalidRequest("nothing to publish")
-        from hwr.client.publisher import specs_for
-
-        with self.publisher(identity, specs_for(dict(tensors), buffers), wait_timeout=wait_timeout,
-                            verify=verify, channel=channel, durable=durable, reuse_base=reuse_base,
-                            reuse=reuse) as pub:
-            if pub.staged:
-                for name in pub.write_order(tensors):
-                    pub.write(name, tensors[name])
-            return pub.commit()
 
     def abandon_unfinished(self) -> None:
         """Drop the staging descriptors of the unfinished publications (the session has ended,

@@ -35,23 +35,23 @@ from hwr.client.identity import ArtifactIdentity
 from hwr.client.manifest import Manifest, ReadyMarker
 from hwr.daemon.store import fileio as store_io
 from hwr.daemon.store.denylist import DenyList, publication_may_replace
+from hwr.daemon.store.inspection import ArtifactRecord, record_for_commit
 from hwr.daemon.store.keylocks import KeyLocks
 from hwr.daemon.store.prehash import PreHashed
 from hwr.daemon.store.records import RecordCache
 from hwr.daemon.store.sealing import seal
-from hwr.daemon.store.staging import PayloadPlan, ProducerDigests, Staging, TensorSpec, plan_payloads, write_tensor
-from hwr.daemon.store.staging_bounds import StagingReaper
+from hwr.daemon.store.staging import PayloadPlan, ProducerDigests, StagedTensor, Staging, plan_payloads, write_tensor
 from hwr.daemon.store.usage import UsageLedger
-from hwr.daemon.store.validation import ArtifactRecord, record_for_commit
 from hwr.daemon.store.volatile import VolatileSet
+from hwr.daemon.store.writer_bounds import StagingReaper
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Publisher"]
+__all__ = ["Installer"]
 
 
-class Publisher:
+class Installer:
     """The open stagings of one store, and their commits.
 
     Lock order: ``_lock`` is a leaf (held only to add or take an open staging). An install holds
@@ -99,7 +99,7 @@ class Publisher:
     def begin(
         self,
         identity: ArtifactIdentity,
-        specs: Sequence[TensorSpec],
+        specs: Sequence[StagedTensor],
         *,
         max_file_bytes: int | None = None,
         format_metadata: Mapping[str, object] | None = None,
@@ -136,7 +136,7 @@ class Publisher:
 
     def abort(self, staging: Staging) -> None:
         """Discard a staging directory (idempotent): its files are truncated first, so their
-        blocks are freed even while the writer keeps a descriptor (``staging_bounds``)."""
+        blocks are freed even while the writer keeps a descriptor (``writer_bounds``)."""
         with self._lock:
             self._open.pop(staging.id, None)
         self._reaper.discard(staging.path)
@@ -151,7 +151,7 @@ class Publisher:
     ) -> ArtifactRecord:
         """Convenience: ``begin`` + write CPU tensors + ``commit`` (aborts on any failure)."""
         specs = [
-            TensorSpec(n, t.dtype, tuple(t.shape), kind=(kinds or {}).get(n, "parameter"))  # type: ignore[arg-type]
+            StagedTensor(n, t.dtype, tuple(t.shape), kind=(kinds or {}).get(n, "parameter"))  # type: ignore[arg-type]
             for n, t in tensors.items()
         ]
         staging = self.begin(identity, specs, max_file_bytes=max_file_bytes)

@@ -1,4 +1,4 @@
-"""Verification: every byte of an artifact re-hashed and judged against its manifest.
+"""Checksums: every byte of an artifact re-hashed and judged against its manifest (``verify``).
 
 ``verify`` is the full check (``hwrctl verify``, the background scrub, adoption): it opens the
 payloads as a lookup would (their ``fstat`` re-check included), hashes every file and tensor
@@ -21,9 +21,9 @@ from hwr.client.errors import ChecksumMismatch
 from hwr.client.safetensors_header import read_header
 from hwr.daemon.store import fileio as store_io
 from hwr.daemon.store.denylist import OPERATOR_DENIED, DenyList
+from hwr.daemon.store.inspection import ArtifactRecord
 from hwr.daemon.store.keylocks import KeyLocks
 from hwr.daemon.store.records import RecordCache
-from hwr.daemon.store.validation import ArtifactRecord
 
 __all__ = ["corrupt_parts", "verify"]
 

@@ -1,4 +1,4 @@
-"""Metadata-level validation of a committed artifact directory, and its immutability fingerprint.
+"""Metadata inspection of a committed artifact directory (no payload byte read), and its fingerprint.
 
 ``inspect_artifact(path, key, euid)`` reads ``READY.json``, ``manifest.json`` and each payload's
 safetensors header through ``O_NOFOLLOW`` descriptors and checks: exact file set; regular files
@@ -83,7 +83,7 @@ class ArtifactRecord:
     @functools.cached_property
     def guard_fingerprints(self) -> tuple[Fingerprint, ...]:
         """``fingerprints`` minus the payload files: the directory, ``READY.json`` and
-        ``manifest.json`` (the cheap guard of ``Store.cached``; computed once per record)."""
+        ``manifest.json`` (the cheap guard of ``RecordCache.cached``; computed once per record)."""
         payloads = set(self.files)
         return tuple(fp for fp in self.fingerprints if fp not in payloads)
 
