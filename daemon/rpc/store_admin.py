@@ -35,13 +35,18 @@ def _lease_infos(registry: Registry, key: str) -> list[pb.LeaseInfo]:
 
 
 class StoreAdminRpc(Handlers):
+    async def _operator_key(self, context: Ctx, action: str, ref: str) -> str:
+        """The caller holds the operator role (else ``PermissionDenied`` naming ``action``); the
+        full key ``ref`` (a key or a unique prefix) names in the read API's namespace."""
+        self._authorize(context, OPERATOR, action)
+        return await self.c.catalog.resolve(ref)
+
     async def VerifyArtifact(self, request: pb.VerifyArtifactRequest, context: Ctx) -> AsyncIterator[
             pb.VerifyArtifactResponse]:
         # A streaming handler cannot use @rpc (it wraps coroutines): errors before the first
         # message are mapped here the same way.
         try:
-            self._authorize(context, OPERATOR, "verify")
-            key = await self.c.catalog.resolve(request.key)
+            key = await self._operator_key(context, "verify", request.key)
         except HwrError as exc:
             await abort_with(context, exc)
             return
@@ -87,28 +92,24 @@ class StoreAdminRpc(Handlers):
 
     @rpc
     async def AllowArtifact(self, request: pb.AllowArtifactRequest, context: Ctx) -> pb.AllowArtifactResponse:
-        self._authorize(context, OPERATOR, "allow")
-        key = await self.c.catalog.resolve(request.key)
+        key = await self._operator_key(context, "allow", request.key)
         return pb.AllowArtifactResponse(key=key, was_denied=await self.c.catalog.allow(key))
 
     @rpc
     async def PinArtifact(self, request: pb.PinArtifactRequest, context: Ctx) -> pb.PinArtifactResponse:
-        self._authorize(context, OPERATOR, "pin")
-        key = await self.c.catalog.resolve(request.key)
+        key = await self._operator_key(context, "pin", request.key)
         already, size, locked, residency = await self.c.pinning.pin(key)
         return pb.PinArtifactResponse(key=key, already_pinned=already, size_bytes=size, locked_bytes=locked,
                                       residency=residency)
 
     @rpc
     async def UnpinArtifact(self, request: pb.UnpinArtifactRequest, context: Ctx) -> pb.UnpinArtifactResponse:
-        self._authorize(context, OPERATOR, "unpin")
-        key = await self.c.catalog.resolve(request.key)
+        key = await self._operator_key(context, "unpin", request.key)
         return pb.UnpinArtifactResponse(key=key, was_pinned=await self.c.pinning.unpin(key))
 
     @rpc
     async def EvictArtifact(self, request: pb.EvictArtifactRequest, context: Ctx) -> pb.EvictArtifactResponse:
-        self._authorize(context, OPERATOR, "evict")
-        key = await self.c.catalog.resolve(request.key)
+        key = await self._operator_key(context, "evict", request.key)
         return pb.EvictArtifactResponse(key=key, freed_bytes=await self.c.capacity.evict(key))
 
     @rpc
