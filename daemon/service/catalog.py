@@ -51,25 +51,15 @@ from hwr.daemon.policy.key_prefix import unique_prefix
 from hwr.daemon.store.inspection import ArtifactRecord
 
 if TYPE_CHECKING:
+    from hwr.daemon.service.evictor import EvictionMarks
     from hwr.daemon.service.mapping_scan import PayloadFiles
     from hwr.daemon.store.root import Store
 
-__all__ = ["WAIT", "ArtifactRecord", "Catalog", "Entry", "EvictionMarks", "MissFetcher", "MissPolicy",
+__all__ = ["WAIT", "ArtifactRecord", "Catalog", "Entry", "MissFetcher", "MissPolicy",
            "PinnedKeys", "PullState", "Waiter"]
 
 #: The manifest cache is dropped whole past this many keys (a store holds far fewer).
 MANIFEST_CACHE_KEYS = 4096
-
-
-class EvictionMarks(Protocol):
-    """What the catalog reads of the eviction rounds (``hwr.daemon.service.evictor``'s state).
-
-    ``evicting``: the keys a running round has marked (an acquire of one waits); ``settled``: set
-    when a round's marks are gone, and replaced by a fresh event for the next round.
-    """
-
-    evicting: set[str]
-    settled: asyncio.Event
 
 
 class PinnedKeys(Protocol):
