@@ -192,7 +192,7 @@ class PeerServer:
         return session, {"ok": True, "session_id": session.session_id, "token": session.token,
                          "pid": cred.pid, "uid": cred.uid}
 
-    def _handle_now(self, session: Session, req: dict[str, Any]) -> Any:
+    def handle_now(self, session: Session, req: dict[str, Any]) -> Any:
         """(reply, fds, tail) for a request served synchronously, or ``LATER``; every failure
         becomes an error frame (``_failure_frame``) and the connection stays usable."""
         op = req.get("op")
@@ -210,7 +210,7 @@ class PeerServer:
         except Exception as exc:
             return _failure_frame(op, exc), [], b""
 
-    async def _handle_later(self, session: Session, req: dict[str, Any],
+    async def handle_later(self, session: Session, req: dict[str, Any],
                             notify: Callable[[dict[str, Any]], bool] | None = None,
                             ) -> tuple[dict[str, Any], list[int], bytes]:
         """A request that awaits (a publication op, or an ``acquire`` that must validate, wait out

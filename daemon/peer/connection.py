@@ -31,7 +31,7 @@ __all__ = ["LATER", "PeerConnection"]
 
 log = logging.getLogger("hwrd.peer")
 
-#: What ``PeerServer._handle_now`` returns for a request that needs the event loop (it awaits).
+#: What ``PeerServer.handle_now`` returns for a request that needs the event loop (it awaits).
 LATER = object()
 
 
@@ -170,7 +170,7 @@ class PeerConnection(asyncio.Protocol):
             else:
                 if request is None:
                     return
-                result = self.server._handle_now(self.session, request)
+                result = self.server.handle_now(self.session, request)
             if result is LATER:
                 self._later(self._serve_later(request))
                 return
@@ -209,7 +209,7 @@ class PeerConnection(asyncio.Protocol):
 
     async def _serve_later(self, request: dict[str, Any]) -> None:
         assert self.session is not None
-        reply, fds, tail = await self.server._handle_later(self.session, request, self._notify)
+        reply, fds, tail = await self.server.handle_later(self.session, request, self._notify)
         await self._send_later(reply, fds, tail)
 
     def _notify(self, frame: dict[str, Any]) -> bool:
