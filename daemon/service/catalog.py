@@ -22,8 +22,14 @@ tier, the producers' builds, channels, pins and the scrub read records only thro
   ones. So a denied key resolves for ``show``, ``allow`` and ``evict`` alike.
 - ``entries(include_denied)`` / ``record_any_state(key)``: the listing, ready and denied.
 - ``manifest(record)``: the manifest's JSON bytes and their SHA-256, computed once per record.
+- ``lookup_sync(key)``: the cached record, else the full lookup, in the calling thread (a key a
+  lease holds; a worker thread's reads: pins, reuse bases, builds).
 - the operator's record commands: ``verify`` (re-hash every byte), ``deny``, ``allow`` (then
   re-validate, so listings show it again at once), ``rescan_usage`` (the disk's sizes).
+- blocking reads for the service's own bookkeeping (capacity, recency, publishing, metrics):
+  ``listed``, ``absent_now``, ``committed_bytes``, ``usage_by_key``, ``inspected``,
+  ``open_named_payloads``, ``take_added``, ``artifacts_now``, ``deny_reason``, ``is_volatile``:
+  the store's answers as they are, read here so that the store's records have one reader.
 
 The eviction marks come from whoever runs eviction rounds, as an ``EvictionMarks``: the keys a
 round has marked (``evicting``) and the event set when a round ends (``settled``, replaced each
