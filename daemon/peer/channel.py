@@ -71,7 +71,7 @@ from typing import TYPE_CHECKING, Any
 from hwr import __version__
 from hwr.client.errors import DaemonUnavailable, HwrError, InvalidRequest, PermissionDeniedError
 from hwr.client.wire import MAX_FRAME, error_frame, send_frame
-from hwr.daemon.peer.connection import LATER, PeerConnection
+from hwr.daemon.peer.connection import LATER, Later, PeerConnection, Served
 from hwr.daemon.peer.limits import Ledger, PeerLimits
 from hwr.daemon.service.sessions import Registry, Session
 from hwr.daemon.system.accepting import Acceptor, cancel_and_wait
@@ -192,7 +192,7 @@ class PeerServer:
         return session, {"ok": True, "session_id": session.session_id, "token": session.token,
                          "pid": cred.pid, "uid": cred.uid}
 
-    def handle_now(self, session: Session, req: dict[str, Any]) -> Any:
+    def handle_now(self, session: Session, req: dict[str, Any]) -> Served | Later:
         """(reply, fds, tail) for a request served synchronously, or ``LATER``; every failure
         becomes an error frame (``_failure_frame``) and the connection stays usable."""
         op = req.get("op")
@@ -212,7 +212,7 @@ class PeerServer:
 
     async def handle_later(self, session: Session, req: dict[str, Any],
                             notify: Callable[[dict[str, Any]], bool] | None = None,
-                            ) -> tuple[dict[str, Any], list[int], bytes]:
+                            ) -> Served:
         """A request that awaits (a publication op, or an ``acquire`` that must validate, wait out
         an eviction round or wait for a pull); every failure becomes an error frame
         (``_failure_frame``). ``notify(frame)`` sends an interim frame; False once the
@@ -318,7 +318,7 @@ def _have(req: dict[str, Any]) -> str | None:
     return have if isinstance(have, str) else None
 
 
-def _granted(grant: Grant) -> tuple[dict[str, Any], list[int], bytes]:
+def _granted(grant: Grant) -> Served:
     """An ``acquire`` reply: the frame, the descriptors, the manifest tail (module docstring)."""
     return ({"ok": True, "lease_id": grant.lease_id, "lease_token": grant.token, "key": grant.key,
              "manifest_sha256": grant.manifest_sha256, "manifest_bytes": len(grant.manifest),

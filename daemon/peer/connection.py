@@ -13,6 +13,7 @@ error, a stalled frame, ``abort``) ends the session through the server's ``on_se
 from __future__ import annotations
 
 import asyncio
+import enum
 import errno
 import logging
 import socket
@@ -27,12 +28,21 @@ from hwr.daemon.service.sessions import Session
 if TYPE_CHECKING:
     from hwr.daemon.peer.channel import PeerServer
 
-__all__ = ["LATER", "PeerConnection"]
+__all__ = ["LATER", "Later", "PeerConnection", "Served"]
 
 log = logging.getLogger("hwrd.peer")
 
-#: What ``PeerServer.handle_now`` returns for a request that needs the event loop (it awaits).
-LATER = object()
+
+class Later(enum.Enum):
+    """What ``PeerServer.handle_now`` returns for a request that needs the event loop (it awaits)."""
+
+    LATER = "later"
+
+
+LATER = Later.LATER
+#: A served request: the reply frame, the descriptors sent with it (closed by the sender once
+#: sent) and the bytes that follow the frame (a manifest).
+Served = tuple[dict[str, Any], list[int], bytes]
 
 
 class PeerConnection(asyncio.Protocol):
