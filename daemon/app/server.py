@@ -293,14 +293,14 @@ class Daemon:
     # callbacks wired into the parts ---------------------------------------------------------
     def _scrape(self) -> bytes:
         # The metrics server starts after every part exists.
-        assert self._store is not None and self._publications is not None
+        assert self._catalog is not None and self._publications is not None
         return exposition(catalog=self._catalog, registry=self.registry, publications=self._publications,
                           metrics=self.metrics, fleet=self._fleet, channels=self._channels)
 
     def _committed(self, key: str) -> None:
         # Push after publish (pulls excluded); a non-durable revision stays on this node: it is
         # gone at the next start, and superseded within seconds anyway.
-        if self._fleet is not None and not (self._store is not None and self._store.volatile.marked(key)):
+        if self._fleet is not None and not (self._catalog is not None and self._catalog.is_volatile(key)):
             self._fleet.committed(key)
 
     async def _on_session_end(self, session: Session) -> None:

@@ -132,8 +132,6 @@ class Capacity:
                  scan: MappingScan) -> None:
         self.catalog = catalog
         self.registry = registry
-        self.marks = marks
-        self.pins = pins
         self.holds = holds
         self.recency = recency
         self.scan = scan
@@ -245,12 +243,11 @@ class Capacity:
         their trash kept in the publication's ``Claim``: deleted before it writes anything
         (``before_staging``, in the same worker hop as its staging), or, when
         ``purge_after_commit`` is True, once its commit's ``artifacts/`` fsync made the
-        retirement durable (``after_commit``;
-        (``Retirement.delete``: saves a directory fsync). That is allowed only for at most
-        ``PURGE_AFTER_COMMIT_MAX_BYTES`` of trash and only when the filesystem keeps
-        ``min_free_bytes`` free with the trash still on it: the store limit counts committed and
-        reserved bytes (retired ones are neither), and the free-space floor then holds on the
-        disk itself. Deleting the trash after the lock (before the staging exists, the disk then
+        retirement durable (``after_commit``; ``Retirement.delete``: saves a directory fsync).
+        That is allowed only for at most ``PURGE_AFTER_COMMIT_MAX_BYTES`` of trash and only when
+        the filesystem keeps ``min_free_bytes`` free with the trash still on it: the store limit
+        counts committed and reserved bytes (retired ones are neither), and the free-space floor
+        then holds on the disk itself. Deleting the trash after the lock (before the staging exists, the disk then
         never holds more than committed + reserved bytes) lets other publications take the lock
         meanwhile instead of queueing behind a directory fsync.
 

@@ -27,7 +27,7 @@ tier, the producers' builds, channels, pins and the scrub read records only thro
 - the operator's record commands: ``verify`` (re-hash every byte), ``deny``, ``allow`` (then
   re-validate, so listings show it again at once), ``rescan_usage`` (the disk's sizes).
 - blocking reads for the service's own bookkeeping (capacity, recency, publishing, metrics):
-  ``listed``, ``absent_now``, ``committed_bytes``, ``usage_by_key``, ``inspected``,
+  ``listed``, ``absent_now``, ``committed_bytes``, ``inspected``,
   ``open_named_payloads``, ``take_added``, ``artifacts_now``, ``deny_reason``, ``is_volatile``:
   the store's answers as they are, read here so that the store's records have one reader.
 
@@ -54,7 +54,7 @@ from hwr.daemon.policy.key_prefix import unique_prefix
 
 # The record the read API hands out; the transports name it from here (they never import the
 # store room).
-from hwr.daemon.store.inspection import ArtifactRecord
+from hwr.daemon.store.inspection import ArtifactRecord, inspect_artifact
 
 if TYPE_CHECKING:
     from hwr.daemon.service.evictor import EvictionMarks
@@ -156,10 +156,10 @@ class Catalog:
         """``RecordCache.lookup`` that waits while ``key`` is being evicted (no pull, no metric). No
         await follows the final check, so the caller's lease or pin runs before any later
         eviction round can mark it."""
-        record = await asyncio.to_thread(self._store.records.lookup, key)
+        record = await asyncio.to_thread(self._records.lookup, key)
         while key in self._marks.evicting:
             await self._marks.settled.wait()  # read at each wait: every round has its own event
-            record = await asyncio.to_thread(self._store.records.lookup, key)
+            record = await asyncio.to_thread(self._records.lookup, key)
         return record
 
     async def lookup(self, key: str, *, pull: bool = True, how: MissPolicy = WAIT) -> ArtifactRecord:
@@ -184,7 +184,7 @@ class Catalog:
         """For a key a lease already holds (the peer channel's descriptor request, off the
         await path) or a worker thread (a push): the cached record, else the store's full
         lookup in this thread."""
-        return self.lookup_now(key) or self._store.records.lookup(key)
+        return self.lookup_now(key) or self._records.lookup(key)
 
     def open_payloads(self, record: ArtifactRecord) -> list[int]:
         """Read-only payload descriptors in manifest order, each re-checked by ``fstat``."""
@@ -219,15 +219,15 @@ class Catalog:
 
     async def artifacts(self) -> list[ArtifactRecord]:
         """Every validated, not denied artifact, by key."""
-        return await asyncio.to_thread(self._store.records.artifacts)
+        return await asyncio.to_thread(self._records.artifacts)
 
     def artifacts_now(self) -> list[ArtifactRecord]:
         """``artifacts`` in the calling thread (the metrics scrape, the sd_notify status line)."""
-        return self._store.records.artifacts()
+        return self._records.artifacts()
 
     def take_added(self) -> list[str]:
         """Keys that became records since the last call, each once (the LRU index's feed)."""
-        return self._store.records.take_added()
+        return self._records.take_added()
 
     async def entries(self, include_denied: bool = False) -> list[Entry]:
         records = await self.artifacts()
@@ -250,23 +250,17 @@ class Catalog:
     # ---------------------------------------------------------------- capacity's reads (blocking unless said)
     def listed(self, key: str) -> ArtifactRecord | None:
         """The record of a validated, listed artifact from memory (no disk), else None."""
-        return self._store.records.listed(key)
+        return self._records.listed(key)
 
     def committed_bytes(self) -> int:
         """Bytes of the artifacts in ``artifacts/`` (the store's in-memory accounting)."""
         return self._store.usage.total()
 
-    def usage_by_key(self) -> dict[str, int]:
-        """Each artifact's bytes, rescanned from the disk (an operator's truth)."""
-        return self._store.rescan_usage()
-
     def inspected(self, key: str) -> PayloadFiles | None:
         """The validated record, else a fresh inspection of a denied artifact (its payload
         inodes, for the mapping scan); None when neither reads."""
-        from hwr.daemon.store.inspection import inspect_artifact
-
         try:
-            return self._store.records.lookup(key)
+            return self._records.lookup(key)
         except HwrError:
             pass
         try:
@@ -276,11 +270,11 @@ class Catalog:
 
     def absent_now(self, key: str) -> bool:
         """True when ``key`` provably has no artifact (one ``lstat``); False: ask ``lookup``."""
-        return self._store.records.absent_now(key)
+        return self._records.absent_now(key)
 
     def open_named_payloads(self, record: ArtifactRecord) -> list[tuple[str, int]]:
         """``open_payloads`` with each descriptor's file name (a reuse base's, ``store.reuse``)."""
-        return self._store.records.open_payloads(record)
+        return self._records.open_payloads(record)
 
     # ---------------------------------------------------------------- the operator's record commands
     async def verify(self, key: str, progress: Callable[[int, int], None] | None = None) -> ArtifactRecord:
@@ -299,11 +293,11 @@ class Catalog:
         before anyone acquires it (one that fails validation is denied again, for that reason).
         Returns whether it was denied."""
         was = self._store.denylist.reason(key) is not None
-        await asyncio.to_thread(self._store.records.allow, key)
+        await asyncio.to_thread(self._records.allow, key)
         with contextlib.suppress(HwrError):
             await self.lookup_settled(key)
         return was
 
     async def rescan_usage(self) -> dict[str, int]:
         """Payload bytes per ``artifacts/`` entry as the disk has them now (``Store.rescan_usage``)."""
-        return await asyncio.to_thread(self.usage_by_key)
+        return await asyncio.to_thread(self._store.rescan_usage)

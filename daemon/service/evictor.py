@@ -248,7 +248,7 @@ class Evictor:
     async def evict(self, key: str) -> int:
         """Evict ``key`` by hand (the caller holds the capacity lock); ``ActiveLease``
         (details.reason) when anything uses it."""
-        sizes = await asyncio.to_thread(self.catalog.usage_by_key)
+        sizes = await self.catalog.rescan_usage()
         if key not in sizes:
             raise ArtifactNotFound("no artifact with that key", details={"key": key})
         c = self.flags(key, sizes[key], 0.0)

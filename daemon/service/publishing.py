@@ -49,6 +49,7 @@ from hwr.client.errors import (
     PublicationFailed,
 )
 from hwr.client.identity import ArtifactIdentity
+from hwr.client.wire import close_fds
 from hwr.daemon.service import handover
 from hwr.daemon.service.sessions import Session
 from hwr.daemon.store.prehash import prehash
@@ -235,7 +236,7 @@ class Publishing:
                 source = self._open_reuse(reuse_base, reuse, specs) if reuse_base and reuse else None
                 try:
                     return self._store.installer.begin(identity, specs, format_metadata=format_metadata,
-                                             max_file_bytes=max_file_bytes, plans=plans), source
+                                                       max_file_bytes=max_file_bytes, plans=plans), source
                 except BaseException:
                     if source is not None:
                         source.close()
@@ -315,7 +316,7 @@ class Publishing:
     def staging_descriptors(self, session: Session, publication_id: str, token: str) -> list[int]:
         """Writable descriptors of a publication ``session`` staged (its token checked; see
         ``writable_publication``), in file order; the caller sends and closes them. A sealed
-        memfd per file for a publication small enough (``store.memfd_staging``: it cannot grow
+        memfd per file for a publication small enough (``store.writer_bounds``: it cannot grow
         by one byte), else the staging files opened ``O_RDWR|O_NOFOLLOW``."""
         pub = self.writable_publication(session, publication_id, token)
         memfds = self.memfd_staging
@@ -326,8 +327,7 @@ class Publishing:
             for _name, path, _size in pub.staging.files:
                 fds.append(os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC))
         except BaseException:
-            for fd in fds:
-                os.close(fd)
+            close_fds(fds)
             raise
         return fds
 

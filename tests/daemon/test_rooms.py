@@ -156,7 +156,7 @@ def test_the_transports_never_import_the_store_room() -> None:
 @pytest.mark.parametrize(
     ("room", "source"),
     [
-        ("peer", "from hwr.daemon.store.validation import ArtifactRecord\n"),
+        ("peer", "from hwr.daemon.store.inspection import ArtifactRecord\n"),
         ("rpc", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from hwr.daemon.store.root import Store\n"),
         ("rpc", "def f():\n    import hwr.daemon.store.records\n"),
         ("peer", "from hwr.daemon import store\n"),
@@ -172,10 +172,10 @@ def test_the_transport_check_catches_a_store_import(tmp_path: Path, room: str, s
 
 
 # --- one reader of the store -----------------------------------------------------------------------
-#: ``Store``'s record reads (``hwr.daemon.store.root``): every way to get a record, a key's deny
-#: state, the list of keys or records, descriptors of a record's payloads, and the record cache
-#: itself. Not reads of records, so not here: usage accounting (``usage_by_key``,
-#: ``committed_bytes``, ``rescan_usage``: capacity's), publication (``begin``, ``commit``, ...),
+#: ``Store``'s record reads (``hwr.daemon.store.root`` and its record cache ``store.records``):
+#: every way to get a record, a key's deny state, the list of keys or records, descriptors of a
+#: record's payloads, and the record cache itself. Not reads of records, so not here: usage
+#: accounting (``store.usage``, ``rescan_usage``: capacity's), publication (``store.installer``),
 #: the operator's commands (``verify``, ``deny``, ``allow``), ``is_volatile`` and the lifecycle.
 RECORD_READS = frozenset({
     "lookup", "cached", "listed", "absent_now", "open_payloads", "artifacts", "known_keys",
