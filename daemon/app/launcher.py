@@ -13,8 +13,10 @@ interpreter's own path may not be reachable by that uid (a virtual environment u
 MODULE`` or a script, else executed. The root and the socket's directory must already exist
 and belong to that user (the unit's ``CacheDirectory=``/``RuntimeDirectory=``); the log file is
 opened by the caller. An interpreter installed where that user cannot search (a pyenv under
-``/root``) keeps working: the entries of ``sys.path`` the user could not reach are replaced by
-directory descriptors opened before the switch (``/proc/self/fd/N``). Limit: a program the
+``/root``), and an editable install of a checkout in a private directory, keep working: the
+entries of ``sys.path`` and the editable finder's package directories the user could not reach
+are replaced by directory descriptors opened before the switch (``/proc/self/fd/N``;
+``_keep_sys_path_reachable``). Limit: a program the
 daemon itself starts with ``sys.executable`` (prewarm's producers) still needs an interpreter
 that user can run, as on a real node.
 """
@@ -184,23 +186,59 @@ def _searchable(path: str, uid: int, gid: int) -> bool:
 
 
 def _keep_sys_path_reachable(uid: int, gid: int) -> None:
+    """Make every place this interpreter imports from reachable by ``uid`` after the switch.
+
+    Before the switch (still root), each directory ``uid`` cannot search is opened, and each
+    reference to it is replaced by ``/proc/self/fd/N`` (the descriptor is kept for the process's
+    life, and a process may always read its own ``/proc/self/fd``): the entries of ``sys.path``,
+    the ``__path__`` of the packages imported already (encodings, hwr, ...), and the package
+    directories of setuptools' editable finders (``MAPPING`` of ``__editable___*_finder``, which
+    an editable install puts on ``sys.meta_path``: it names the checkout's directories, and a
+    checkout in a private directory, ``/root/...`` or a 0700 ``mktemp -d``, is not searchable by
+    the daemon's user). Limit: other custom finders that keep paths of their own are not seen.
+    """
     moved: dict[str, str] = {}
-    for index, entry in enumerate(sys.path):
+
+    def reachable(entry: str) -> str:
         if not entry or not os.path.isdir(entry) or _searchable(entry, uid, gid):
-            continue
-        fd = os.open(entry, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # kept for the process's life
-        moved[entry.rstrip("/") + "/"] = f"/proc/self/fd/{fd}/"
-        sys.path[index] = f"/proc/self/fd/{fd}"
-    # Packages imported already (encodings, ...) find their submodules through their own __path__.
+            return entry
+        key = entry.rstrip("/") + "/"
+        if key not in moved:
+            fd = os.open(entry, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # kept for the process's life
+            moved[key] = f"/proc/self/fd/{fd}/"
+        return moved[key].rstrip("/")
+
+    sys.path[:] = [reachable(entry) for entry in sys.path]
+    for finder_module in _editable_finder_modules():
+        for table in ("MAPPING", "NAMESPACES"):
+            mapping = getattr(finder_module, table, None)
+            if not isinstance(mapping, dict):
+                continue
+            for name, where in list(mapping.items()):
+                if isinstance(where, str):
+                    mapping[name] = reachable(where)
+                elif isinstance(where, list):
+                    mapping[name] = [reachable(p) if isinstance(p, str) else p for p in where]
+    # Packages imported already find their submodules through their own __path__.
     for module in list(sys.modules.values()):
         paths = getattr(module, "__path__", None)
         if not isinstance(paths, list):
             continue
         for i, entry in enumerate(paths):
             for old, new in moved.items():
-                if entry.startswith(old):
-                    paths[i] = new + entry[len(old):]
+                if entry == old.rstrip("/") or entry.startswith(old):
+                    paths[i] = (new + entry[len(old):]).rstrip("/")
+                    break
+            else:
+                paths[i] = reachable(entry) if isinstance(entry, str) else entry
     sys.path_importer_cache.clear()
+
+
+def _editable_finder_modules() -> list[object]:
+    """The modules of setuptools' editable finders loaded in this interpreter (their names are
+    ``__editable___<dist>_finder``, made by ``pip install -e``)."""
+    return [module for name, module in list(sys.modules.items())
+            if name.startswith("__editable__") and name.endswith("_finder") and module is not None]
 
 
 def answers(path: Path, timeout: float = 0.5) -> bool:
