@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,7 +135,11 @@ def _run_as(argv: list[str]) -> int:
         return 2
     uid, gid, umask = argv[1].split(":")
     command = argv[3:]
-    _keep_sys_path_reachable(int(uid), int(gid))
+    reachable = _keep_sys_path_reachable(int(uid), int(gid))
+    script = None  # a script in a directory the user cannot search is run through its descriptor
+    if command[0] == sys.executable and len(command) >= 2 and not command[1].startswith("-"):
+        where = Path(command[1]).resolve()
+        script = str(Path(reachable(str(where.parent))) / where.name)
     # Groups first, uid last: once the uid is not 0 the process may no longer change the others,
     # and the kernel clears every capability with it.
     os.setgroups([])
@@ -154,10 +158,10 @@ def _run_as(argv: list[str]) -> int:
         sys.argv = ["-c", *command[3:]]
         exec(compile(command[2], "<string>", "exec"), {"__name__": "__main__"})  # what python -c does
         return 0
-    if command[0] == sys.executable and len(command) >= 2 and not command[1].startswith("-"):
+    if script is not None:
         sys.argv = command[1:]
-        sys.path[0] = str(Path(command[1]).resolve().parent)
-        runpy.run_path(command[1], run_name="__main__")
+        sys.path[0] = str(Path(script).parent)
+        runpy.run_path(script, run_name="__main__")
         return 0
     os.execvp(command[0], command)
 
@@ -185,7 +189,7 @@ def _searchable(path: str, uid: int, gid: int) -> bool:
     return True
 
 
-def _keep_sys_path_reachable(uid: int, gid: int) -> None:
+def _keep_sys_path_reachable(uid: int, gid: int) -> Callable[[str], str]:
     """Make every place this interpreter imports from reachable by ``uid`` after the switch.
 
     Before the switch (still root), each directory ``uid`` cannot search is opened, and each
@@ -195,7 +199,8 @@ def _keep_sys_path_reachable(uid: int, gid: int) -> None:
     directories of setuptools' editable finders (``MAPPING`` of ``__editable___*_finder``, which
     an editable install puts on ``sys.meta_path``: it names the checkout's directories, and a
     checkout in a private directory, ``/root/...`` or a 0700 ``mktemp -d``, is not searchable by
-    the daemon's user). Limit: other custom finders that keep paths of their own are not seen.
+    the daemon's user). Returns the remapping (a directory -> a path ``uid`` can reach) for the
+    caller's own paths. Limit: other custom finders that keep paths of their own are not seen.
     """
     moved: dict[str, str] = {}
 
@@ -232,6 +237,7 @@ def _keep_sys_path_reachable(uid: int, gid: int) -> None:
             else:
                 paths[i] = reachable(entry) if isinstance(entry, str) else entry
     sys.path_importer_cache.clear()
+    return reachable
 
 
 def _editable_finder_modules() -> list[object]:
