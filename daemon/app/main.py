@@ -40,7 +40,10 @@ __all__ = ["main"]
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hwrd", description="Host Weight Runtime daemon")
-    p.add_argument("--config", type=Path, help="TOML config file (default /etc/hwrd/hwrd.toml if present)")
+    p.add_argument("--config", type=Path,
+                   help="TOML config file (env HWR_CONFIG). Without it, /etc/hwrd/hwrd.toml is read when present "
+                        "and neither --root/--socket nor HWR_ROOT/HWR_SOCKET is given (the node's service); "
+                        "an hwrd given a root or socket of its own reads no file unless told to")
     p.add_argument("--root", help="store root directory (env HWR_ROOT)")
     p.add_argument("--socket", help="gRPC Unix socket path (env HWR_SOCKET)")
     p.add_argument("--socket-mode", type=lambda s: int(s, 8), help="socket file mode, octal (default 660)")
@@ -95,7 +98,11 @@ async def serve(config: DaemonConfig, args: argparse.Namespace | None = None) ->
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_stop)
     loop.add_signal_handler(signal.SIGHUP, reload_pending.set)
-    await daemon.start()
+    try:
+        await daemon.start()
+    except BaseException:
+        daemon.release_sockets()  # a start refused half-way leaves no socket file behind
+        raise
     reloader = Reloader(daemon, config_file=args.config if args else None,
                         overrides=_overrides(args) if args else {},
                         flag_text=_flag_text(args) if args else {}, notifier=notifier)

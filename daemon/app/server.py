@@ -40,7 +40,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from hwr import __version__
-from hwr.client.errors import HwrError, StoreLocked
+from hwr.client.errors import HwrError
 from hwr.client.paths import peer_path
 from hwr.daemon.app.exposition import exposition
 from hwr.daemon.checkpoints.registry import Checkpoints
@@ -68,7 +68,7 @@ from hwr.daemon.service.scrubber import Scrubber
 from hwr.daemon.service.sessions import Registry, Session
 from hwr.daemon.store.root import Store
 from hwr.daemon.store.writer_bounds import MemfdStagings
-from hwr.daemon.system import fsguard
+from hwr.daemon.system import fsguard, socket_files
 from hwr.daemon.system.activation import Assignment, GrpcRelay, private_grpc_path
 from hwr.daemon.system.config import DaemonConfig
 from hwr.daemon.system.grpc_peers import GrpcPeers
@@ -118,6 +118,7 @@ class Daemon:
         self._peer: PeerServer | None = None
         self._health = health.aio.HealthServicer()
         self._started = time.monotonic()
+        self._bound: list[socket_files.BoundSocket] = []  # socket files bound, released at stop
 
     # lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -172,7 +173,7 @@ class Daemon:
         leasing = Leasing(catalog, self.registry, journal=lease_holds.journal, checkpoints=checkpoints,
                           on_acquire=self.metrics.observe_acquire, settings=self)
         for path in self._owned_socket_paths():
-            _claim_socket_path(path)
+            socket_files.claim(path)  # a path another live hwrd serves is refused, never taken over
         self._peer = PeerServer(
             peer_path(self.socket_path), limits=PeerLimits.from_config(config),
             registry=self.registry, allow=lambda: self._allow, on_session_end=self._on_session_end,
@@ -180,6 +181,8 @@ class Daemon:
             publishing=PublicationFrames(publications, self), channels=channels,
         )
         await self._peer.start()
+        if self.inherited.peer is None:
+            self._bound.append(socket_files.bound(peer_path(self.socket_path)))
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
                                           ("grpc.max_concurrent_streams", GRPC_MAX_STREAMS_PER_CONNECTION)])
         servicer = Servicer(RpcCollaborators(
@@ -198,11 +201,13 @@ class Daemon:
         # for the daemon's user only; clients reach gRPC through the relay on ``<socket>``, which
         # judges each connection's peer credentials before reading a byte of it.
         grpc_path.chmod(0o600)
+        self._bound.append(socket_files.bound(grpc_path))
         await server.start()
         self._grpc = server
         listen = self.inherited.grpc
         if listen is None:
             listen = _listen(self.socket_path, config.socket_mode)
+            self._bound.append(socket_files.bound(self.socket_path))
         self._relay = GrpcRelay(listen, grpc_path, admit=self.grpc_peers.admit)
         await self._relay.start()
         if config.metrics_listen:
@@ -236,10 +241,17 @@ class Daemon:
             await asyncio.to_thread(self._store.close)
         if self._checkpoints is not None:
             self._checkpoints.close()
-        for path in self._owned_socket_paths():
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
+        self.release_sockets()
         log.info("hwrd stopped")
+
+    def release_sockets(self) -> None:
+        """Unlink the socket files this daemon bound that are still its own (at stop, and after
+        a start that failed half-way: the process exits without serving)."""
+        for ours in self._bound:  # only files still ours: another hwrd may hold the path now
+            socket_files.release(ours)
+        self._bound.clear()
+        if self._metrics_server is not None:
+            self._metrics_server.release()
 
     def _start_tasks(self, work: Coroutine[object, object, None]) -> None:
         self._tasks.append(asyncio.get_running_loop().create_task(work))
@@ -262,7 +274,8 @@ class Daemon:
             self._capacity.close()
 
     def _owned_socket_paths(self) -> list[Path]:
-        """Socket paths this process binds (and unlinks): never the ones systemd passed in."""
+        """Socket paths this process binds (and unlinks at exit while they are still its own,
+        ``hwr.daemon.system.socket_files``): never the ones systemd passed in."""
         paths = [private_grpc_path(self.socket_path)]
         if self.inherited.grpc is None:
             paths.append(self.socket_path)
@@ -335,21 +348,3 @@ def _listen(path: Path, mode: int) -> socket.socket:
         sock.close()
         raise
     return sock
-
-
-def _claim_socket_path(path: Path) -> None:
-    """Remove a stale socket file; refuse when a live server still answers on it."""
-    if not path.exists() and not path.is_symlink():
-        return
-    if not path.is_socket():
-        raise StoreLocked(f"{path} exists and is not a socket; refusing to replace it")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.settimeout(0.5)
-        probe.connect(str(path))
-    except OSError:
-        path.unlink()
-        return
-    finally:
-        probe.close()
-    raise StoreLocked(f"another daemon is serving on {path}")

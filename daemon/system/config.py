@@ -1,8 +1,9 @@
 """hwrd's configuration, parsed once at the edge into a frozen typed struct.
 
 Sources, later wins: built-in defaults < TOML file (``--config``, ``$HWR_CONFIG``, or
-``/etc/hwrd/hwrd.toml`` when present) < environment < flags. Every field of ``DaemonConfig`` is
-settable in all three: the TOML key ``max_leases_per_session``, the variable
+``/etc/hwrd/hwrd.toml`` when present and hwrd runs as the node's default service: neither a
+root nor a socket named by flag or environment, ``runs_as_node_service``) < environment <
+flags. Every field of ``DaemonConfig`` is settable in all three: the TOML key ``max_leases_per_session``, the variable
 ``HWR_MAX_LEASES_PER_SESSION`` and the flag ``--max-leases-per-session`` (lists as
 ``1000,1001`` in the environment and flags; ``*_mode`` fields are octal). Flags and variables are
 derived from the struct, so a field added to it gets both without further code.
@@ -35,6 +36,7 @@ from hwr.client.paths import default_root, default_socket
 
 __all__ = [
     "ConfigSources", "DaemonConfig", "describe", "env_name", "flag_name", "load_config", "load_config_with_sources",
+    "runs_as_node_service",
 ]
 
 SYSTEM_CONFIG = Path("/etc/hwrd/hwrd.toml")
@@ -228,6 +230,22 @@ _MSGSPEC_KEY = re.compile(r"at `\$\.(\w+)")
 _MSGSPEC_UNKNOWN = re.compile(r"unknown field `(\w+)`")
 
 
+def runs_as_node_service(env: Mapping[str, str], overrides: Mapping[str, Any] | None = None,
+                         flag_text: Mapping[str, str] | None = None) -> bool:
+    """Whether an hwrd started with these settings is the node's default service, the one hwrd
+    that reads ``/etc/hwrd/hwrd.toml`` without being told to: True unless a root or a socket is
+    named (``--root``/``--socket`` or ``HWR_ROOT``/``HWR_SOCKET``). An hwrd given a place of its
+    own (a test, the demo, a benchmark, a hand-started ``hwrd --root X``) is another daemon, and
+    the service's allow-lists, remote and metrics socket are not its own; ``--config``/``$HWR_CONFIG``
+    still load any file, ``/etc/hwrd/hwrd.toml`` included, for every hwrd."""
+    for key in ("root", "socket"):
+        if env.get(env_name(key)):
+            return False
+        if (overrides or {}).get(key) is not None or (flag_text or {}).get(key) is not None:
+            return False
+    return True
+
+
 def load_config_with_sources(
     config_file: Path | None = None, *, overrides: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None, flag_text: Mapping[str, str] | None = None,
@@ -242,7 +260,7 @@ def load_config_with_sources(
     names = field_names()
     values: dict[str, Any] = {"root": str(default_root(env)), "socket": str(default_socket(env))}
     path = config_file or (Path(env["HWR_CONFIG"]) if env.get("HWR_CONFIG") else None)
-    if path is None and SYSTEM_CONFIG.exists():
+    if path is None and runs_as_node_service(env, overrides, flag_text) and SYSTEM_CONFIG.exists():
         path = SYSTEM_CONFIG
     if path is not None:
         sources.file = path

@@ -49,12 +49,13 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import contextlib
 import logging
 import os
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
+
+from hwr.daemon.system import socket_files
 
 __all__ = ["Counter", "Histogram", "Instruments", "MetricsServer", "parse_listen", "render"]
 
@@ -191,17 +192,19 @@ class MetricsServer:
         self._collect = collect
         self._server: asyncio.base_events.Server | None = None
         self._unix_path: Path | None = None
+        self._bound: socket_files.BoundSocket | None = None
 
     async def start(self) -> None:
         host, where = parse_listen(self.spec)
         if host == "unix":
             path = Path(str(where))
-            with contextlib.suppress(FileNotFoundError):
-                if path.is_socket():
-                    path.unlink()
+            # Several hwrds may be configured with one path (the service's /run/hwrd/metrics.sock):
+            # one that another live hwrd serves is refused, never bound over.
+            socket_files.claim(path)
             self._server = await asyncio.start_unix_server(self._handle, path=str(path))
             os.chmod(path, 0o660)
             self._unix_path = path
+            self._bound = socket_files.bound(path)
         else:
             self._server = await asyncio.start_server(self._handle, host=host, port=int(where))
         log.info("metrics on %s", self.address)
@@ -220,9 +223,13 @@ class MetricsServer:
             self._server.close()
             await self._server.wait_closed()
             self._server = None
-        if self._unix_path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                self._unix_path.unlink()
+        self.release()
+
+    def release(self) -> None:
+        """Unlink the Unix socket file, only while the path still holds the one this server bound."""
+        if self._bound is not None:
+            socket_files.release(self._bound)
+            self._bound = None
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
