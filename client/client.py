@@ -42,8 +42,8 @@ from hwr.client.acquisition import Acquirer, PullProgress
 from hwr.client.admin import AdminCalls
 from hwr.client.channel_calls import ChannelCalls
 from hwr.client.connection import Connection, ReattachReport
-from hwr.client.errors import ChannelNotFound, InvalidRequest
-from hwr.client.paths import default_socket
+from hwr.client.errors import ChannelNotFound, DaemonUnavailable, InvalidRequest, UntrustedDaemon
+from hwr.client.paths import client_socket
 from hwr.client.session_publications import SessionPublications
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
 
@@ -59,9 +59,20 @@ __all__ = ["Client", "connect"]
 
 def connect(socket: str | os.PathLike[str] | None = None, *, timeout: float = 30.0,
             client_name: str | None = None) -> Client:
-    """Open a session with hwrd (socket: argument, else ``$HWR_SOCKET``, else the default)."""
-    return Client(Path(socket) if socket is not None else default_socket(), timeout=timeout,
-                  client_name=client_name)
+    """Open a session with hwrd (socket: argument, else ``$HWR_SOCKET``, else the caller's own
+    hwrd or the node's service: ``hwr.client.paths.client_socket``). Without an argument, a
+    ``DaemonUnavailable`` names every place looked at and ``$HWR_SOCKET``."""
+    if socket is not None:
+        return Client(Path(socket), timeout=timeout, client_name=client_name)
+    choice = client_socket()
+    try:
+        return Client(choice.path, timeout=timeout, client_name=client_name)
+    except UntrustedDaemon:
+        raise  # its message says what is wrong with that daemon
+    except DaemonUnavailable as exc:
+        raise DaemonUnavailable(f"{exc.message}; {choice.hint()}",
+                                details={**exc.details, "socket": str(choice.path),
+                                         "looked": [str(p) for p in choice.looked]}) from None
 
 
 class Client(ChannelCalls, AdminCalls):

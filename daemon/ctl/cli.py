@@ -1,7 +1,7 @@
 """``hwrctl``: the operator's view of hwrd.
 
 Usage: ``hwrctl [--socket PATH] SUBCOMMAND [ARGS] [--json]``. The socket comes from the flag,
-else ``$HWR_SOCKET``, else the default (see ``hwr.client.paths``).
+else ``$HWR_SOCKET``, else your own hwrd or the node's service (``hwr.client.paths.client_socket``).
 
 Output: a readable table by default; with ``--json`` a stable document for scripts
 (``ls``: array of objects with at least ``key``, ``size_bytes``, ``state``, ``leases``;
@@ -212,7 +212,8 @@ EXTENSIONS: tuple[str, ...] = ("hwr.daemon.ctl.checkpoints", "hwr.daemon.ctl.sto
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hwrctl", description="Inspect and manage hwrd, the Host Weight Runtime daemon.",
                      epilog="exit status: 0 ok, 1 the operation failed, 2 usage error, 3 hwrd unreachable")
-    parser.add_argument("--socket", help="hwrd socket (default: $HWR_SOCKET, then the system default)")
+    parser.add_argument("--socket", help="hwrd socket (default: $HWR_SOCKET, else your own hwrd's default socket "
+                        "when one is there, else the node's service /run/hwrd/hwrd.sock)")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds per call (default 30)")
     parser.add_argument("--version", action="version", version=f"hwrctl {__version__}")
     json_parent = argparse.ArgumentParser(add_help=False)

@@ -1,4 +1,4 @@
-"""Where the vLLM-Omni plugin finds hwrd: the environment, or a marker file in the runtime root.
+"""Where the vLLM-Omni plugin finds hwrd: the environment, a marker file in the runtime root, or the node's service.
 
 vLLM-Omni rejects unknown diffusion config keys, so the daemon's address cannot travel as a new
 ``vllm serve`` flag. It comes, in this order, from:
@@ -22,8 +22,12 @@ and falling back would start a second, larger transfer (the canonical checkpoint
 with it for the network and the disk. ``"fallback"`` loads canonically at once and leaves the
 pull running for the next start: for nodes whose canonical checkpoint is local and warm.
 
-``HWR_VLLM_PLUGIN=0`` turns the plugin off in a process whatever else is set. With neither the
-variable nor the marker, the plugin leaves vLLM-Omni's own filesystem store in place.
+3. the node's hwrd service, ``/run/hwrd/hwrd.sock``, when its socket is there and its place
+   passes the client's daemon-trust rules (``hwr.client.paths.find_service_socket``): a worker on
+   a node with the service installed needs no configuration.
+
+``HWR_VLLM_PLUGIN=0`` turns the plugin off in a process whatever else is set. With none of the
+three, the plugin leaves vLLM-Omni's own filesystem store in place.
 
 Contract: ``resolve_target`` returns ``None`` (not configured) or a ``DaemonTarget``; a marker
 that exists but is malformed raises ``ConfigError`` naming the file and the field. Limits: the
@@ -43,6 +47,7 @@ from pathlib import Path
 import msgspec
 
 from hwr.client.errors import ConfigError
+from hwr.client.paths import find_service_socket
 
 __all__ = ["ENV_DISABLE", "ENV_PREFERRED_PULL", "ENV_SOCKET", "MARKER_FILE", "PREFERRED_PULL", "DaemonTarget",
            "plugin_disabled", "resolve_target"]
@@ -88,10 +93,12 @@ def resolve_target(root: Path | str | None, environ: Mapping[str, str] | None = 
         raise ConfigError(f"${ENV_PREFERRED_PULL} must be 'wait' or 'fallback'", details={"field": ENV_PREFERRED_PULL})
     if env.get(ENV_SOCKET):
         target: DaemonTarget | None = DaemonTarget(Path(env[ENV_SOCKET]), f"${ENV_SOCKET}")
-    elif root is None:
-        return None
     else:
-        target = read_marker(Path(root).expanduser() / MARKER_FILE)
+        target = read_marker(Path(root).expanduser() / MARKER_FILE) if root is not None else None
+        if target is None:
+            service = find_service_socket()
+            if service is not None:
+                target = DaemonTarget(service, f"the node's hwrd service ({service})")
     if target is not None and choice:
         target = dataclasses.replace(target, preferred_pull=choice)
     return target
