@@ -294,7 +294,8 @@ def _artifact_dict(a: pb.ArtifactInfo) -> dict[str, Any]:
 
 
 def _remote_status_dict(r: pb.RemoteStatus) -> dict[str, Any]:
-    return {"url": r.url, "reachable": r.reachable, "error": r.error or None, "push": r.push,
+    return {"url": r.url, "reachable": r.reachable, "error": r.error or None, "error_code": r.error_code or None,
+            "push": r.push,
             "pending_pushes": r.pending_pushes, "pulls_in_flight": r.pulls_in_flight,
             "bytes_pulled": r.bytes_pulled, "bytes_pushed": r.bytes_pushed,
             "pulls": [{"key": p.key, "phase": p.phase, "done_bytes": p.done_bytes, "total_bytes": p.total_bytes,

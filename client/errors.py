@@ -105,6 +105,17 @@ class RemoteUnavailable(ArtifactNotFound):
     retryable = True
 
 
+class RemoteDenied(RemoteUnavailable):
+    """The configured remote tier refused hwrd: its credentials or permissions (a wrong key or
+    secret, no credentials at all, a policy that denies the bucket or the path). Not a network
+    problem, and not retryable: nothing changes until the operator fixes the credentials or the
+    policy. A ``RemoteUnavailable`` (a miss the remote could not answer), so a caller that falls
+    back on an unreachable remote does so here too."""
+
+    code = "REMOTE_DENIED"
+    retryable = False
+
+
 class ArtifactDenied(HwrError, PermissionError):
     """The artifact carries a deny marker (corrupt, or denied by an operator)."""
 

@@ -98,7 +98,12 @@ def _channel_lines(channels: list[dict[str, Any]]) -> list[str]:
 def _remote_lines(remote: dict[str, Any] | None) -> list[str]:
     if not remote:
         return []
-    state = "reachable" if remote["reachable"] else f"UNREACHABLE ({remote['error']})"
+    if remote["reachable"]:
+        state = "reachable"
+    elif remote.get("error_code") == "REMOTE_DENIED":  # the keys or the policy, not the network
+        state = f"DENIED ({remote['error']})"
+    else:
+        state = f"UNREACHABLE ({remote['error']})"
     return [f"remote:       {remote['url']} {state}, push {'on' if remote['push'] else 'off'}, "
             f"{remote['pending_pushes']} pending pushes, {human_bytes(remote['bytes_pulled'])} pulled, "
             f"{human_bytes(remote['bytes_pushed'])} pushed",

@@ -198,7 +198,8 @@ class Puller:
             if refused is not None and now - refused[0] < self.INVALID_TTL_S:
                 raise type(refused[1])(refused[1].message, details=refused[1].details)
             if self._down_error is not None and now < self._down_until:
-                raise RemoteUnavailable(self._down_error.message, details=self._down_error.details)
+                # the same type: a remote that refused the credentials stays REMOTE_DENIED
+                raise type(self._down_error)(self._down_error.message, details=self._down_error.details)
             missing = self._missing.get(key)
             if missing is not None and now - missing < self.MISS_TTL_S:
                 raise _absent(key, remote)

@@ -22,7 +22,8 @@ each object appears whole or not at all (S3 semantics; the file backend renames 
 name into place). For one download: ``get_bytes(READY.json)`` (None: not in the remote),
 ``get_bytes(manifest.json)``, then ``get_into`` for each payload, which hands every piece it
 receives to a ``PayloadSink`` (``hwr.daemon.fleet.sink``: the staging file, progress, digests).
-Every method raises ``RemoteUnavailable`` when the remote cannot be reached and
+Every method raises ``RemoteUnavailable`` when the remote cannot be reached, its subclass
+``RemoteDenied`` (``denied``) when the remote refuses hwrd's credentials or permissions, and
 ``RemoteObjectInvalid`` when one object is refused (its size is not the one asked for, it is not
 a regular object, a symlink...); one bad object never makes the whole remote unavailable.
 ``get_into`` also lets the sink's own error through (a stopped pull).
@@ -34,17 +35,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from hwr.client.errors import ConfigError, ManifestCorrupt, RemoteUnavailable
+from hwr.client.errors import ConfigError, ManifestCorrupt, RemoteDenied, RemoteUnavailable
 from hwr.daemon.policy.remote_location import RemoteLocation, parse_location
 
 __all__ = [
     "READY_OBJECT",
     "PayloadSink",
+    "RemoteDenied",
     "RemoteEntry",
     "RemoteLocation",
     "RemoteObjectInvalid",
     "RemoteStore",
     "RemoteUnavailable",
+    "denied",
     "open_remote",
     "parse_location",
 ]
@@ -140,6 +143,13 @@ def unreachable(location: RemoteLocation, why: str) -> RemoteUnavailable:
     """The one error for a remote that does not answer (its message names the remote)."""
     return RemoteUnavailable(f"remote {location.display} is unreachable: {why}"[:500],
                              details={"remote": location.display})
+
+
+def denied(location: RemoteLocation, why: str) -> RemoteDenied:
+    """The one error for a remote that refuses hwrd's credentials or permissions (its message
+    names the remote and says where to look)."""
+    return RemoteDenied(f"remote {location.display} denied access: {why} (check hwrd's credentials for it "
+                        f"and the permissions they carry)"[:500], details={"remote": location.display})
 
 
 def invalid(location: RemoteLocation, name: str, why: str) -> RemoteObjectInvalid:

@@ -39,6 +39,7 @@ from hwr.daemon.fleet.remote import (
     Progress,
     RemoteEntry,
     RemoteLocation,
+    denied,
     invalid,
     unreachable,
 )
@@ -73,6 +74,8 @@ class FileRemote:
             raise unreachable(self.location, "hwrd is stopping")
 
     def _fail(self, exc: OSError) -> Exception:
+        if isinstance(exc, PermissionError):  # hwrd's user may not read or write there: not an outage
+            return denied(self.location, exc.strerror or type(exc).__name__)
         return unreachable(self.location, exc.strerror or type(exc).__name__)
 
     # ------------------------------------------------------------------ safe walking

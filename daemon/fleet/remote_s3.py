@@ -7,9 +7,11 @@ things throughput needs: parallel ranged GETs for downloads and parallel multipa
 part retried on its own. Downloads go straight to the pull's sink (the staging file at each range's offset,
 hashed on the way; no temporary file, no second copy).
 
-Errors: a missing object is None/False where the interface allows it; every transport or
-service failure becomes ``RemoteUnavailable`` carrying only the remote's display URL and the
-service's error code, never a credential or a signed URL.
+Errors: a missing object is None/False where the interface allows it; a refusal of hwrd's
+credentials or permissions (HTTP 401/403, ``AccessDenied``, ``SignatureDoesNotMatch``,
+``InvalidAccessKeyId``, expired tokens; or no credentials found) becomes ``RemoteDenied``; every
+other transport or service failure ``RemoteUnavailable``. Both carry only the remote's display
+URL and the service's error code, never a credential or a signed URL.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from hwr.daemon.fleet.remote import (
     RemoteEntry,
     RemoteLocation,
     RemoteObjectInvalid,
+    denied,
     invalid,
     unreachable,
 )
@@ -47,6 +50,18 @@ __all__ = ["S3Remote", "transfer_config"]
 PART_BYTES = 16 << 20
 _MISSING = frozenset({"404", "NoSuchKey", "NotFound"})
 _TRANSPORT = (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, OSError)
+#: Error codes (and HTTP statuses, which a HEAD answer carries alone) of a refused identity or
+#: permission: the keys or the policy are wrong, not the network.
+_DENIED = frozenset({"401", "403", "AccessDenied", "AllAccessDisabled", "AccountProblem", "ExpiredToken",
+                     "Forbidden", "InvalidAccessKeyId", "InvalidClientTokenId", "InvalidSecurity", "InvalidToken",
+                     "SignatureDoesNotMatch", "TokenRefreshRequired", "UnrecognizedClientException"})
+_NO_CREDENTIALS = (botocore.exceptions.NoCredentialsError, botocore.exceptions.PartialCredentialsError)
+
+
+def denial(code: str, http_status: int | None) -> bool:
+    """Whether the service's answer ``code`` (HTTP ``http_status``) refuses hwrd's credentials or
+    permissions (``RemoteDenied``) rather than failing otherwise."""
+    return code in _DENIED or http_status in (401, 403)
 
 
 def transfer_config(threads: int) -> TransferConfig:
@@ -145,7 +160,12 @@ class S3Remote:
             return exc  # a bug, not the remote: re-raised as it is (logged by the caller)
         if isinstance(exc, botocore.exceptions.ClientError):
             code = str(exc.response.get("Error", {}).get("Code", "error"))
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if denial(code, status if isinstance(status, int) else None):
+                return denied(self.location, f"the service answered {code}")
             return unreachable(self.location, f"the service answered {code}")
+        if isinstance(exc, _NO_CREDENTIALS):
+            return denied(self.location, f"no usable credentials found ({type(exc).__name__})")
         return unreachable(self.location, type(exc).__name__)
 
     @staticmethod

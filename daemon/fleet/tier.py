@@ -67,7 +67,8 @@ class Fleet:
                              on_outcome=self._pulled)
         self.pusher = Pusher(remote, catalog, root, on_outcome=self._pushed)
         self._recording: set[asyncio.Task[None]] = set()  # to-push records being written
-        self._probe: tuple[float, str] | None = None  # (monotonic time, "" or the error) of the last probe
+        # (monotonic time, "" or the error, "" or its code) of the last probe
+        self._probe: tuple[float, str, str] | None = None
 
     @classmethod
     def open(cls, config: DaemonConfig, catalog: Catalog, publications: Publishing) -> Fleet | None:
@@ -136,16 +137,18 @@ class Fleet:
         self.bytes_pushed += nbytes
 
     # ------------------------------------------------------------------ status
-    async def reachable(self, max_age_s: float = 2.0) -> tuple[bool, str]:
-        """(reachable, error) from a probe at most ``max_age_s`` old."""
+    async def reachable(self, max_age_s: float = 2.0) -> tuple[bool, str, str]:
+        """(reachable, error, error code) from a probe at most ``max_age_s`` old; the code is
+        ``REMOTE_DENIED`` when the remote refused hwrd's credentials or permissions,
+        ``REMOTE_UNAVAILABLE`` when it did not answer, "" when it answered."""
         now = time.monotonic()
         if self._probe is None or now - self._probe[0] > max_age_s:
             try:
                 await asyncio.to_thread(self.remote.probe)
-                self._probe = (now, "")
+                self._probe = (now, "", "")
             except HwrError as exc:
-                self._probe = (now, exc.message)
-        return not self._probe[1], self._probe[1]
+                self._probe = (now, exc.message, exc.code)
+        return not self._probe[1], self._probe[1], self._probe[2]
 
     async def entries(self) -> list[RemoteEntry]:
         return await asyncio.to_thread(self.remote.list_entries)

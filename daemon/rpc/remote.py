@@ -40,14 +40,15 @@ async def remote_status(fleet: Fleet | None) -> pb.RemoteStatus | None:
     """The ``remote`` field of GetStatus (None when the tier is off)."""
     if fleet is None:
         return None
-    reachable, error = await fleet.reachable()
+    reachable, error, error_code = await fleet.reachable()
     pulls = [pb.RemotePull(key=p.key, phase=p.phase, done_bytes=p.done_bytes, total_bytes=p.total_bytes,
                            started_at=p.started_at, waiters=[
                                pb.PullWaiter(session_id=w.session_id, pid=w.pid, uid=w.uid,
                                              client_name=w.client_name, since=w.since)
                                for w in sorted(p.waiters.values(), key=lambda w: w.since)])
              for p in sorted(fleet.puller.in_flight.values(), key=lambda p: p.started_at)]
-    return pb.RemoteStatus(url=fleet.location.display, reachable=reachable, error=error, push=fleet.push_enabled,
+    return pb.RemoteStatus(url=fleet.location.display, reachable=reachable, error=error, error_code=error_code,
+                           push=fleet.push_enabled,
                            pending_pushes=len(fleet.pusher.pending()), pulls_in_flight=len(fleet.puller.in_flight),
                            bytes_pulled=fleet.bytes_pulled, bytes_pushed=fleet.bytes_pushed, pulls=pulls)
 

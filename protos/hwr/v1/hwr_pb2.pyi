@@ -687,7 +687,7 @@ class GetStoreUsageResponse(_message.Message):
     def __init__(self, store_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., store_limit_bytes: _Optional[int] = ..., artifact_limit_bytes: _Optional[int] = ..., min_free_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., locked_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., artifacts: _Optional[_Iterable[_Union[ArtifactUsage, _Mapping]]] = ...) -> None: ...
 
 class RemoteStatus(_message.Message):
-    __slots__ = ("url", "reachable", "error", "push", "pending_pushes", "pulls_in_flight", "bytes_pulled", "bytes_pushed", "pulls")
+    __slots__ = ("url", "reachable", "error", "push", "pending_pushes", "pulls_in_flight", "bytes_pulled", "bytes_pushed", "pulls", "error_code")
     URL_FIELD_NUMBER: _ClassVar[int]
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -697,6 +697,7 @@ class RemoteStatus(_message.Message):
     BYTES_PULLED_FIELD_NUMBER: _ClassVar[int]
     BYTES_PUSHED_FIELD_NUMBER: _ClassVar[int]
     PULLS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     url: str
     reachable: bool
     error: str
@@ -706,7 +707,8 @@ class RemoteStatus(_message.Message):
     bytes_pulled: int
     bytes_pushed: int
     pulls: _containers.RepeatedCompositeFieldContainer[RemotePull]
-    def __init__(self, url: _Optional[str] = ..., reachable: _Optional[bool] = ..., error: _Optional[str] = ..., push: _Optional[bool] = ..., pending_pushes: _Optional[int] = ..., pulls_in_flight: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., pulls: _Optional[_Iterable[_Union[RemotePull, _Mapping]]] = ...) -> None: ...
+    error_code: str
+    def __init__(self, url: _Optional[str] = ..., reachable: _Optional[bool] = ..., error: _Optional[str] = ..., push: _Optional[bool] = ..., pending_pushes: _Optional[int] = ..., pulls_in_flight: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., pulls: _Optional[_Iterable[_Union[RemotePull, _Mapping]]] = ..., error_code: _Optional[str] = ...) -> None: ...
 
 class RemotePull(_message.Message):
     __slots__ = ("key", "phase", "done_bytes", "total_bytes", "started_at", "waiters")

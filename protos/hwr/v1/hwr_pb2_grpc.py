@@ -409,7 +409,9 @@ class HostWeightRuntimeServicer:
         """--- fleet tier: the remote object store (config key `remote`) ---
         Every fleet RPC answers UNIMPLEMENTED (UNSUPPORTED) when hwrd has no remote configured and
         UNAVAILABLE (REMOTE_UNAVAILABLE, details.remote = the URL without credentials) when the
-        remote does not answer.
+        remote does not answer, and PERMISSION_DENIED (REMOTE_DENIED, details.remote) when it refuses
+        hwrd's credentials or permissions (wrong or missing keys, a policy that denies the bucket):
+        not retryable until the operator fixes them.
 
         Lists the remote's artifacts: complete ones (READY.json present) and incomplete uploads,
         each with whether the local store has it too; paged on request (ListRemoteRequest).
