@@ -218,6 +218,15 @@ class InsufficientCapacity(HwrError, OSError):
     retryable = True
 
 
+class ExceedsFilesystem(InsufficientCapacity):
+    """The artifact (with ``min_free_bytes`` kept free) is larger than the store's whole
+    filesystem could hold even empty: no eviction, wait or retry helps; not retryable. Put the
+    store on a larger filesystem, or publish a smaller artifact."""
+
+    code = "EXCEEDS_FILESYSTEM"
+    retryable = False
+
+
 class ActiveLease(HwrError, RuntimeError):
     """The artifact is leased or mapped and cannot be removed."""
 

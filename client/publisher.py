@@ -36,6 +36,7 @@ import torch
 from hwr.client.channels import check_channel_name
 from hwr.client.errors import (
     ActiveBuildTimeout,
+    ExceedsFilesystem,
     InsufficientCapacity,
     InvalidRequest,
     PublicationFailed,
@@ -222,6 +223,8 @@ class Publisher:
             request["format_metadata"] = canonical_json(dict(format_metadata)).decode()
         try:
             reply, fds = self._peer(request)
+        except ExceedsFilesystem:
+            raise  # can never fit: no wait helps
         except (ActiveBuildTimeout, StoreLimitExceeded, InsufficientCapacity) as exc:
             return "busy", exc
         outcome = str(reply.get("outcome"))

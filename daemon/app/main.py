@@ -34,8 +34,12 @@ from hwr.daemon.system.config import (
     flag_name,
     load_config_with_sources,
 )
+from hwr.daemon.system.config_help import HELP
 
 __all__ = ["main"]
+
+#: The built-in defaults, shown by --help.
+DEFAULTS = DaemonConfig(root="", socket="")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,17 +50,27 @@ def _parser() -> argparse.ArgumentParser:
                         "an hwrd given a root or socket of its own reads no file unless told to")
     p.add_argument("--root", help="store root directory (env HWR_ROOT)")
     p.add_argument("--socket", help="gRPC Unix socket path (env HWR_SOCKET)")
-    p.add_argument("--socket-mode", type=lambda s: int(s, 8), help="socket file mode, octal (default 660)")
-    p.add_argument("--allow-uid", type=int, action="append", dest="allow_uids", help="allowed client uid")
-    p.add_argument("--allow-gid", type=int, action="append", dest="allow_gids", help="allowed client gid")
-    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--socket-mode", type=lambda s: int(s, 8),
+                   help="socket file mode, octal (env HWR_SOCKET_MODE; default 660)")
+    p.add_argument("--allow-uid", action="append", dest="allow_uids", metavar="USER",
+                   help="a client user (uid or name) that may connect and acquire; repeatable (env HWR_ALLOW_UIDS, "
+                        "comma-separated)")
+    p.add_argument("--allow-gid", action="append", dest="allow_gids", metavar="GROUP",
+                   help="a client group (gid or name, e.g. hwr) whose members may connect and acquire; repeatable "
+                        "(env HWR_ALLOW_GIDS, comma-separated)")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                   help="log verbosity (env HWR_LOG_LEVEL; default info)")
     p.add_argument("--check-config", action="store_true",
                    help="validate the configuration, print the effective one and exit (2 if invalid)")
     p.add_argument("--version", action="version", version=f"hwrd {__version__}")
     taken = {a.dest for a in p._actions}
     for key in field_names():  # every other option as a flag, parsed like its variable
         if key not in taken:
-            p.add_argument(flag_name(key), dest=f"opt_{key}", metavar="VALUE", help=f"(env {env_name(key)})")
+            default = getattr(DEFAULTS, key)
+            text = ("true" if default else "false") if isinstance(default, bool) else str(default)
+            shown = f"; default {text}" if default not in ("", ()) else ""
+            p.add_argument(flag_name(key), dest=f"opt_{key}", metavar="VALUE",
+                           help=f"{HELP[key]} (env {env_name(key)}{shown})")
     return p
 
 

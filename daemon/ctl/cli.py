@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -232,6 +233,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one hwrctl command; the exit status (module docstring). A reader that stops reading
+    early (``hwrctl ls | head -1``) ends the output quietly: no traceback, exit 0, as ``ls``
+    and ``cat`` behave under a shell's pipeline."""
+    try:
+        status = _main(argv)
+        sys.stdout.flush()  # a closed pipe shows here, not at the interpreter's exit
+    except BrokenPipeError:
+        # Whatever is still buffered for stdout goes nowhere: the interpreter's last flush would
+        # fail again and print "Exception ignored ... BrokenPipeError".
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_OK
+    return status
+
+
+def _main(argv: list[str] | None) -> int:
     import importlib
 
     for module in EXTENSIONS:

@@ -8,6 +8,8 @@ first (``shortfall``) or raises the typed error for a request that can never fit
 ``ArtifactTooLarge``        ``need`` > ``artifact_limit_bytes``
 ``StoreLimitExceeded``      ``need`` > ``store_limit_bytes`` (even an empty store is too small),
                             or after eviction the committed + reserved bytes still overshoot
+``ExceedsFilesystem``       ``need`` + ``min_free_bytes`` > the filesystem's whole capacity
+                            (``Usage.filesystem_bytes``; even an empty filesystem is too small)
 ``InsufficientCapacity``    the filesystem cannot keep ``min_free_bytes`` free after eviction
 ==========================  ===========================================================
 
@@ -32,7 +34,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from hwr.client.errors import ArtifactTooLarge, InsufficientCapacity, StoreLimitExceeded
+from hwr.client.errors import ArtifactTooLarge, ExceedsFilesystem, InsufficientCapacity, StoreLimitExceeded
 
 __all__ = ["CapacityPolicy", "Reservation", "Reservations", "Usage", "assess"]
 
@@ -52,6 +54,8 @@ class Usage:
     reserved_bytes: int
     unallocated_reserved_bytes: int
     free_bytes: int
+    #: What the filesystem holds for the store's user when empty (size less root's reserve); 0: unknown.
+    filesystem_bytes: int = 0
 
 
 def assess(policy: CapacityPolicy, usage: Usage, need: int, *, key: str = "") -> int:
@@ -65,6 +69,12 @@ def assess(policy: CapacityPolicy, usage: Usage, need: int, *, key: str = "") ->
         raise StoreLimitExceeded(
             f"the artifact needs {need} bytes, the whole store may hold {policy.store_limit_bytes}",
             details={**details, "limit_bytes": policy.store_limit_bytes})
+    if usage.filesystem_bytes and need + policy.min_free_bytes > usage.filesystem_bytes:
+        raise ExceedsFilesystem(
+            f"the artifact needs {need} bytes (and {policy.min_free_bytes} kept free), the store's whole "
+            f"filesystem holds {usage.filesystem_bytes}: it can never fit there",
+            details={**details, "filesystem_bytes": usage.filesystem_bytes,
+                     "min_free_bytes": policy.min_free_bytes})
     over_limit = 0
     if policy.store_limit_bytes:
         over_limit = usage.committed_bytes + usage.reserved_bytes + need - policy.store_limit_bytes

@@ -229,13 +229,16 @@ class Capacity:
         # work; it runs under the capacity lock, so every hop here serialises all publications
         # (measured: ~100 ms of admission queueing). A listdir of artifacts/ here instead cost a
         # third of the loop's time under churn: it waits on the directory lock behind renames.
-        committed, free = self._disk_usage()
-        return Usage(committed, reserved, unallocated, free)
+        committed, free, whole = self._disk_usage()
+        return Usage(committed, reserved, unallocated, free, whole)
 
-    def _disk_usage(self) -> tuple[int, int]:
+    def _disk_usage(self) -> tuple[int, int, int]:
+        """(committed bytes, free bytes, what the filesystem holds for us when empty: its size
+        less the blocks reserved for root, which an unprivileged daemon cannot use)."""
         committed = self.catalog.committed_bytes()
         st = os.statvfs(self._store.root)
-        return committed, st.f_bavail * st.f_frsize
+        reserved_for_root = st.f_bfree - st.f_bavail
+        return committed, st.f_bavail * st.f_frsize, max(0, st.f_blocks - reserved_for_root) * st.f_frsize
 
     async def reserve(self, key: str, need: int, wait_timeout: float = 0.0) -> tuple[Reservation, list[Path], bool]:
         """Reserve ``need`` bytes for a publication of ``key``, evicting LRU artifacts if needed:
@@ -258,8 +261,8 @@ class Capacity:
         arrives while others wait queues behind them first); then the typed capacity error. With
         nothing in flight it waits once, at most ``LEASE_GRACE_S``, for a lease release (every
         artifact may be leased for a moment by clients that are about to let go).
-        Requests that can never fit (``ArtifactTooLarge``, larger than the whole store) fail at
-        once.
+        Requests that can never fit (``ArtifactTooLarge``, larger than the whole store,
+        ``ExceedsFilesystem``) fail at once.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(0.0, wait_timeout)

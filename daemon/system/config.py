@@ -5,8 +5,10 @@ Sources, later wins: built-in defaults < TOML file (``--config``, ``$HWR_CONFIG`
 root nor a socket named by flag or environment, ``runs_as_node_service``) < environment <
 flags. Every field of ``DaemonConfig`` is settable in all three: the TOML key ``max_leases_per_session``, the variable
 ``HWR_MAX_LEASES_PER_SESSION`` and the flag ``--max-leases-per-session`` (lists as
-``1000,1001`` in the environment and flags; ``*_mode`` fields are octal). Flags and variables are
-derived from the struct, so a field added to it gets both without further code.
+``1000,1001`` in the environment and flags; ``*_mode`` fields are octal; the uid and gid lists
+also take user and group names, ``allow_gids = ["hwr"]`` or ``--allow-gid hwr``, resolved at
+load by ``resolve_id``, an unknown name being an error). Flags and variables are derived from the
+struct, so a field added to it gets both without further code.
 
 Errors are ``ConfigError`` and name the key and where its value came from: ``FILE:LINE`` for
 the TOML file (the line of the key's assignment), the variable, or the flag; ``details`` carries
@@ -19,7 +21,9 @@ file for ``key =`` since ``tomllib`` does not report positions, which is exact f
 
 from __future__ import annotations
 
+import grp
 import os
+import pwd
 import re
 import tomllib
 import types
@@ -175,8 +179,44 @@ def field_type(key: str) -> Any:
     return typing.get_type_hints(DaemonConfig)[key]
 
 
+def is_id_key(key: str) -> bool:
+    """Whether ``key`` lists users or groups (``allow_uids``, ``publish_gids``, ...): its items
+    may be numbers or names (``resolve_id``)."""
+    return key.endswith(("_uids", "_gids"))
+
+
+def resolve_id(key: str, item: object) -> int:
+    """One item of a uid or gid list (``is_id_key``): a number, or a user's or group's name on
+    this host resolved now (``hwr`` -> the gid of ``getent group hwr``). ``ValueError`` names an
+    unknown name. Limit: resolved when the configuration is loaded (at start and on reload), so
+    a group renamed later keeps its old number until the next reload."""
+    if isinstance(item, bool):
+        raise ValueError(f"expected a number or a name, not {item!r}")
+    if isinstance(item, int):
+        return item
+    if not isinstance(item, str):
+        raise ValueError(f"expected a number or a name, not {item!r}")
+    text = item.strip()
+    if text.isdigit():
+        return int(text)
+    users = key.endswith("_uids")
+    try:
+        return pwd.getpwnam(text).pw_uid if users else grp.getgrnam(text).gr_gid
+    except KeyError:
+        raise ValueError(f"no {'user' if users else 'group'} named {text!r} on this host") from None
+
+
+def _resolve_ids(key: str, value: Any) -> Any:
+    if not is_id_key(key) or not isinstance(value, list | tuple):
+        return value
+    return tuple(resolve_id(key, item) for item in value)
+
+
 def parse_text(key: str, text: str) -> Any:
-    """Convert a flag's or variable's text to ``key``'s type (the struct still validates it)."""
+    """Convert a flag's or variable's text to ``key``'s type (the struct still validates it);
+    the items of a uid or gid list may be names (``resolve_id``)."""
+    if is_id_key(key):
+        return tuple(resolve_id(key, part) for part in text.split(",") if part.strip())
     return _parse_as(field_type(key), text.strip(), octal=key.endswith("_mode"))
 
 
@@ -281,6 +321,10 @@ def load_config_with_sources(
             sources.by_key[key] = f"{path}:{line}" if line else str(path)
             if key not in names:
                 raise _error("unknown key (see hwrd --check-config for the valid keys)", key, sources)
+            try:
+                data[key] = _resolve_ids(key, data[key])
+            except ValueError as exc:
+                raise _error(str(exc), key, sources) from None
         values.update(data)
     for key in names:
         var = env_name(key)
@@ -303,9 +347,12 @@ def load_config_with_sources(
             raise _error(f"cannot parse {text!r}: {exc}", key, sources) from None
     for key, value in (overrides or {}).items():
         if value is not None:
-            values[key] = value
             sources.by_key[key] = f"flag {flag_name(key)}"
             sources.lines.pop(key, None)
+            try:
+                values[key] = _resolve_ids(key, value)
+            except ValueError as exc:
+                raise _error(str(exc), key, sources) from None
     try:
         config = msgspec.convert(values, DaemonConfig)
     except msgspec.ValidationError as exc:
