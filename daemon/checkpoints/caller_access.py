@@ -36,7 +36,7 @@ from pathlib import Path
 
 from hwr.daemon.system.peercred import PeerCred
 
-__all__ = ["OPEN_FLAGS", "CallerOpener", "mode_grants"]
+__all__ = ["OPEN_FLAGS", "CallerOpener", "daemon_user", "mode_grants"]
 
 OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 HELPER_TIMEOUT_S = 60.0
@@ -76,11 +76,34 @@ def mode_grants(st: os.stat_result, cred: PeerCred, bits: int) -> bool:
     return st.st_mode & bits == bits
 
 
+def daemon_user() -> str:
+    """hwrd's own user for messages: ``uid N (NAME)``, or ``uid N`` without a passwd entry."""
+    import pwd
+
+    uid = os.geteuid()
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
 class CallerOpener:
     """Opens paths with ``cred``'s rights (see the module docstring for the three cases)."""
 
     def __init__(self, cred: PeerCred) -> None:
         self.cred = cred
+
+    def readers(self) -> str:
+        """Who must be able to read a file this opener opens, for a refusal's message (a root
+        caller's files are opened with hwrd's own rights: hwrd's user, not root, must read them)."""
+        if self.cred.uid in (0, os.geteuid()):
+            if os.geteuid() == 0:
+                return "root"
+            return (f"hwrd's user, {daemon_user()} (hwrd opens the files of root and of its own user with its "
+                    f"own rights)")
+        if os.geteuid() == 0:
+            return f"your uid {self.cred.uid}"
+        return f"both hwrd's user, {daemon_user()}, and your uid {self.cred.uid}"
 
     def open_all(self, paths: Sequence[Path]) -> list[int | OSError]:
         if not paths:

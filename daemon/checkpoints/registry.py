@@ -56,7 +56,7 @@ from hwr.client.errors import (
     PermissionDeniedError,
 )
 from hwr.client.safetensors_header import Header, TensorEntry, read_header
-from hwr.daemon.checkpoints.caller_access import OPEN_FLAGS, CallerOpener
+from hwr.daemon.checkpoints.caller_access import OPEN_FLAGS, CallerOpener, daemon_user
 from hwr.daemon.checkpoints.files import (
     MAX_DEPTH,
     FileFingerprint,
@@ -181,6 +181,9 @@ class Checkpoints:
         try:
             st = os.stat(path)
         except OSError as exc:
+            if exc.errno in (errno.EACCES, errno.EPERM):  # the daemon's own lookup: its user is the one refused
+                raise PermissionDeniedError(f"cannot read {path}: {exc.strerror}: hwrd's user, {daemon_user()}, "
+                                            "cannot reach it", details={"path": str(path)}) from None
             raise InvalidRequest(f"cannot read {path}: {exc.strerror}", details={"path": str(path)}) from None
         # A directory, or one .safetensors file: a one-file checkpoint (that file alone, not its
         # directory's other files), registered under the file's path.
@@ -192,8 +195,8 @@ class Checkpoints:
         if opener is not None and not one_file:  # may the caller list it? (the walk runs as the daemon)
             (probe,) = opener.open_all([Path(os.path.realpath(path))])
             if isinstance(probe, OSError):
-                raise PermissionDeniedError(f"cannot read {path}: {probe.strerror}",
-                                            details={"path": str(path)})
+                raise PermissionDeniedError(f"cannot read {path}: {probe.strerror}: {opener.readers()} "
+                                            "cannot read it", details={"path": str(path)})
             os.close(probe)
         names = [path.name] if one_file else sorted(safetensors_files(path))
         if not names:
@@ -210,8 +213,11 @@ class Checkpoints:
             fds.extend(fd for fd in opened if isinstance(fd, int))
             for name, (real, link), fd in zip(names, targets, opened, strict=True):
                 if isinstance(fd, OSError):
-                    error = PermissionDeniedError if fd.errno in (errno.EACCES, errno.EPERM) else InvalidRequest
-                    raise error(f"cannot open {name}: {fd.strerror}", details={"file": name})
+                    if fd.errno in (errno.EACCES, errno.EPERM):
+                        readers = opener.readers() if opener is not None else f"hwrd's user, {daemon_user()},"
+                        raise PermissionDeniedError(f"cannot open {name}: {fd.strerror}: {readers} cannot read it",
+                                                    details={"file": name})
+                    raise InvalidRequest(f"cannot open {name}: {fd.strerror}", details={"file": name})
                 files.append(self._check_file(fd, real, name, link))
                 if link is not None:
                     model_id, revision = link.model_id, link.revision

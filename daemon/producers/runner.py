@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -41,6 +42,8 @@ from typing import Any
 from hwr.client.errors import HwrError, ProducerFailed, ProducerTimeout, error_from_code
 
 __all__ = ["ensure_spare", "run_job"]
+
+log = logging.getLogger("hwrd.producers")
 
 STDERR_TAIL = 4000
 SPARE_IDLE_S = 300.0
@@ -93,6 +96,12 @@ async def _start_spare() -> None:
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             pass_fds=(child.fileno(),), start_new_session=True, limit=1 << 20,
         )
+    except OSError as exc:
+        # A spare only saves a prewarm its interpreter's start; an interpreter the daemon's user
+        # cannot run (one installed under /root) fails the prewarm itself, with its own error.
+        parent.close()
+        log.warning("cannot start a spare producer process: %s", exc)
+        return
     except BaseException:
         parent.close()
         raise
