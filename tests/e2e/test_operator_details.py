@@ -164,3 +164,33 @@ def test_every_hwrd_option_has_a_description() -> None:
     shown = subprocess.run([sys.executable, "-m", "hwr.daemon.app.main", "--help"], capture_output=True,
                            text=True, timeout=60)
     assert shown.returncode == 0 and "--remote-stall-timeout-s" in shown.stdout
+
+
+_WRITER = """
+import sys, torch
+from hwr.client import connect
+with connect(sys.argv[1]) as client:
+    lease = client.acquire(sys.argv[2], copy_on_write=sys.argv[3] == "cow")
+    w = lease.tensors["w"]
+    print("leased", flush=True)
+    w.add_(1)  # a write into the lease's pages
+    print("wrote", float(w[0]), flush=True)
+    lease.close()
+"""
+
+
+def test_a_write_into_a_lease_tensor_kills_the_writer_and_copy_on_write_allows_it(hwrd: DaemonProcess) -> None:
+    """What the README says of lease tensors: the read-only mapping is the protection."""
+    import signal
+
+    with connect(hwrd.socket) as client:
+        key = client.publish(ArtifactIdentity.simple("write/me"), {"w": torch.zeros(1024)})
+        crashed = subprocess.run([sys.executable, "-c", _WRITER, str(hwrd.socket), key, "shared"],
+                                 capture_output=True, text=True, timeout=60)
+        assert crashed.returncode == -signal.SIGSEGV, crashed
+        assert crashed.stdout.splitlines() == ["leased"]
+        cow = subprocess.run([sys.executable, "-c", _WRITER, str(hwrd.socket), key, "cow"],
+                             capture_output=True, text=True, timeout=60)
+        assert cow.returncode == 0 and cow.stdout.splitlines() == ["leased", "wrote 1.0"], cow
+        with client.acquire(key) as lease:  # every other worker still sees the published bytes
+            assert torch.equal(lease.tensors["w"], torch.zeros(1024))
