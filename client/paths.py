@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["SERVICE_SOCKET", "SocketChoice", "checkpoint_ref", "client_socket", "default_root", "default_socket",
-           "find_service_socket", "peer_path"]
+           "find_service_socket", "peer_path", "pick_socket"]
 
 #: The node's service socket (the systemd unit's ``RuntimeDirectory=hwrd``). A module constant so
 #: that tests can place a "service" elsewhere in a process of their own.
@@ -93,21 +93,29 @@ def find_service_socket() -> Path | None:
     return service if _is_socket(service) and _service_place_trusted(service) else None
 
 
+def pick_socket(hwr_socket: str | None, own: Path, service: Path, *, own_present: bool,
+                service_usable: bool) -> SocketChoice:
+    """The pure decision of ``client_socket``: ``$HWR_SOCKET`` (``hwr_socket``) when set; else the
+    caller's own default ``own`` when a socket is there (``own_present``); else ``service`` when
+    ``service_usable`` (there, and its place trusted); else ``own``, for the error to name."""
+    if hwr_socket:
+        return SocketChoice(Path(hwr_socket), "$HWR_SOCKET", (Path(hwr_socket),))
+    if own == service:  # root: its own default is the service's socket
+        return SocketChoice(own, "the service socket", (own,))
+    looked = (own, service)
+    if own_present:
+        return SocketChoice(own, "your own hwrd's default socket", looked)
+    if service_usable:
+        return SocketChoice(service, "the node's service socket", looked)
+    return SocketChoice(own, "your own hwrd's default socket", looked)
+
+
 def client_socket(env: dict[str, str] | None = None) -> SocketChoice:
     """The socket a client connects to when none is given (the order of the module docstring)."""
     env = dict(os.environ) if env is None else env
-    if env.get("HWR_SOCKET"):
-        return SocketChoice(Path(env["HWR_SOCKET"]), "$HWR_SOCKET", (Path(env["HWR_SOCKET"]),))
     own = default_socket(env)
-    service = SERVICE_SOCKET
-    if own == service:
-        return SocketChoice(own, "the service socket", (own,))
-    looked = (own, service)
-    if _is_socket(own):
-        return SocketChoice(own, "your own hwrd's default socket", looked)
-    if find_service_socket() is not None:
-        return SocketChoice(service, "the node's service socket", looked)
-    return SocketChoice(own, "your own hwrd's default socket", looked)
+    return pick_socket(env.get("HWR_SOCKET"), own, SERVICE_SOCKET, own_present=_is_socket(own),
+                       service_usable=find_service_socket() is not None)
 
 
 def default_root(env: dict[str, str] | None = None) -> Path:
