@@ -279,8 +279,11 @@ class FileRemote:
 
     def probe(self) -> None:
         try:
-            if not os.path.isdir(self.root):
-                raise FileNotFoundError(2, "no such directory")
+            # Opened, not only stat-ed: a directory hwrd's user may not search is REMOTE_DENIED
+            # (a permission to grant), a missing one REMOTE_UNAVAILABLE (a mount that is not there).
+            os.close(os.open(self.root, _DIR))
+        except NotADirectoryError:
+            raise self._fail(FileNotFoundError(2, "not a directory")) from None
         except OSError as exc:
             raise self._fail(exc) from None
 

@@ -199,3 +199,27 @@ def test_good_credentials_reach_the_remote_and_a_dead_endpoint_is_unreachable_no
         assert "UNREACHABLE (" in out
     finally:
         assert dead.stop() == 0
+
+
+def test_a_file_remote_the_daemon_user_may_not_open_is_denied_and_a_missing_one_unreachable(
+        short_tmp: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.daemon_proc import HWRD, finish_daemon, make_daemon
+
+    closed = short_tmp / "closed-remote"
+    closed.mkdir(mode=0o700)  # root's alone: the unit's user may not open it
+    daemon = make_daemon(short_tmp, "--remote", f"file://{closed}", user=HWRD).start()
+    try:
+        remote = _remote_status(daemon, capsys)
+        assert remote["error_code"] == "REMOTE_DENIED" and "Permission denied" in remote["error"], remote
+        rc, _, err = _hwrctl(daemon, "remote", "ls", capsys=capsys)
+        assert rc == 1 and err.startswith("hwrctl: REMOTE_DENIED: "), err
+    finally:
+        finish_daemon(daemon, [])
+    (short_tmp / "other").mkdir()
+    gone = DaemonProcess(short_tmp / "other" / "store", short_tmp / "other" / "hwrd.sock", "--remote",
+                         f"file://{short_tmp / 'no-such-remote'}").start()
+    try:
+        remote = _remote_status(gone, capsys)
+        assert remote["error_code"] == "REMOTE_UNAVAILABLE" and "unreachable" in remote["error"], remote
+    finally:
+        finish_daemon(gone, [])
