@@ -115,7 +115,8 @@ def test_publication_that_can_never_fit_evicts_nothing(spawn_daemon: Callable[..
         huge = [TensorSpec("w", torch.float32, (1 << 40,))]  # 4 TiB: more than the filesystem holds
         with pytest.raises(HwrError) as caught:
             client.publisher(ArtifactIdentity.simple("e2e/too-big"), huge, wait_timeout=0)
-        assert caught.value.code in ("INSUFFICIENT_CAPACITY", "ENOSPC", "STORE_LIMIT_EXCEEDED")
+        # Larger than the whole filesystem: refused at once, not retryable, before any eviction.
+        assert caught.value.code == "EXCEEDS_FILESYSTEM" and not caught.value.retryable
         assert key in {a["key"] for a in client.list_artifacts()}, "an unleased bystander was evicted"
         with client.acquire(key) as lease:
             assert digests(lease.tensors) == digests(tensors)
