@@ -241,7 +241,8 @@ class HostWeightRuntimeServicer:
         and is answered ALREADY_PRESENT or JOINED (no staging) once the first commits.
         Status: OK; INVALID_ARGUMENT (bad identity, duplicate/invalid tensor specs);
         DEADLINE_EXCEEDED (ACTIVE_BUILD_TIMEOUT: another publisher is still building);
-        RESOURCE_EXHAUSTED (ENOSPC, ARTIFACT_TOO_LARGE, STORE_LIMIT_EXCEEDED, INSUFFICIENT_CAPACITY).
+        RESOURCE_EXHAUSTED (ENOSPC, ARTIFACT_TOO_LARGE, STORE_LIMIT_EXCEEDED, INSUFFICIENT_CAPACITY,
+        EXCEEDS_FILESYSTEM: larger than the store's whole filesystem, not retryable).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
