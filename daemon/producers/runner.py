@@ -240,7 +240,7 @@ async def run_job(
         how = f"signal {-returncode}" if returncode < 0 else f"status {returncode}"
         tail = bytes(stderr_tail).decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
         hint = ""
-        if tail[0].startswith("ModuleNotFoundError"):  # an interpreter without torch or hwr[worker]
+        if "ModuleNotFoundError" in tail[0]:  # an interpreter without torch or hwr[worker]
             hint = (f" (producers run {_interpreter}: set producer_python to a Python with torch and "
                     "hwr[worker], e.g. the serving venv's)")
         raise ProducerFailed(f"the producer exited with {how}: {tail[0][:300]}{hint}",
