@@ -62,8 +62,13 @@ cp -a --reflink=auto "$BASE" "$ROOT"
 
 # The checkout as a user has it: tracked and untracked files, without what .gitignore ignores (.venv).
 mkdir -p "$ROOT/root/hwr"
-git ls-files -z --cached --others --exclude-standard \
-  | tar --null --ignore-failed-read -T - -cf - 2>/dev/null | tar -C "$ROOT/root/hwr" -xf -
+if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+  git ls-files -z --cached --others --exclude-standard \
+    | tar --null --ignore-failed-read -T - -cf - 2>/dev/null | tar -C "$ROOT/root/hwr" -xf -
+else  # an unpacked source tree: everything but the local venvs and build outputs
+  tar --exclude=./.venv --exclude='./.venv-*' --exclude=./build --exclude=./dist -cf - . | tar -C "$ROOT/root/hwr" -xf -
+fi
+[ -f "$ROOT/root/hwr/pyproject.toml" ] || fail "copying the checkout into the container"
 
 # pip's sources: the host's configuration merged into the container's /etc/pip.conf, and every
 # local directory it names bind-mounted read-only (an index's "simple" folder links to its parent).
@@ -101,6 +106,8 @@ ct() {
 sh_ct() { ct /bin/bash -euo pipefail -c "$1"; }
 # A new login of the user alice (groups read afresh, no HWR_SOCKET).
 as_alice() { ct runuser -l alice -c "set -euo pipefail; $1"; }
+# A check passes when its command exits 0. In a multi-line script, a `!` or `&&` line that is not
+# the last does not stop bash -e: such lines end with `|| exit 1`.
 check() { local what=$1; shift; if "$@"; then say "ok: $what"; else fail "$what"; fi; }
 
 state=$(ct timeout 120 systemctl is-system-running --wait || true)
@@ -124,7 +131,7 @@ say "a member of hwr: hwrctl status and a worker in a venv of its own with torch
 sh_ct 'useradd -m -s /bin/bash alice && usermod -aG hwr alice'
 sh_ct 'mkdir -p /tmp/hwr-wheel && /opt/hwr/bin/pip wheel -q --no-deps -w /tmp/hwr-wheel /root/hwr \
        && chmod -R a+rX /tmp/hwr-wheel' >"$WORK/wheel.log" 2>&1 || fail "building the wheel: $(tail "$WORK/wheel.log")"
-check "alice runs hwrctl status (no HWR_SOCKET)" as_alice '[ -z "${HWR_SOCKET:-}" ] && hwrctl status'
+check "alice runs hwrctl status (no HWR_SOCKET)" as_alice '[ -z "${HWR_SOCKET:-}" ] && hwrctl status >/dev/null'
 as_alice 'python3 -m venv ~/serve && ~/serve/bin/pip install -q torch==2.13.0 \
           && ~/serve/bin/pip install -q "hwr[worker] @ file://$(ls /tmp/hwr-wheel/hwr-*.whl)"' \
   >"$WORK/worker-venv.log" 2>&1 || fail "the worker venv: $(tail "$WORK/worker-venv.log")"
@@ -221,8 +228,8 @@ s3.head_object(Bucket="hwr-fleet", Key=f"nodes/artifacts/{sys.argv[2]}/READY.jso
 check "S3 push" sh_ct "hwrctl push $KEY >/dev/null"
 check "S3 holds READY.json" s3_has_key
 check "S3 evict, pull" push_evict_pull true
-sh_ct 'systemctl stop hwr-test-weed; sed -i "/^remote/d" /etc/hwrd/hwrd.toml; rm /etc/systemd/system/hwrd.service.d/credentials.conf
-       hwrd install-service >/dev/null && systemctl restart hwrd'
+sh_ct 'sed -i "/^remote/d" /etc/hwrd/hwrd.toml; rm /etc/systemd/system/hwrd.service.d/credentials.conf
+       hwrd install-service >/dev/null && systemctl restart hwrd && systemctl stop --no-block hwr-test-weed'
 check "no remote: the drop-in is gone, no network" \
   sh_ct '[ ! -e /etc/systemd/system/hwrd.service.d/remote.conf ] && [ "$(systemctl show -P PrivateNetwork hwrd)" = yes ]'
 
@@ -234,7 +241,7 @@ check "alive through 4 watchdog periods (it pings)" \
 check "SIGSTOP: killed by the watchdog, restarted" sh_ct '
   n=$(systemctl show -P NRestarts hwrd); kill -STOP "$(systemctl show -P MainPID hwrd)"
   for _ in $(seq 60); do [ "$(systemctl show -P NRestarts hwrd)" -gt "$n" ] && systemctl is-active -q hwrd && break; sleep 0.5; done
-  [ "$(systemctl show -P NRestarts hwrd)" -gt "$n" ] && systemctl is-active -q hwrd
+  [ "$(systemctl show -P NRestarts hwrd)" -gt "$n" ] && systemctl is-active -q hwrd || exit 1
   journalctl -u hwrd --no-pager | grep -i "watchdog" >/dev/null  # grep -q would end the pipe early (SIGPIPE under pipefail)'
 sh_ct 'rm /run/systemd/system/hwrd.service.d/zz-watchdog.conf && systemctl daemon-reload && systemctl restart hwrd'
 
@@ -267,13 +274,13 @@ assert not held, held'
 
 say "a wheel-only install: no torch, serves"
 check "fresh venv from the wheel: no torch/nvidia-*, hwrd serves, install-service lays out the files" sh_ct '
-  python3 -m venv /tmp/wheel-venv && /tmp/wheel-venv/bin/pip install -q /tmp/hwr-wheel/hwr-*.whl
-  ! /tmp/wheel-venv/bin/pip list 2>/dev/null | grep -iE "^(torch|nvidia-|triton)"
+  python3 -m venv /tmp/wheel-venv && /tmp/wheel-venv/bin/pip install -q /tmp/hwr-wheel/hwr-*.whl 2>/tmp/wheel-pip.log
+  ! /tmp/wheel-venv/bin/pip list 2>/dev/null | grep -iE "^(torch|nvidia-|triton)" || exit 1
   /tmp/wheel-venv/bin/hwrd install-service --prefix /tmp/wheel-prefix >/dev/null
   grep -qx "ExecStart=/tmp/wheel-venv/bin/hwrd --config /etc/hwrd/hwrd.toml" /tmp/wheel-prefix/etc/systemd/system/hwrd.service
-  test -f /tmp/wheel-prefix/etc/sysusers.d/hwrd.conf && test -f /tmp/wheel-prefix/etc/tmpfiles.d/hwrd.conf
+  test -f /tmp/wheel-prefix/etc/sysusers.d/hwrd.conf && test -f /tmp/wheel-prefix/etc/tmpfiles.d/hwrd.conf || exit 1
   : >/tmp/empty.toml
-  /tmp/wheel-venv/bin/hwrd --config /tmp/empty.toml --root /tmp/wheel-root --socket /tmp/wheel.sock & pid=$!
+  /tmp/wheel-venv/bin/hwrd --config /tmp/empty.toml --root /tmp/wheel-root --socket /tmp/wheel.sock 2>/tmp/wheel-hwrd.log & pid=$!
   for _ in $(seq 60); do /tmp/wheel-venv/bin/hwrctl --socket /tmp/wheel.sock status >/dev/null 2>&1 && break; sleep 0.5; done
   /tmp/wheel-venv/bin/hwrctl --socket /tmp/wheel.sock status >/dev/null; kill "$pid"; wait "$pid"'
 
