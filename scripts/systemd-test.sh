@@ -112,7 +112,12 @@ as_alice() { ct runuser -l alice -c "set -euo pipefail; $1"; }
 # the last does not stop bash -e: such lines end with `|| exit 1`.
 check() { local what=$1; shift; if "$@"; then say "ok: $what"; else fail "$what"; fi; }
 
-state=$(ct timeout 120 systemctl is-system-running --wait || true)
+state=
+for _ in $(seq 240); do  # systemctl fails ("Failed to connect to bus") until PID 1 listens
+  state=$(ct timeout 120 systemctl is-system-running --wait 2>/dev/null || true)
+  [ -n "$state" ] && break
+  sleep 0.5
+done
 case $state in running|degraded) say "booted: $state" ;; *) fail "boot: $state" ;; esac
 
 say "README install block, verbatim"
