@@ -8,7 +8,8 @@ created 0755, files replaced atomically, mode 0644):
   for a venv in ``/opt/hwr``), and ``etc/systemd/system/hwrd.socket``;
 - ``etc/sysusers.d/hwrd.conf`` and ``etc/tmpfiles.d/hwrd.conf``;
 - ``etc/hwrd/hwrd.toml`` from the example, only when absent (an operator's file is never
-  replaced), with ``allow_gids`` set to the gid of the group ``hwr``;
+  replaced: one whose ``allow_gids`` lacks the group's gid is reported on stderr), with
+  ``allow_gids`` set to the gid of the group ``hwr``;
 - ``etc/systemd/system/hwrd.service.d/remote.conf`` when the configuration (the file above) names
   a remote or a TCP metrics port: the narrowest widening of the unit's sandbox that lets it work
   (``PrivateNetwork=no`` and ``AF_INET``/``AF_INET6`` for ``s3://`` and TCP metrics;
@@ -160,14 +161,14 @@ def _group_gid() -> int | None:
 def install(prefix: Path, hwrd: Path, allow_gid: int | None) -> None:
     """Everything the module docstring lists, in order (see there)."""
     live = prefix.resolve() == Path("/")
+    if live and os.geteuid() != 0:  # before writing anything
+        raise InstallError("installing into / needs root (or pass --prefix DIR to only write files)")
     etc = prefix / "etc"
     _write(etc / "systemd/system/hwrd.service", unit_text(hwrd))
     _write(etc / "systemd/system/hwrd.socket", _shipped("hwrd.socket"))
     _write(etc / "sysusers.d/hwrd.conf", _shipped("sysusers.d/hwrd.conf"))
     _write(etc / "tmpfiles.d/hwrd.conf", _shipped("tmpfiles.d/hwrd.conf"))
     if live:
-        if os.geteuid() != 0:
-            raise InstallError("installing into / needs root (or pass --prefix DIR to only write files)")
         _run(["systemd-sysusers", str(etc / "sysusers.d/hwrd.conf")])
         _run(["systemd-tmpfiles", "--create", str(etc / "tmpfiles.d/hwrd.conf")])
     config_path = etc / "hwrd/hwrd.toml"
@@ -183,6 +184,10 @@ def install(prefix: Path, hwrd: Path, allow_gid: int | None) -> None:
         config = tomllib.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise InstallError(f"cannot read {config_path}: {exc}") from None
+    gid = _group_gid() if live else allow_gid
+    if gid is not None and gid not in (config.get("allow_gids") or []):
+        print(f"hwrd install-service: {config_path} does not list the gid {gid} of {GROUP!r} in allow_gids: "
+              "members of the group reach the socket but are refused", file=sys.stderr)
     dropin = etc / "systemd/system/hwrd.service.d/remote.conf"
     text = sandbox_dropin(config)
     if text is not None:

@@ -66,9 +66,10 @@ def test_an_operators_config_is_kept_and_the_dropin_follows_the_remote(tmp_path:
     config = tmp_path / "etc/hwrd/hwrd.toml"
     config.parent.mkdir(parents=True)
     config.write_text('remote = "s3://bucket/fleet"\nallow_gids = [7]\n')
-    result = install(tmp_path)
+    result = install(tmp_path, "--allow-gid", "8")
     assert result.returncode == 0, result.stderr
     assert f"kept {config}" in result.stdout
+    assert "does not list the gid 8" in result.stderr  # an operator's file that would refuse the group
     assert config.read_text() == 'remote = "s3://bucket/fleet"\nallow_gids = [7]\n'
     dropin = (tmp_path / DROPIN).read_text()
     assert "\nPrivateNetwork=no\nRestrictAddressFamilies=AF_UNIX AF_INET AF_INET6\n" in dropin
