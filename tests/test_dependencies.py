@@ -77,13 +77,27 @@ def write_config(name: str, deps: Sequence[str], work: Path, *, exclude: Sequenc
     return path
 
 
+def expand(requirements: Sequence[str]) -> list[str]:
+    """``requirements`` with each self-reference (``hwr[worker]``: an extra that includes another)
+    replaced by that extra's own requirements, since deptry would take ``hwr`` for a third party."""
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    out: list[str] = []
+    for req in requirements:
+        if req.startswith("hwr["):
+            for name in req[len("hwr["):].rstrip("]").split(","):
+                out += expand(extras[name.strip()])
+        else:
+            out.append(req)
+    return list(dict.fromkeys(out))
+
+
 def whole_config(work: Path) -> Path:
     """Every declared dependency, base and all extras (deptry's DEP002 needs them as one list)."""
     project = PYPROJECT["project"]
     deps = list(project["dependencies"])
     for extra in project["optional-dependencies"].values():
         deps += extra
-    return write_config("whole", deps, work)
+    return write_config("whole", expand(deps), work)
 
 
 def scope_config(scope: str, work: Path) -> Path:
@@ -93,6 +107,7 @@ def scope_config(scope: str, work: Path) -> Path:
     deps = list(project["dependencies"])
     for extra in spec["extras"]:
         deps += project["optional-dependencies"][extra]
+    deps = expand(deps)
     # Within one scope, a dependency used only elsewhere is expected: unused ones are the
     # whole-tree run's business.
     return write_config(f"scope-{scope}", deps, work, exclude=spec.get("exclude", []), ignore=["DEP002"])
@@ -150,10 +165,18 @@ def test_the_check_fails_on_an_import_nothing_declares(tmp_path: Path) -> None:
     assert [(f["error"]["code"], f["module"]) for f in findings] == [("DEP001", "yaml_not_declared_anywhere")]  # type: ignore[index]
 
 
-def test_the_base_scope_fails_on_a_test_extra_import(tmp_path: Path) -> None:
-    # hypothesis is declared (test extra), so the whole-tree run accepts it; base code may not use it.
+def test_the_worker_scope_fails_on_a_test_extra_import(tmp_path: Path) -> None:
+    # hypothesis is declared (test extra), so the whole-tree run accepts it; worker code may not use it.
     pkg = _module(tmp_path, "client", "import grpc\nimport torch\nfrom hypothesis import given\n")
     assert not undeclared(deptry([pkg], whole_config(tmp_path), tmp_path))
-    findings = deptry([pkg], scope_config("base", tmp_path), tmp_path)
+    findings = deptry([pkg], scope_config("worker", tmp_path), tmp_path)
     assert [f["module"] for f in findings] == ["hypothesis"]
+    assert {f["error"]["code"] for f in findings} <= UNDECLARED  # type: ignore[index]
+
+
+def test_the_base_scope_fails_on_torch(tmp_path: Path) -> None:
+    # hwrd's install carries no torch: daemon code that imported it would fail on a node.
+    pkg = _module(tmp_path, "daemon", "import grpc\nimport torch\n")
+    findings = deptry([pkg], scope_config("base", tmp_path), tmp_path)
+    assert [f["module"] for f in findings] == ["torch"]
     assert {f["error"]["code"] for f in findings} <= UNDECLARED  # type: ignore[index]

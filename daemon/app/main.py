@@ -4,6 +4,8 @@ Exit status: 0 after a clean shutdown (SIGTERM/SIGINT), 1 on a runtime failure (
 untrusted store, socket in use), 2 on a configuration or usage error. Errors are one line on
 stderr, without a traceback. ``hwrd --check-config`` validates the configuration, prints the
 effective one (TOML, each value's source as a comment) and exits 0, or 2 when it is invalid.
+``hwrd install-service [--prefix DIR]`` lays out the systemd service from the installed package
+(``hwr.daemon.app.install_service``).
 
 Under systemd: sockets inherited through ``LISTEN_FDS`` are served (``hwr.daemon.system.activation``);
 ``READY=1`` is sent once both channels accept connections, ``WATCHDOG=1`` every half
@@ -42,8 +44,23 @@ __all__ = ["main"]
 DEFAULTS = DaemonConfig(root="", socket="")
 
 
+_EPILOG = """\
+hwrd install-service [--prefix DIR] [--hwrd PATH]
+  writes the systemd units (ExecStart: this hwrd), sysusers/tmpfiles files, /etc/hwrd/hwrd.toml
+  (when absent; allow_gids = the group hwr) and the sandbox drop-in a remote needs; see
+  `hwrd install-service --help` and README "Install as a system service".
+
+hwrd imports no torch and its install carries none. Prewarm producers do: they run
+`PYTHON -m hwr.daemon.producers.worker`, where PYTHON is --producer-python (producer_python,
+env HWR_PRODUCER_PYTHON), an interpreter with torch and hwr[worker] installed, e.g. the serving
+venv's python (with vLLM-Omni there for --producer vllm-omni); default: hwrd's own interpreter.
+"""
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hwrd", description="Host Weight Runtime daemon")
+    p = argparse.ArgumentParser(
+        prog="hwrd", description="Host Weight Runtime daemon", epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path,
                    help="TOML config file (env HWR_CONFIG). Without it, /etc/hwrd/hwrd.toml is read when present "
                         "and neither --root/--socket nor HWR_ROOT/HWR_SOCKET is given (the node's service); "
@@ -92,9 +109,11 @@ async def serve(config: DaemonConfig, args: argparse.Namespace | None = None) ->
     from hwr.client.paths import peer_path
     from hwr.daemon.app.reload import Reloader
     from hwr.daemon.app.server import Daemon
+    from hwr.daemon.producers.runner import set_interpreter
     from hwr.daemon.system.activation import assign, inherited_sockets
     from hwr.daemon.system.sdnotify import Notifier, watchdog_interval
 
+    set_interpreter(config.producer_python)
     inherited = assign(inherited_sockets(), Path(config.socket), peer_path(config.socket))
     daemon = Daemon(config, inherited=inherited)
     notifier = Notifier.from_env()
@@ -147,6 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     from hwr.daemon.app.fault_injection import install_from_env
 
     install_from_env()  # test-only: a no-op unless $HWR_TEST_FAULTS is set (hwr.daemon.app.fault_injection)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["install-service"]:
+        from hwr.daemon.app.install_service import main as install_service
+
+        return install_service(argv[1:])
     args = _parser().parse_args(argv)
     try:
         config, sources = load_config_with_sources(args.config, overrides=_overrides(args),

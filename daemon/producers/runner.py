@@ -20,6 +20,11 @@ At most one spare exists; its cost while idle is one interpreter with torch impo
 RSS) for up to ``SPARE_IDLE_S``. A job with more than ``MAX_PASSED_FDS`` descriptors (the kernel's
 ``SCM_MAX_FD`` is 253) or no live spare starts a fresh process as before.
 
+Interpreter: producers hold tensors and import torch, which hwrd's own install does not carry.
+``set_interpreter`` (hwrd's ``producer_python``, set once at start) names the Python that runs them,
+e.g. the serving venv's; "" means hwrd's own ``sys.executable`` (a development venv with torch).
+A producer that cannot import what it needs fails with ``ProducerFailed`` naming that interpreter.
+
 Limit: a producer that spawns children outside its process group (``setsid``) is not killed with
 it; ours never does.
 """
@@ -41,7 +46,7 @@ from typing import Any
 
 from hwr.client.errors import HwrError, ProducerFailed, ProducerTimeout, error_from_code
 
-__all__ = ["ensure_spare", "run_job"]
+__all__ = ["ensure_spare", "run_job", "set_interpreter"]
 
 log = logging.getLogger("hwrd.producers")
 
@@ -49,6 +54,19 @@ STDERR_TAIL = 4000
 SPARE_IDLE_S = 300.0
 MAX_PASSED_FDS = 250
 _WORKER = ("-m", "hwr.daemon.producers.worker")
+_interpreter = sys.executable
+
+
+def set_interpreter(python: str) -> None:
+    """Run producers with ``python`` ("" = this process's interpreter); before the first job."""
+    global _interpreter
+    _interpreter = python or sys.executable
+
+
+def _cannot_start(exc: OSError) -> ProducerFailed:
+    return ProducerFailed(f"the producer interpreter {_interpreter} cannot be run ({exc.strerror or exc}): "
+                          "set producer_python to a Python with torch and hwr[worker]",
+                          details={"producer_python": _interpreter})
 
 
 class _Process:
@@ -92,7 +110,7 @@ async def _start_spare() -> None:
     parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, *_WORKER, "--spare", str(child.fileno()), str(SPARE_IDLE_S),
+            _interpreter, *_WORKER, "--spare", str(child.fileno()), str(SPARE_IDLE_S),
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             pass_fds=(child.fileno(),), start_new_session=True, limit=1 << 20,
         )
@@ -160,11 +178,14 @@ def _send_job(sock: socket.socket, job: dict[str, Any], fds: Sequence[int]) -> N
 
 
 async def _spawn(pass_fds: Sequence[int], program: str | None = None) -> _Process:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, *(_WORKER if program is None else ("-m", program)),
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        pass_fds=tuple(pass_fds), start_new_session=True, limit=1 << 20,
-    )
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            _interpreter, *(_WORKER if program is None else ("-m", program)),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            pass_fds=tuple(pass_fds), start_new_session=True, limit=1 << 20,
+        )
+    except OSError as exc:
+        raise _cannot_start(exc) from None
     return _Process(proc, None)
 
 
@@ -224,8 +245,12 @@ async def run_job(
     if returncode != 0 or final is None or final.get("event") != "done":
         how = f"signal {-returncode}" if returncode < 0 else f"status {returncode}"
         tail = bytes(stderr_tail).decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
-        raise ProducerFailed(f"the producer exited with {how}: {tail[0][:300]}",
-                             details={"returncode": returncode})
+        hint = ""
+        if "ModuleNotFoundError" in tail[0]:  # an interpreter without torch or hwr[worker]
+            hint = (f" (producers run {_interpreter}: set producer_python to a Python with torch and "
+                    "hwr[worker], e.g. the serving venv's)")
+        raise ProducerFailed(f"the producer exited with {how}: {tail[0][:300]}{hint}",
+                             details={"returncode": returncode, "producer_python": _interpreter})
     return final
 
 

@@ -77,6 +77,9 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # test-only sleep after each written block so tests can cancel a build in flight.
     producer_timeout_s: float = 3600.0
     producer_throttle_s: float = 0.0
+    # The interpreter that runs producer processes (needs torch and hwr[worker]; hwrd has neither
+    # on a node): "" = hwrd's own, else an absolute path such as the serving venv's python.
+    producer_python: str = ""
     metrics_listen: str = ""  # "" off, "127.0.0.1:9464" or "unix:/run/hwrd/metrics.sock"
     # --- store as a node service (hwr.daemon.service.capacity, .pinning, .housekeeping); 0 = unlimited / off ---
     store_limit_bytes: int = 0

@@ -25,6 +25,8 @@ HELP: dict[str, str] = {
     "shutdown_grace_s": "on SIGTERM, how long calls in flight may finish before hwrd stops",
     "producer_timeout_s": "wall-clock limit of one prewarm producer process",
     "producer_throttle_s": "test only: a pause after each block a producer writes",
+    "producer_python": "the interpreter prewarm producers run in, one with torch and hwr[worker] (and vLLM-Omni for "
+                       "--producer vllm-omni), e.g. the serving venv's python ('' hwrd's own)",
     "metrics_listen": "serve Prometheus metrics on 127.0.0.1:PORT or unix:/PATH ('' off)",
     "store_limit_bytes": "the most bytes the store holds; least recently used artifacts are evicted (0 unlimited)",
     "artifact_limit_bytes": "the largest artifact a publication may make (0 unlimited)",
