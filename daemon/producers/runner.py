@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -42,6 +43,7 @@ from hwr.client.errors import HwrError, ProducerFailed, ProducerTimeout, error_f
 
 __all__ = ["ensure_spare", "run_job"]
 
+log = logging.getLogger("hwrd.producers")
 STDERR_TAIL = 4000
 SPARE_IDLE_S = 300.0
 MAX_PASSED_FDS = 250
@@ -93,6 +95,12 @@ async def _start_spare() -> None:
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             pass_fds=(child.fileno(),), start_new_session=True, limit=1 << 20,
         )
+    except OSError as exc:
+        # A spare only saves the next job its interpreter's start: the job starts its own process
+        # and reports the error as its own (a background task must not die unobserved).
+        parent.close()
+        log.warning("could not start a spare producer process: %s", exc)
+        return
     except BaseException:
         parent.close()
         raise
