@@ -20,9 +20,12 @@ orders them with the file writes and the watchers:
   (``close``). A watcher reads the newest state when it wakes, so a slow one skips states
   (coalesced), never queues them.
 
+Who may create or repoint a channel, and how many one uid may create: ``channel_rights``.
+
 Contract: on the daemon's event loop (the file writes run in worker threads); ``open`` is
-blocking (at start). Limits: ``MAX_CHANNELS`` channels, ``MAX_WATCHES_PER_SESSION`` watches per
-session; a change costs one fsynced file write (a few ms), a non-durable one a plain write.
+blocking (at start). Limits: ``MAX_CHANNELS`` channels (publishers stop earlier),
+``MAX_WATCHES_PER_SESSION`` watches per session; a change costs one fsynced file write (a few
+ms), a non-durable one a plain write.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from pathlib import Path
 from hwr.client.channels import check_channel_name
 from hwr.client.errors import ChannelNotFound, DaemonUnavailable, InvalidRequest, SessionInvalid
 from hwr.client.identity import canonical_json
+from hwr.daemon.policy.channel_rights import MAX_CHANNELS, Actor, owner_after
 from hwr.daemon.policy.channel_state import ChannelState, document, moved, protected_keys, restored
 from hwr.daemon.store import fileio as store_io
 
@@ -48,9 +52,10 @@ __all__ = ["MAX_CHANNELS", "MAX_WATCHES_PER_SESSION", "Channels", "Watch"]
 
 log = logging.getLogger("hwrd.channels")
 
-MAX_CHANNELS = 1024
 MAX_WATCHES_PER_SESSION = 64
 FILE_NAME = "channels.json"
+#: A change hwrd makes on its own (no caller): it may change any channel.
+DAEMON = Actor(None, operator=True)
 
 
 class Watch:
@@ -172,11 +177,21 @@ class Channels:
         return len(self._watches.get(name, ()))
 
     # changes ----------------------------------------------------------------------------------
-    async def set(self, name: str, key: str, *, set_by: str, check: bool = False) -> tuple[ChannelState, bool]:
-        """Point ``name`` at ``key``: (its state, whether it changed). ``check``: prove the key
-        is a ready artifact first (``lookup``; its typed errors). Without it the caller vouches
-        that nothing can evict the key before this call protects it (a publication's commit:
-        the key is still being built)."""
+    def may_set(self, name: str, actor: Actor) -> None:
+        """Refuse now (typed, as ``set`` would) when ``actor`` may not set ``name``: a publication
+        learns it at its begin, before it stages anything. ``set`` decides again."""
+        current = self._states.get(check_channel_name(name))
+        owner_after(actor, name, current is not None, current.owner if current else None,
+                    (s.owner for s in self._states.values()))
+
+    async def set(self, name: str, key: str, *, set_by: str, actor: Actor = DAEMON,
+                  check: bool = False) -> tuple[ChannelState, bool]:
+        """Point ``name`` at ``key`` as ``actor``: (its state, whether it changed). Who may create
+        or repoint which channel, and the quotas, are ``channel_rights.owner_after``'s (typed
+        refusals); the change is recorded under the actor's uid. ``check``: prove the key is a
+        ready artifact first (``lookup``; its typed errors). Without it the caller vouches that
+        nothing can evict the key before this call protects it (a publication's commit: the key
+        is still being built)."""
         check_channel_name(name)
         if check:
             await self._lookup(key)
@@ -184,14 +199,14 @@ class Channels:
         try:
             async with self._lock:
                 current = self._states.get(name)
+                owner = owner_after(actor, name, current is not None, current.owner if current else None,
+                                    (s.owner for s in self._states.values()))
                 if current is not None and current.key == key:
                     return current, False
-                if current is None and len(self._states) >= MAX_CHANNELS:
-                    raise InvalidRequest(f"hwrd keeps at most {MAX_CHANNELS} channels; remove one first",
-                                         details={"limit": MAX_CHANNELS})
                 durable = not self._volatile(key)
                 generation = self._counter + 1
-                state = moved(current, name, key, generation, time.time(), set_by, durable)
+                state = moved(current, name, key, generation, time.time(), set_by, durable, uid=actor.uid,
+                              owner=owner)
                 states = {**self._states, name: state}
                 await asyncio.to_thread(_write, self.path, document(states.values(), generation), durable)
                 self._counter = generation
@@ -201,8 +216,8 @@ class Channels:
             self._pending[key] -= 1
             if self._pending[key] <= 0:
                 del self._pending[key]
-        log.info("channel %s -> %s (generation %d, %s, by %s)", name, key[:16], state.generation,
-                 "durable" if state.durable else "non-durable", set_by)
+        log.info("channel %s -> %s (generation %d, %s, by %s, uid %s)", name, key[:16], state.generation,
+                 "durable" if state.durable else "non-durable", set_by, "hwrd" if actor.uid is None else actor.uid)
         self._wake(name)
         return state, True
 

@@ -13,15 +13,19 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from daemon_proc import NOBODY as NOBODY_USER
-from daemon_proc import RunAs, as_user
+from daemon_proc import STRANGER, RunAs, as_user
 from safetensors.torch import save_file
 
 from hwr.client import connect
+from hwr.client.errors import HwrError
 from hwr.daemon.app.launcher import DaemonProcess
+from hwr.daemon.policy.channel_rights import MAX_OWNED_PER_UID
+from hwr.protos.hwr.v1 import hwr_pb2 as pb
 
 from . import test_hostile_clients as hostile
 from .test_hostile_clients import Attack, Innocent, crashes
@@ -99,4 +103,96 @@ def test_operator_config_cannot_choose_what_the_producer_loads(
     with connect(daemon.socket) as client:
         assert sorted(a["key"] for a in client.list_artifacts()) == before
     assert ops > 5 and not failures
+    assert attack.crashes == 0
+
+
+# ------------------------------------------------------------------------------ channels
+CHANNEL_ATTACKER = Path(__file__).with_name("channel_attacker.py")
+
+
+def publish_channels(daemon: DaemonProcess, user: RunAs, channels: list[str], *, name: str = "hostile",
+                     value: int = 7, bypass_checks: bool = False) -> dict[str, Any]:
+    """``channel_attacker.py`` as ``user``: one publication of ``name`` per channel."""
+    plan = {"socket": str(daemon.socket), "name": name, "value": value, "channels": channels,
+            "bypass_checks": bypass_checks}
+    done = subprocess.run(as_user(user, ["python", str(CHANNEL_ATTACKER)]), input=json.dumps(plan),
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = done.stdout.strip().splitlines()[-1]
+    assert line.startswith("result "), done.stdout[-2000:]
+    return json.loads(line[len("result "):])
+
+
+@pytest.mark.usefixtures("daemon_user")  # root without capabilities, and the unit's user
+@pytest.mark.timeout(600)
+def test_one_publisher_squats_channels_and_repoints_others(
+        artifact: Callable[..., tuple[DaemonProcess, str, str]], attack: Attack) -> None:
+    """A publish-only uid (``nobody``) publishes an artifact already present with 80 new channel
+    names: it gets its quota (64), then ``CHANNELS_PER_UID``; meanwhile the operator's
+    ``hwrctl channel set team-x KEY`` and an innocent publisher's (``STRANGER``) own channel
+    work, the attacker cannot repoint either, and each change is recorded under its uid."""
+    daemon, key, _digest = artifact("--allow-uid", str(STRANGER.uid))
+    innocent = Innocent(daemon, key, 7.0)
+    innocent.start()
+    try:
+        squat = publish_channels(daemon, NOBODY_USER, [f"squat-{i}" for i in range(MAX_OWNED_PER_UID + 16)])
+        operator = hwrctl(daemon, "channel", "set", "team-x", key, "--json")
+        mine = publish_channels(daemon, STRANGER, ["team-y"], name="innocent", value=3)
+        repoint = publish_channels(daemon, NOBODY_USER, ["team-x", "team-y"])
+        rollback = hwrctl(daemon, "channel", "set", "team-y", key, "--json")  # an operator may
+        again = publish_channels(daemon, STRANGER, ["team-y"], name="innocent", value=3)
+        shown = hwrctl(daemon, "channel", "show", "team-y", "--json")
+    finally:
+        ops, failures = innocent.finish()
+    attack.tried = sum(squat["outcomes"].values()) + sum(repoint["outcomes"].values())
+    attack.crashes = crashes(daemon)
+    attack.others_failed = len(failures) + (operator.returncode != 0) + (mine["outcomes"] != {"ok": 1}) \
+        + (again["outcomes"] != {"ok": 1})
+    attack.complete = True
+    print(f"\nchannel squatting: {squat['outcomes']}; repointing: {repoint['channels']}; operator set rc "
+          f"{operator.returncode}; innocent publisher {mine['outcomes']}; innocent: {ops} operations, "
+          f"failures {failures[:3]}")
+    assert squat["outcomes"] == {"ok": MAX_OWNED_PER_UID, "INVALID_ARGUMENT:CHANNELS_PER_UID": 16}, squat
+    assert operator.returncode == 0, operator.stderr
+    assert json.loads(operator.stdout)["owner_uid"] is None
+    assert mine["outcomes"] == {"ok": 1} and again["outcomes"] == {"ok": 1}, (mine, again)
+    assert repoint["channels"] == {"team-x": "PERMISSION_DENIED:operator", "team-y": "PERMISSION_DENIED:operator"}
+    assert rollback.returncode == 0, rollback.stderr
+    info = json.loads(shown.stdout)
+    assert info["owner_uid"] == STRANGER.uid  # an operator's rollback does not take the channel over
+    assert [(e["set_by"], e["uid"]) for e in info["history"]] == [
+        ("publication", STRANGER.uid), ("operator", 0), ("publication", STRANGER.uid)], info["history"]
+    with connect(daemon.socket) as client:
+        assert client.inspect_channel("team-x")["key"] == key
+        assert client.inspect_channel("squat-0")["owner_uid"] == NOBODY
+        assert client.inspect_channel("squat-0")["history"][-1]["uid"] == NOBODY
+    assert ops > 5 and not failures
+    assert attack.others_failed == 0 and attack.crashes == 0
+
+
+@pytest.mark.timeout(300)
+def test_channel_names_with_a_trailing_newline(artifact: Callable[..., tuple[DaemonProcess, str, str]],
+                                              attack: Attack) -> None:
+    """Names that ``re.match`` with ``$`` let through (``"flux\\n"``), sent past the client's own
+    check by a publisher (``nobody``) and by the operator's ``SetChannel``: each is
+    ``INVALID_ARGUMENT`` and no channel is made."""
+    daemon, key, _digest = artifact()
+    names = ["flux\n", "flux\r\n", "flux\n\n", "\nflux", "a" * 64 + "\n"]
+    refused = publish_channels(daemon, NOBODY_USER, names, bypass_checks=True)
+    operator = []
+    with connect(daemon.socket) as client:
+        for name in names:
+            try:
+                client._connection.call("SetChannel", pb.SetChannelRequest(name=name, key=key))
+                operator.append("ok")
+            except HwrError as exc:
+                operator.append(exc.code)
+        channels = client.list_channels()
+    attack.tried = len(names) * 2
+    attack.crashes = crashes(daemon)
+    attack.complete = True
+    print(f"\ntrailing newlines: publications {refused['outcomes']}, SetChannel {operator}")
+    assert refused["outcomes"] == {"INVALID_ARGUMENT:": len(names)}, refused
+    assert operator == ["INVALID_ARGUMENT"] * len(names)
+    assert channels == []
     assert attack.crashes == 0
