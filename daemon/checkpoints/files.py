@@ -150,9 +150,10 @@ def plain_path(path: Path) -> bool:
 
 def load_json(path: Path, kind: type) -> object:
     try:
-        value = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        return kind()
+        raw = store_io.read_state_file(path, 256 << 20)  # hwrd's own: never a symlink, FIFO or huge file
+        if raw is None:
+            return kind()
+        value = store_io.parse_json(raw)
     except (OSError, ValueError) as exc:
         log.warning("ignoring unreadable %s: %s", path, exc)
         return kind()

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import time
@@ -119,18 +118,23 @@ class Channels:
              lookup: Callable[[str], Awaitable[object]]) -> Channels:
         """Load ``<root>/channels.json`` (blocking). Channels that pointed to a non-durable
         revision fall back to their last durable key (written durably here); an unreadable file
+        (not JSON, nested too deeply, not a schema 1 document; or a symlink, FIFO or other
+        non-regular file, or one over 32 MiB, which is never read: ``fileio.read_state_file``)
         is kept aside as ``channels.json.corrupt-<unique>`` and hwrd starts without channels."""
         path = root / FILE_NAME
         states: dict[str, ChannelState] = {}
         counter = 0
         try:
-            raw = path.read_bytes()
-        except FileNotFoundError:
-            raw = None
+            raw = store_io.read_state_file(path)
+            unreadable: Exception | None = None
+        except OSError as exc:  # a symlink, a FIFO, a device, too large: never read
+            raw, unreadable = b"", exc
         if raw is not None:
             try:
-                result = restored(json.loads(raw), time.time())
-            except ValueError as exc:
+                if unreadable is not None:
+                    raise unreadable
+                result = restored(store_io.parse_json(raw), time.time())
+            except (OSError, ValueError) as exc:
                 aside = path.with_name(f"{FILE_NAME}.corrupt-{uuid.uuid4().hex[:12]}")
                 store_io.rename(path, aside)
                 log.error("channels file unreadable (%s): kept as %s; starting without channels", exc, aside.name)

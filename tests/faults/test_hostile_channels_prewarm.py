@@ -9,8 +9,10 @@ the end of the run, one line per attack and a total), with that module's fixture
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -195,4 +197,65 @@ def test_channel_names_with_a_trailing_newline(artifact: Callable[..., tuple[Dae
     assert refused["outcomes"] == {"INVALID_ARGUMENT:": len(names)}, refused
     assert operator == ["INVALID_ARGUMENT"] * len(names)
     assert channels == []
+    assert attack.crashes == 0
+
+
+# ------------------------------------------------------------------------------ state files at start
+#: hwrd's state files that a careless or hostile administrator might replace while it is stopped.
+STATE_FILES = ("channels.json", "pins.json", "access.json", "leases.journal")
+
+
+def _plant(root: Path, how: str, outside: Path, owner: RunAs | None) -> None:
+    """Replace each state file: ``fifo``, ``nested`` (JSON deeper than the decoder's recursion),
+    ``links`` (symlinks to /etc/shadow and to a FIFO outside the store, which would block)."""
+    for name in STATE_FILES:
+        path = root / name
+        for old in [path, *root.glob(f"{name}.corrupt-*")]:
+            if old.is_symlink() or old.exists():
+                old.unlink()
+        if how == "fifo":
+            os.mkfifo(path, 0o600)
+        elif how == "nested":
+            path.write_bytes(b"[" * 200_000 + b"]" * 200_000 + (b"\n" if name == "leases.journal" else b""))
+        else:
+            path.symlink_to("/etc/shadow" if name in ("channels.json", "access.json") else outside)
+        if owner is not None:
+            os.lchown(path, owner.uid, owner.gid)
+
+
+@pytest.mark.usefixtures("daemon_user")  # root without capabilities, and the unit's user
+@pytest.mark.timeout(400)
+def test_hostile_state_files_at_start(artifact: Callable[..., tuple[DaemonProcess, str, str]], open_dir: Path,
+                                      attack: Attack, request: pytest.FixtureRequest) -> None:
+    """hwrd stopped; its state files replaced by FIFOs, by JSON nested 200,000 deep, by symlinks
+    to /etc/shadow and to a FIFO: each time hwrd starts within the start timeout, without a
+    traceback, sets an unreadable channels.json aside, serves the published artifact, and a
+    channel can be set again."""
+    daemon, key, _digest = artifact()
+    owner = request.getfixturevalue("daemon_user")
+    outside = open_dir / "outside-fifo"
+    os.mkfifo(outside, 0o666)
+    shadow = Path("/etc/shadow").read_bytes() if Path("/etc/shadow").exists() else b""
+    started: dict[str, float] = {}
+    for how in ("fifo", "nested", "links"):
+        assert daemon.stop() == 0
+        _plant(daemon.root, how, outside, owner)
+        began = time.monotonic()
+        daemon.start(timeout=60)
+        started[how] = round(time.monotonic() - began, 1)
+        attack.tried += len(STATE_FILES)
+        with connect(daemon.socket, timeout=10) as client:
+            assert client.list_channels() == []
+            with client.acquire(key) as lease:
+                assert float(lease.tensors["w"][-1]) == 7.0
+            assert client.set_channel(f"after-{how}", key)["key"] == key
+        assert list(daemon.root.glob("channels.json.corrupt-*")), how
+        assert not (daemon.root / "channels.json").is_symlink()
+        with connect(daemon.socket, timeout=10) as client:  # the new file holds the new channel
+            assert [c["name"] for c in client.list_channels()] == [f"after-{how}"]
+    attack.crashes = crashes(daemon)
+    attack.complete = True
+    print(f"\nhostile state files: hwrd started in {started} s")
+    if shadow:
+        assert Path("/etc/shadow").read_bytes() == shadow
     assert attack.crashes == 0
