@@ -259,3 +259,79 @@ def test_hostile_state_files_at_start(artifact: Callable[..., tuple[DaemonProces
     if shadow:
         assert Path("/etc/shadow").read_bytes() == shadow
     assert attack.crashes == 0
+
+
+# ------------------------------------------------------------------------------ another user's daemon
+#: The client's user in the trust test: a uid of its own (neither the daemon's nor an attacker's).
+VICTIM = RunAs(64304, 64304, umask=0o022)
+VICTIM_CODE = """
+import json, os
+from hwr.client import ArtifactIdentity, connect
+from hwr.client.errors import HwrError
+out = {"uid": os.getuid()}
+try:
+    with connect(timeout=10) as client:
+        out["daemon_pid"] = client.status()["pid"]
+        with client.acquire(ArtifactIdentity.simple("victim/model").key) as lease:
+            out["weights"] = lease.tensors["w"].tolist()
+except HwrError as exc:
+    out["error"] = exc.code
+    out["details"] = exc.details
+print(json.dumps(out))
+"""
+
+
+def run_client(user: RunAs, env: dict[str, str]) -> dict[str, Any]:
+    clean = {k: v for k, v in os.environ.items() if k not in ("HWR_SOCKET", "XDG_RUNTIME_DIR", "HWR_TRUSTED_UIDS")}
+    done = subprocess.run(as_user(user, ["python", "-c", VICTIM_CODE]), capture_output=True, text=True,
+                          timeout=120, env={**clean, **env}, cwd="/", check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(300)
+def test_a_third_users_daemon_in_its_own_directory(spawn: Callable[..., DaemonProcess], open_dir: Path,
+                                                  attack: Attack) -> None:
+    """A third, unprivileged uid (``STRANGER``) runs hwrd in its own ``/tmp/hwrd-<uid>`` and
+    publishes "weights" under the identity a client asks for; the client's user (``VICTIM``)
+    reaches it through ``HWR_SOCKET`` and through a symlink of its own: refused
+    (``UNTRUSTED_DAEMON``) unless ``HWR_TRUSTED_UIDS`` names that uid."""
+    from daemon_proc import make_daemon, own
+
+    theirs = Path(f"/tmp/hwrd-{STRANGER.uid}")
+    mine = Path(f"/tmp/hwr-victim-links-{VICTIM.uid}")
+    for stale in (theirs, mine):
+        subprocess.run(["rm", "-rf", str(stale)], check=True)
+    try:
+        own(theirs, STRANGER, 0o755)
+        daemon = spawn(daemon=make_daemon(open_dir, "--allow-uid", str(VICTIM.uid), "--socket-mode", "666",
+                                          user=STRANGER, sock=theirs / "hwrd.sock"))
+        publish = ("import sys, torch\nfrom hwr.client import ArtifactIdentity, connect\n"
+                   "with connect(sys.argv[1]) as c:\n"
+                   "    c.publish(ArtifactIdentity.simple('victim/model'), {'w': torch.full((4,), 666.0)})\n")
+        done = subprocess.run(as_user(STRANGER, ["python", "-c", publish, str(daemon.socket)]), capture_output=True,
+                              text=True, timeout=120, cwd="/", check=False)
+        assert done.returncode == 0, done.stderr[-3000:]
+        own(mine, VICTIM, 0o755)
+        for suffix in ("", ".peer"):
+            link = mine / f"hwrd.sock{suffix}"
+            link.symlink_to(f"{daemon.socket}{suffix}")
+            os.lchown(link, VICTIM.uid, VICTIM.gid)
+        seen = {"HWR_SOCKET": run_client(VICTIM, {"HWR_SOCKET": str(daemon.socket)}),
+                "own symlink": run_client(VICTIM, {"HWR_SOCKET": str(mine / "hwrd.sock")})}
+        opted_in = run_client(VICTIM, {"HWR_SOCKET": str(daemon.socket), "HWR_TRUSTED_UIDS": str(STRANGER.uid)})
+        with pytest.MonkeyPatch.context() as env:  # this (root) process checks on it: it opts in too
+            env.setenv("HWR_TRUSTED_UIDS", str(STRANGER.uid))
+            attack.crashes = crashes(daemon)
+    finally:
+        for path in (mine, theirs):
+            subprocess.run(["rm", "-rf", str(path)], check=False)
+    attack.tried = len(seen)
+    attack.complete = True
+    print(f"\nanother user's daemon: {json.dumps(seen)}; opted in: {opted_in}")
+    for how, result in seen.items():
+        assert result["uid"] == VICTIM.uid and "weights" not in result and "daemon_pid" not in result, (how, result)
+        assert result["error"] == "UNTRUSTED_DAEMON", (how, result)
+        assert f"uid {STRANGER.uid}'s own" in result["details"]["reason"], (how, result)
+    assert opted_in.get("daemon_pid") == daemon.pid and opted_in["weights"] == [666.0] * 4, opted_in
+    assert attack.crashes == 0
