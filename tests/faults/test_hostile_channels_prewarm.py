@@ -81,7 +81,13 @@ def test_operator_config_cannot_choose_what_the_producer_loads(
     checkpoint.mkdir(mode=0o755)
     save_file({"w": torch.ones(16)}, checkpoint / "model.safetensors")
     (checkpoint / "model.safetensors").chmod(0o644)
-    added = hwrctl(daemon, "checkpoints", "add", str(checkpoint))  # registered by root
+    # The operator uid registers it: a root hwrd without CAP_SETUID cannot take its identity to
+    # open the files and refuses (typed, never with its own rights); the unit's user checks the
+    # mode bits and registers it.
+    by_operator = hwrctl(daemon, "checkpoints", "add", str(checkpoint), user=NOBODY_USER)
+    assert by_operator.returncode == 0 or by_operator.stderr.startswith("hwrctl: PERMISSION_DENIED: hwrd cannot "
+                                                                         "take uid"), by_operator.stderr
+    added = hwrctl(daemon, "checkpoints", "add", str(checkpoint))  # root may register it either way
     assert added.returncode == 0, added.stderr
     with connect(daemon.socket) as client:
         before = sorted(a["key"] for a in client.list_artifacts())
