@@ -213,7 +213,8 @@ STATE_FILES = ("channels.json", "pins.json", "access.json", "leases.journal")
 
 def _plant(root: Path, how: str, outside: Path, owner: RunAs | None) -> None:
     """Replace each state file: ``fifo``, ``nested`` (JSON deeper than the decoder's recursion),
-    ``links`` (symlinks to /etc/shadow and to a FIFO outside the store, which would block)."""
+    ``links`` (symlinks to /etc/shadow and to a FIFO outside the store, which would block),
+    ``huge`` (600 MiB, sparse: past every bound, reading it whole would cost hwrd that much)."""
     for name in STATE_FILES:
         path = root / name
         for old in [path, *root.glob(f"{name}.corrupt-*")]:
@@ -223,6 +224,9 @@ def _plant(root: Path, how: str, outside: Path, owner: RunAs | None) -> None:
             os.mkfifo(path, 0o600)
         elif how == "nested":
             path.write_bytes(b"[" * 200_000 + b"]" * 200_000 + (b"\n" if name == "leases.journal" else b""))
+        elif how == "huge":
+            with open(path, "wb") as f:
+                f.truncate(600 << 20)
         else:
             path.symlink_to("/etc/shadow" if name in ("channels.json", "access.json") else outside)
         if owner is not None:
@@ -234,16 +238,17 @@ def _plant(root: Path, how: str, outside: Path, owner: RunAs | None) -> None:
 def test_hostile_state_files_at_start(artifact: Callable[..., tuple[DaemonProcess, str, str]], open_dir: Path,
                                       attack: Attack, request: pytest.FixtureRequest) -> None:
     """hwrd stopped; its state files replaced by FIFOs, by JSON nested 200,000 deep, by symlinks
-    to /etc/shadow and to a FIFO: each time hwrd starts within the start timeout, without a
-    traceback, sets an unreadable channels.json aside, serves the published artifact, and a
-    channel can be set again."""
+    to /etc/shadow and to a FIFO, by 600 MiB files: each time hwrd starts within the start
+    timeout, without a traceback, sets an unreadable channels.json aside, serves the published
+    artifact, and a channel can be set again. (A FIFO ``domain.json`` stops the start at once
+    with ``MANIFEST_CORRUPT``.)"""
     daemon, key, _digest = artifact()
     owner = request.getfixturevalue("daemon_user")
     outside = open_dir / "outside-fifo"
     os.mkfifo(outside, 0o666)
     shadow = Path("/etc/shadow").read_bytes() if Path("/etc/shadow").exists() else b""
     started: dict[str, float] = {}
-    for how in ("fifo", "nested", "links"):
+    for how in ("fifo", "nested", "links", "huge"):
         assert daemon.stop() == 0
         _plant(daemon.root, how, outside, owner)
         began = time.monotonic()
@@ -260,6 +265,23 @@ def test_hostile_state_files_at_start(artifact: Callable[..., tuple[DaemonProces
         with connect(daemon.socket, timeout=10) as client:  # the new file holds the new channel
             assert [c["name"] for c in client.list_channels()] == [f"after-{how}"]
     attack.crashes = crashes(daemon)
+    assert daemon.stop() == 0
+    domain = (daemon.root / "domain.json").read_bytes()
+    (daemon.root / "domain.json").unlink()
+    os.mkfifo(daemon.root / "domain.json", 0o600)
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited with") as refused:
+        daemon.start(timeout=60)
+    attack.tried += 1
+    started["domain.json fifo: refused"] = round(time.monotonic() - began, 1)
+    assert "domain.json is unreadable" in str(refused.value)
+    (daemon.root / "domain.json").unlink()  # the operator puts it back: hwrd starts and serves again
+    (daemon.root / "domain.json").write_bytes(domain)
+    if owner is not None:
+        os.chown(daemon.root / "domain.json", owner.uid, owner.gid)
+    daemon.start(timeout=60)
+    with connect(daemon.socket, timeout=10) as client, client.acquire(key) as lease:
+        assert float(lease.tensors["w"][-1]) == 7.0
     attack.complete = True
     print(f"\nhostile state files: hwrd started in {started} s")
     if shadow:
