@@ -142,20 +142,31 @@ def test_one_publisher_squats_channels_and_repoints_others(
     daemon, key, _digest = artifact("--allow-uid", str(STRANGER.uid))
     innocent = Innocent(daemon, key, 7.0)
     innocent.start()
+    watcher = connect(daemon.socket, timeout=10)  # a team's worker, watching before the attack
+    watch = watcher.watch_channel("team-x")
     try:
         squat = publish_channels(daemon, NOBODY_USER, [f"squat-{i}" for i in range(MAX_OWNED_PER_UID + 16)])
         operator = hwrctl(daemon, "channel", "set", "team-x", key, "--json")
+        watched = None
+        for _ in range(20):  # the first states may be the subscription's (no channel yet)
+            update = watch.wait(1)
+            if update is not None and update.key == key:
+                watched = update
+                break
         mine = publish_channels(daemon, STRANGER, ["team-y"], name="innocent", value=3)
         repoint = publish_channels(daemon, NOBODY_USER, ["team-x", "team-y"])
         rollback = hwrctl(daemon, "channel", "set", "team-y", key, "--json")  # an operator may
         again = publish_channels(daemon, STRANGER, ["team-y"], name="innocent", value=3)
         shown = hwrctl(daemon, "channel", "show", "team-y", "--json")
+        watched_after = watch.wait(2)  # the attacker's refused repointing announced nothing
     finally:
         ops, failures = innocent.finish()
+        watch.close()
+        watcher.close()
     attack.tried = sum(squat["outcomes"].values()) + sum(repoint["outcomes"].values())
     attack.crashes = crashes(daemon)
     attack.others_failed = len(failures) + (operator.returncode != 0) + (mine["outcomes"] != {"ok": 1}) \
-        + (again["outcomes"] != {"ok": 1})
+        + (again["outcomes"] != {"ok": 1}) + (watched is None)
     attack.complete = True
     print(f"\nchannel squatting: {squat['outcomes']}; repointing: {repoint['channels']}; operator set rc "
           f"{operator.returncode}; innocent publisher {mine['outcomes']}; innocent: {ops} operations, "
@@ -163,6 +174,7 @@ def test_one_publisher_squats_channels_and_repoints_others(
     assert squat["outcomes"] == {"ok": MAX_OWNED_PER_UID, "INVALID_ARGUMENT:CHANNELS_PER_UID": 16}, squat
     assert operator.returncode == 0, operator.stderr
     assert json.loads(operator.stdout)["owner_uid"] is None
+    assert watched is not None and watched_after is None, (watched, watched_after)
     assert mine["outcomes"] == {"ok": 1} and again["outcomes"] == {"ok": 1}, (mine, again)
     assert repoint["channels"] == {"team-x": "PERMISSION_DENIED:operator", "team-y": "PERMISSION_DENIED:operator"}
     assert rollback.returncode == 0, rollback.stderr
