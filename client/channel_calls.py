@@ -69,5 +69,6 @@ def channel_dict(c: pb.ChannelInfo) -> dict[str, Any]:
     return {"name": c.name, "key": c.key, "generation": c.generation, "durable": c.durable,
             "durable_key": c.durable_key, "switches": c.switches, "watchers": c.watchers,
             "created_at": c.created_at, "updated_at": c.updated_at,
+            "owner_uid": c.owner_uid if c.HasField("owner_uid") else None,
             "history": [{"key": e.key, "generation": e.generation, "set_at": e.set_at, "set_by": e.set_by,
-                         "durable": e.durable} for e in c.history]}
+                         "durable": e.durable, "uid": e.uid if e.HasField("uid") else None} for e in c.history]}

@@ -23,12 +23,12 @@ from hwr.client.errors import InvalidRequest
 
 __all__ = ["CHANNEL_NAME_PATTERN", "ChannelUpdate", "check_channel_name", "valid_channel_name"]
 
-CHANNEL_NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+CHANNEL_NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 
 
 def valid_channel_name(name: object) -> bool:
     """True for a channel name: ``[a-z0-9][a-z0-9._-]{0,63}``."""
-    return isinstance(name, str) and CHANNEL_NAME_PATTERN.match(name) is not None
+    return isinstance(name, str) and CHANNEL_NAME_PATTERN.fullmatch(name) is not None
 
 
 def check_channel_name(name: object) -> str:

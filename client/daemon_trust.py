@@ -7,16 +7,18 @@ checks the daemon answering on the peer channel (its uid, read with ``SO_PEERCRE
 place of both sockets (``<socket>`` and ``<socket>.peer``), and refuses with
 ``UntrustedDaemon`` (a ``DaemonUnavailable``: vLLM-Omni's ``preferred`` mode falls back to
 canonical loading, ``required`` fails) when one rule fails. With ``me`` the client's effective
-uid and *trusted* = {root, ``me``}:
+uid, *trusted* = {root, ``me``} and *opted in* = the uids ``HWR_TRUSTED_UIDS`` names (a comma-
+separated list the client's user sets to accept the daemons of those users; empty by default):
 
 1. **Links.** Every symlink on the way to a socket belongs to a trusted uid.
 2. **Directories above the socket's.** Each belongs to a trusted uid and is writable by group or
    others only with the sticky bit (then nobody can move another user's entry in it).
-3. **The socket's directory ``D``** (owner ``O``) is *vouched for*: ``O`` is trusted; or ``D``'s
-   parent belongs to a trusted uid and is not writable by group or others (only root can have
-   made ``D`` and given it to ``O``: ``/run/hwrd`` of the unit's ``User=hwrd``); or ``D``'s
-   parent is sticky and ``D`` is named ``hwrd-O`` (in ``/tmp`` an entry belongs to whoever made
-   it, so ``/tmp/hwrd-1000`` owned by uid 1000 is uid 1000's own: the default path above).
+3. **The socket's directory ``D``** (owner ``O``) is *vouched for*: ``O`` is trusted or opted
+   in; or ``D``'s parent belongs to a trusted uid and is not writable by group or others, and
+   ``D`` is not a per-user directory (named ``O`` or ``hwrd-O``): only root can have made it
+   and given it to ``O`` for a service (``/run/hwrd`` of the unit's ``User=hwrd``). A per-user
+   directory (``/tmp/hwrd-1001`` in a sticky ``/tmp``, ``/run/user/1001``) is that user's own
+   place, and a daemon there is that user's: accepted only when ``O`` is ``me`` or opted in.
 4. ``D`` is not writable by group or others, unless sticky: then each socket file belongs to a
    trusted uid or to the daemon's.
 5. **The daemon's uid** (``SO_PEERCRED`` of the peer channel; ``0`` for sockets systemd made) is
@@ -24,15 +26,17 @@ uid and *trusted* = {root, ``me``}:
 
 So a root hwrd under ``/run/hwrd``, the unit's ``hwrd`` user in its own ``/run/hwrd``, and one's
 own hwrd in ``$XDG_RUNTIME_DIR`` or ``/tmp/hwrd-$UID`` are accepted, also through an explicit
-``HWR_SOCKET``; another user's hwrd is accepted only in a directory root made for it (rule 3).
+``HWR_SOCKET``; a service user's hwrd is accepted in a directory root made for it (rule 3).
 Refused: a ``/tmp/hwrd-$UID`` another uid made (whatever its mode), a socket directory others
-may write (they could swap the gRPC socket, which carries no credentials), a daemon of a third
-uid. Limits: the gRPC socket is judged by its place only (grpcio gives no peer credentials of
+may write (they could swap the gRPC socket, which carries no credentials), and the hwrd of a
+third, unprivileged uid in its own place (``/tmp/hwrd-1001``, ``/run/user/1001``), however the
+client got there (``HWR_SOCKET``, a symlink of its own), unless ``HWR_TRUSTED_UIDS`` names it.
+Limits: the gRPC socket is judged by its place only (grpcio gives no peer credentials of
 a Unix socket); checks are of modes and owners, POSIX ACLs are not read (a directory an ACL
 opens to others passes); a root client is checked like any other.
 
-``problem(walk, peer_uid, me)`` is the pure decision; ``walk(path)`` and ``peer_uid(sock)`` are
-the syscalls.
+``problem(walk, peer_uid, me, opted_in)`` is the pure decision; ``walk(path)``, ``peer_uid(sock)``
+and ``opted_in_uids(environ)`` are the edges.
 """
 
 from __future__ import annotations
@@ -46,10 +50,12 @@ from pathlib import Path
 
 from hwr.client.errors import UntrustedDaemon
 
-__all__ = ["Node", "Walk", "check_daemon", "peer_uid", "problem", "walk"]
+__all__ = ["TRUSTED_UIDS_ENV", "Node", "Walk", "check_daemon", "opted_in_uids", "peer_uid", "problem", "walk"]
 
 #: Symlinks followed on one path before giving up (the kernel's own limit).
 MAX_LINKS = 40
+#: The uids (comma-separated) of other users whose daemons the client's user accepts.
+TRUSTED_UIDS_ENV = "HWR_TRUSTED_UIDS"
 _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
 
@@ -80,9 +86,28 @@ def _sticky(node: Node) -> bool:
     return bool(node.mode & stat.S_ISVTX)
 
 
-def problem(way: Walk, peer: int, me: int) -> str | None:
+def _per_user(node: Node) -> bool:
+    """A directory named for its owner (``1001``, ``hwrd-1001``): that user's own place."""
+    return os.path.basename(node.path) in (str(node.uid), f"hwrd-{node.uid}")
+
+
+def opted_in_uids(environ: dict[str, str] | os._Environ[str]) -> frozenset[int]:
+    """The uids ``HWR_TRUSTED_UIDS`` names; ``UntrustedDaemon`` for a value that is not a
+    comma-separated list of uids (a typo must not widen or silently drop the opt-in)."""
+    value = environ.get(TRUSTED_UIDS_ENV, "").strip()
+    if not value:
+        return frozenset()
+    uids = [part.strip() for part in value.split(",") if part.strip()]
+    if not all(part.isascii() and part.isdigit() and int(part) < 1 << 32 for part in uids):
+        raise UntrustedDaemon(f"{TRUSTED_UIDS_ENV} must be a comma-separated list of uids, not {value[:80]!r}",
+                              details={"field": TRUSTED_UIDS_ENV})
+    return frozenset(int(part) for part in uids)
+
+
+def problem(way: Walk, peer: int, me: int, opted_in: frozenset[int] = frozenset()) -> str | None:
     """Why the daemon of uid ``peer`` answering at the end of ``way`` is not to be trusted by
-    uid ``me`` (the rules of the module docstring), or None."""
+    uid ``me``, who opted in to the daemons of ``opted_in`` (the rules of the module
+    docstring), or None."""
     trusted = {0, me}
     for link in way.links:
         if link.uid not in trusted:
@@ -94,12 +119,13 @@ def problem(way: Walk, peer: int, me: int) -> str | None:
         if _writable_by_others(node) and not _sticky(node):
             return f"{node.path} is writable by group or others"
     parent = above[-1] if above else None
-    vouched = here.uid in trusted or (parent is not None and (
-        not _writable_by_others(parent)
-        or (_sticky(parent) and os.path.basename(here.path) == f"hwrd-{here.uid}")))
-    if not vouched:
-        return (f"the socket directory {here.path} belongs to uid {here.uid}, and nothing shows it was made "
-                f"for that uid (its parent is writable by others)")
+    if here.uid not in trusted and here.uid not in opted_in:
+        if _per_user(here):
+            return (f"the socket directory {here.path} is uid {here.uid}'s own: the daemon there is another "
+                    f"user's (set {TRUSTED_UIDS_ENV}={here.uid} to accept it)")
+        if parent is None or _writable_by_others(parent):
+            return (f"the socket directory {here.path} belongs to uid {here.uid}, and nothing shows it was made "
+                    f"for that uid (its parent is writable by others)")
     if _writable_by_others(here):
         if not _sticky(here):
             return f"the socket directory {here.path} is writable by group or others"
@@ -167,9 +193,10 @@ def check_daemon(socket_path: Path, peer_sock: socket.socket) -> None:
     both sockets of ``socket_path`` pass the rules of the module docstring."""
     peer = peer_uid(peer_sock)
     me = os.geteuid()
+    opted_in = opted_in_uids(os.environ)
     for path in (Path(socket_path), Path(f"{socket_path}.peer")):
         try:
-            reason = problem(walk(path), peer, me)
+            reason = problem(walk(path), peer, me, opted_in)
         except OSError as exc:
             reason = f"cannot inspect {path}: {exc.strerror or exc}"
         if reason is not None:

@@ -40,7 +40,7 @@ __all__ = [
     "parse_canonical",
 ]
 
-KEY_PATTERN = re.compile(r"^[0-9a-f]{64}$")
+KEY_PATTERN = re.compile(r"[0-9a-f]{64}")
 #: A surrogate code point in a ``str`` is always a lone one (JSON's escaped pairs decode to one
 #: character): not Unicode text, it cannot be encoded as UTF-8, so no identity, name or document
 #: may hold one.
@@ -73,7 +73,7 @@ def find_lone_surrogate(value: object, path: str = "$") -> str | None:
 
 def is_key(value: object) -> bool:
     """True for a full 64-hex lowercase identity key."""
-    return isinstance(value, str) and KEY_PATTERN.match(value) is not None
+    return isinstance(value, str) and KEY_PATTERN.fullmatch(value) is not None
 
 
 def _check_json(value: object, path: str) -> Any:

@@ -53,15 +53,15 @@ MANIFEST_FILE = "manifest.json"
 READY_FILE = "READY.json"
 #: Refuse to parse metadata documents larger than this (a hostile file must not exhaust memory).
 MAX_METADATA_BYTES = 64 * 1024 * 1024
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
-_PAYLOAD_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,200}\.safetensors$")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_PAYLOAD_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]{0,200}\.safetensors")
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 
 def is_payload_name(name: object) -> bool:
     """A safe payload basename: no separators, no leading dot, ends in ``.safetensors``."""
-    return isinstance(name, str) and _PAYLOAD_NAME.match(name) is not None and ".." not in name
+    return isinstance(name, str) and _PAYLOAD_NAME.fullmatch(name) is not None and ".." not in name
 
 
 class TensorRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -144,7 +144,7 @@ def _bad(message: str, **details: Any) -> ManifestCorrupt:
 
 
 def _check_sha(field: str, value: str) -> None:
-    if not _SHA256.match(value):
+    if not _SHA256.fullmatch(value):
         raise _bad(f"{field} is not a lowercase SHA-256 digest", field=field)
 
 

@@ -63,7 +63,7 @@ from hwr.daemon.service.mapping_scan import MappingScan
 from hwr.daemon.service.pinning import Pinning, PinSet, Residency
 from hwr.daemon.service.publishing import Publishing
 from hwr.daemon.service.recency import AccessTimes, Recency
-from hwr.daemon.service.roles import Roles, roles_from
+from hwr.daemon.service.roles import OPERATOR, Roles, roles_from
 from hwr.daemon.service.scrubber import Scrubber
 from hwr.daemon.service.sessions import Registry, Session
 from hwr.daemon.store.root import Store
@@ -157,6 +157,7 @@ class Daemon:
         self._channels = channels
         capacity.evictor.protected = channels.protects  # a channel's keys are never evicted
         publications.channels = channels
+        publications.is_operator = lambda session: self.roles.grants(session.cred, OPERATOR)  # after reloads too
         self._start_tasks(Housekeeping(config, store, lease_holds, recency).run(publications))
         if pins.keys():
             self._start_tasks(pinning.restore())

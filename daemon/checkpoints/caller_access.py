@@ -34,6 +34,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from hwr.client.errors import PermissionDeniedError
 from hwr.daemon.system.peercred import PeerCred
 
 __all__ = ["OPEN_FLAGS", "CallerOpener", "daemon_user", "mode_grants"]
@@ -46,14 +47,19 @@ log = logging.getLogger("hwrd.access")
 # Run as ``python -I -S -c _HELPER`` (a fresh interpreter: nothing of the daemon's state, such as
 # gRPC's threads, crosses into it). It drops to the caller's groups, gid and uid before opening
 # anything; stdin: one JSON request; one message per path on the passed SOCK_SEQPACKET socket:
-# b"ok" with the descriptor, or b"E<errno>".
+# b"ok" with the descriptor, or b"E<errno>"; b"D<errno>" alone when it cannot drop (a root hwrd
+# without CAP_SETUID/CAP_SETGID).
 _HELPER = """
 import json, os, socket, sys
 req = json.loads(sys.stdin.buffer.read())
-os.setgroups(req["groups"])
-os.setresgid(req["gid"], req["gid"], req["gid"])
-os.setresuid(req["uid"], req["uid"], req["uid"])
 sock = socket.socket(fileno=req["sock"])
+try:
+    os.setgroups(req["groups"])
+    os.setresgid(req["gid"], req["gid"], req["gid"])
+    os.setresuid(req["uid"], req["uid"], req["uid"])
+except OSError as exc:
+    sock.send(b"D%d" % exc.errno)
+    sys.exit(3)
 for path in req["paths"]:
     try:
         fd = os.open(path, req["flags"])
@@ -143,6 +149,13 @@ class CallerOpener:
                     elif data.startswith(b"E") and data[1:].isdigit():
                         code = int(data[1:])
                         results.append(OSError(code, os.strerror(code), str(path)))
+                    elif data.startswith(b"D") and data[1:].isdigit():
+                        # Refuse rather than open with hwrd's own rights (it must not lend them).
+                        raise PermissionDeniedError(
+                            f"hwrd cannot take uid {cred.uid}'s identity to open its files "
+                            f"({os.strerror(int(data[1:]))}: hwrd runs as root without CAP_SETUID/CAP_SETGID); "
+                            "register it as root or run hwrd as its own user",
+                            details={"uid": cred.uid, "reason": "CALLER_IDENTITY"})
                     else:
                         for fd in fds:
                             os.close(fd)

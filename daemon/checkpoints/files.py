@@ -36,8 +36,8 @@ MAX_DEPTH = 3
 #: folder, an HF snapshot) holds hundreds; ``/`` or a home directory holds millions, and walking
 #: them (``/proc`` and ``/sys`` included) would hold an operator's request for minutes.
 MAX_WALK_ENTRIES = 20_000
-_REV = re.compile(r"^[0-9a-f]{40}$")
-_BLOB = re.compile(r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$")
+_REV = re.compile(r"[0-9a-f]{40}")
+_BLOB = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -80,11 +80,11 @@ def hf_blob_link(file_path: Path, link_target: str | None) -> HfBlobLink | None:
     else:
         return None
     pieces = repo.removeprefix("models--").split("--")
-    if not _REV.match(rev) or not rel or len(pieces) < 1 or not all(pieces):
+    if not _REV.fullmatch(rev) or not rel or len(pieces) < 1 or not all(pieces):
         return None
     ups = len(rel) + 1
     prefix = "../" * ups + "blobs/"
-    if not link_target.startswith(prefix) or not _BLOB.match(link_target[len(prefix):]):
+    if not link_target.startswith(prefix) or not _BLOB.fullmatch(link_target[len(prefix):]):
         return None
     blob_hash = link_target[len(prefix):]
     repo_dir = Path(*parts[:i])
@@ -150,9 +150,10 @@ def plain_path(path: Path) -> bool:
 
 def load_json(path: Path, kind: type) -> object:
     try:
-        value = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        return kind()
+        raw = store_io.read_state_file(path, 256 << 20)  # hwrd's own: never a symlink, FIFO or huge file
+        if raw is None:
+            return kind()
+        value = store_io.parse_json(raw)
     except (OSError, ValueError) as exc:
         log.warning("ignoring unreadable %s: %s", path, exc)
         return kind()

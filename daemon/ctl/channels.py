@@ -3,8 +3,10 @@
 
 ``--json`` documents (stable for scripts): ``ls`` an array and ``show``/``set``/``rm`` an object,
 each channel with at least ``name``, ``key``, ``history`` (newest last: ``key``, ``generation``,
-``set_at``, ``set_by``, ``durable``) and ``watchers``, plus ``generation``, ``durable``,
-``durable_key``, ``switches``, ``created_at``, ``updated_at`` (``set`` adds ``changed``).
+``set_at``, ``set_by``, ``durable``, ``uid``: who made the change, null for hwrd's own) and
+``watchers``, plus ``generation``, ``durable``, ``durable_key``, ``switches``, ``created_at``,
+``updated_at``, ``owner_uid`` (the publisher that owns it; null: an operator's channel) (``set``
+adds ``changed``).
 ``set`` and ``rm`` need hwrd's operator role (exit 1, ``PERMISSION_DENIED``, otherwise); a
 missing channel exits 1 with ``CHANNEL_NOT_FOUND``.
 """
@@ -64,9 +66,11 @@ def _describe(info: dict[str, Any]) -> str:
         f"watchers:    {info['watchers']}",
         f"switches:    {info['switches']}",
         f"created:     {ago(info['created_at'])}",
+        f"owner:       {'operators' if info.get('owner_uid') is None else 'uid ' + str(info['owner_uid'])}",
         "history (newest last):",
     ]
-    rows = [[e["generation"], e["key"][:16], e["set_by"], "yes" if e["durable"] else "no", ago(e["set_at"])]
-            for e in info["history"]]
-    lines += ["  " + line for line in table(["GENERATION", "KEY", "BY", "DURABLE", "SET"], rows).splitlines()]
+    rows = [[e["generation"], e["key"][:16], e["set_by"], "-" if e.get("uid") is None else e["uid"],
+             "yes" if e["durable"] else "no", ago(e["set_at"])] for e in info["history"]]
+    lines += ["  " + line for line in table(["GENERATION", "KEY", "BY", "UID", "DURABLE", "SET"],
+                                            rows).splitlines()]
     return "\n".join(lines)

@@ -16,6 +16,10 @@ Protected keys (never evicted): each channel's current key and its last durable 
 restart falls back to). Superseded keys are not protected: they become evictable once no lease
 holds them.
 
+Each history entry records the uid that made the change (``uid``), and a channel a publisher
+created records its ``owner`` (``channel_rights`` says who may repoint it); both are optional
+in the file, so a file written before they were recorded still loads (no uid, no owner).
+
 Everything here is a function of plain values; ``hwr.daemon.service.channels`` does the I/O.
 """
 
@@ -52,6 +56,7 @@ class HistoryEntry:
     set_at: float
     set_by: str
     durable: bool
+    uid: int | None = None  # who made the change; None: hwrd itself, or recorded before uids were
 
 
 @dataclass(frozen=True)
@@ -66,15 +71,18 @@ class ChannelState:
     created_at: float
     updated_at: float
     history: tuple[HistoryEntry, ...]
+    # The publisher uid that created it and may repoint it (``channel_rights``); None: an operator's.
+    owner: int | None = None
 
 
 def moved(current: ChannelState | None, name: str, key: str, generation: int, now: float, set_by: str,
-          durable: bool) -> ChannelState:
-    """The state after pointing ``name`` (``current``: its state, None when new) at ``key``."""
-    entry = HistoryEntry(key, generation, now, set_by, durable)
+          durable: bool, *, uid: int | None = None, owner: int | None = None) -> ChannelState:
+    """The state after ``uid`` pointed ``name`` (``current``: its state, None when new, then owned
+    by ``owner``) at ``key``; an existing channel keeps its owner."""
+    entry = HistoryEntry(key, generation, now, set_by, durable, uid)
     if current is None:
         return ChannelState(name, key, generation, durable, key if durable else "", generation if durable else 0,
-                            1, now, now, (entry,))
+                            1, now, now, (entry,), owner)
     return replace(
         current, key=key, generation=generation, durable=durable,
         durable_key=key if durable else current.durable_key,
@@ -93,7 +101,11 @@ def protected_keys(states: Iterable[ChannelState]) -> set[str]:
 
 
 def _entry_doc(entry: HistoryEntry) -> dict[str, Any]:
-    return {"key": entry.key, "generation": entry.generation, "set_at": entry.set_at, "set_by": entry.set_by}
+    doc: dict[str, Any] = {"key": entry.key, "generation": entry.generation, "set_at": entry.set_at,
+                           "set_by": entry.set_by}
+    if entry.uid is not None:
+        doc["uid"] = entry.uid
+    return doc
 
 
 def document(states: Iterable[ChannelState], counter: int) -> dict[str, Any]:
@@ -108,11 +120,18 @@ def document(states: Iterable[ChannelState], counter: int) -> dict[str, Any]:
             "volatile_generation": 0 if s.durable else s.generation,
             "history": [_entry_doc(e) for e in s.history if e.durable],
         }
+        if s.owner is not None:
+            channels[s.name]["owner"] = s.owner
     return {"schema_version": 1, "generation": counter, "channels": channels}
 
 
 def _number(value: object, kind: type) -> bool:
     return isinstance(value, kind) and not isinstance(value, bool) and value >= 0  # type: ignore[operator]
+
+
+def _optional_uid(value: object) -> bool:
+    """A uid field of the file: absent (a file written before uids were recorded) or a uid."""
+    return value is None or (_number(value, int) and value < 1 << 32)  # type: ignore[operator]
 
 
 def _history(items: object) -> tuple[HistoryEntry, ...]:
@@ -121,9 +140,11 @@ def _history(items: object) -> tuple[HistoryEntry, ...]:
     out = []
     for item in items[-HISTORY:]:
         if not isinstance(item, Mapping) or not is_key(item.get("key")) or not _number(item.get("generation"), int) \
-                or not isinstance(item.get("set_at"), (int, float)) or item.get("set_by") not in SET_BY:
+                or not isinstance(item.get("set_at"), (int, float)) or item.get("set_by") not in SET_BY \
+                or not _optional_uid(item.get("uid")):
             raise ValueError("a history entry is malformed")
-        out.append(HistoryEntry(item["key"], item["generation"], float(item["set_at"]), item["set_by"], True))
+        out.append(HistoryEntry(item["key"], item["generation"], float(item["set_at"]), item["set_by"], True,
+                                item.get("uid")))
     return tuple(out)
 
 
@@ -161,6 +182,8 @@ def restored(doc: object, now: float) -> Restored:
                                                                                       (int, float)):
                 raise ValueError("bad times")
             history = _history(item.get("history"))
+            if not _optional_uid(item.get("owner")):
+                raise ValueError("bad owner")
         except ValueError:
             malformed.append(str(name)[:64])
             continue
@@ -169,7 +192,7 @@ def restored(doc: object, now: float) -> Restored:
             vanished.append(name)
             continue
         state = ChannelState(name, key, generation, True, key, generation, item["switches"],
-                             float(item["created_at"]), float(item["updated_at"]), history)
+                             float(item["created_at"]), float(item["updated_at"]), history, item.get("owner"))
         if volatile > generation:  # it pointed to a non-durable revision, which a restart removed
             counter += 1
             state = moved(state, name, key, counter, now, "fallback", True)

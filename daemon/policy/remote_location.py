@@ -17,8 +17,8 @@ from hwr.client.identity import is_key
 
 __all__ = ["RemoteLocation", "parse_location"]
 
-_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
-_PREFIX_PART = re.compile(r"^[A-Za-z0-9_.\-]+$")
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]")
+_PREFIX_PART = re.compile(r"[A-Za-z0-9_.\-]+")
 
 
 @dataclass(frozen=True)
@@ -62,10 +62,10 @@ def parse_location(url: str, *, endpoint_url: str = "", region: str = "") -> Rem
             raise bad("remote_endpoint_url must be http(s)://HOST[:PORT] without credentials", "remote_endpoint_url")
     if parts.scheme == "s3":
         bucket = parts.netloc
-        if not _BUCKET.match(bucket):
+        if not _BUCKET.fullmatch(bucket):
             raise bad(f"remote: {bucket!r} is not a valid bucket name")
         prefix = parts.path.strip("/")
-        if prefix and not all(_PREFIX_PART.match(p) and p not in (".", "..") for p in prefix.split("/")):
+        if prefix and not all(_PREFIX_PART.fullmatch(p) and p not in (".", "..") for p in prefix.split("/")):
             raise bad("remote: the prefix may use letters, digits and _ . - between slashes")
         return RemoteLocation("s3", bucket, prefix, endpoint_url, region)
     if parts.scheme == "file":

@@ -22,6 +22,9 @@ Job (JSON on the process's stdin)::
 when a file under the registered path is not the registered one, before and after the load.
 Events on stdout as the other producers' (``runner``), the final one
 ``{"event": "done", "key", "outcome", "peak_rss_bytes", "seconds"}``.
+The config is an allow-list (``omni_config``): the producer runs with hwrd's rights, so it loads
+the registered checkpoint and nothing else (``model`` is always the registered path; no key may
+name a path, a repository, a tokenizer or code; ``trust_remote_code`` stays off).
 Limits: the process reads the checkpoint by path (vLLM-Omni's loader opens files by name), so the
 daemon's user needs read access to it; TP, SP, CFG and pipeline parallel sizes other than 1 are
 refused (the identity records them and the loader would need those ranks); DP is not part of
@@ -38,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from hwr.client.errors import InvalidRequest
 from hwr.daemon.checkpoints.registry import Checkpoint, Checkpoints
+from hwr.daemon.producers.omni_config import check_omni_config
 from hwr.daemon.producers.runner import run_job
 
 if TYPE_CHECKING:
@@ -49,33 +53,22 @@ __all__ = ["PRODUCER", "PROGRAM", "build_vllm_omni", "parse_config"]
 PRODUCER = "vllm-omni"
 PROGRAM = "hwr.dlo_backend.vllm_plugin.prewarm"
 _MAX_CONFIG_BYTES = 64 * 1024
-_PARALLEL_ONE = ("tensor_parallel_size", "sequence_parallel_size", "ulysses_degree", "ring_degree",
-                 "cfg_parallel_size", "pipeline_parallel_size")
 _OUTCOMES = frozenset({"built", "joined", "already_present"})
 
 
-def parse_config(raw: bytes) -> dict[str, Any]:
-    """The producer's vLLM-Omni config (a JSON object), validated as far as the daemon can; pure."""
+def parse_config(raw: bytes, *, dtype: str = "") -> dict[str, Any]:
+    """The producer's vLLM-Omni config (a JSON object) checked against the allow-list
+    (``omni_config.check_omni_config``: ``INVALID_ARGUMENT`` naming the key); ``dtype``: the
+    request's ``--dtype``, the default for the config's; pure."""
     if len(raw) > _MAX_CONFIG_BYTES:
         raise InvalidRequest("producer_config is larger than 64 KiB", details={"field": "producer_config"})
     try:
         config = json.loads(raw or b"{}")
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise InvalidRequest(f"producer_config is not JSON: {exc}", details={"field": "producer_config"}) from None
-    if not isinstance(config, dict) or not all(isinstance(k, str) for k in config):
-        raise InvalidRequest("producer_config must be a JSON object", details={"field": "producer_config"})
-    parallel = config.get("parallel_config") or {}
-    if not isinstance(parallel, dict):
-        raise InvalidRequest("parallel_config must be an object", details={"field": "producer_config"})
-    for name in _PARALLEL_ONE:
-        if int(parallel.get(name, 1) or 1) != 1:
-            raise InvalidRequest(f"the vllm-omni producer builds {name} = 1 artifacts only",
-                                 details={"field": "producer_config", "name": name})
-    for forbidden in ("host_weight_runtime_mode", "host_weight_runtime_root"):
-        if forbidden in config:
-            raise InvalidRequest(f"{forbidden} is the producer's own (it publishes into this daemon)",
-                                 details={"field": "producer_config"})
-    return config
+    if isinstance(config, dict) and dtype:
+        config.setdefault("dtype", dtype)
+    return check_omni_config(config)
 
 
 async def build_vllm_omni(*, checkpoints: Checkpoints, catalog: Catalog, ckpt: Checkpoint, config: dict[str, Any],

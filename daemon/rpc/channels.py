@@ -2,9 +2,9 @@
 
 Thin adapters over ``hwr.daemon.service.channels`` (every rule lives there). Setting and removing
 need the operator role (a publication sets its channel with the publish role, through
-``BeginPublication``); reading and watching need only a session. ``WatchChannel`` is bound to
-the caller's session: it ends with SESSION_INVALID when the session ends and with UNAVAILABLE
-when hwrd stops (``Channels.session_ended``/``close``).
+``BeginPublication``, within ``policy.channel_rights``); reading and watching need only a
+session. ``WatchChannel`` is bound to the caller's session: it ends with SESSION_INVALID when
+the session ends and with UNAVAILABLE when hwrd stops (``Channels.session_ended``/``close``).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from hwr.client.channels import check_channel_name
 from hwr.client.errors import HwrError, Unsupported
+from hwr.daemon.policy.channel_rights import Actor
 from hwr.daemon.rpc.collaborators import Ctx, Handlers
 from hwr.daemon.rpc.support import abort_with, rpc
 from hwr.daemon.service.roles import OPERATOR
@@ -32,8 +33,9 @@ def channel_info(state: ChannelState, watchers: int, *, history: bool = True) ->
         name=state.name, key=state.key, generation=state.generation, durable=state.durable,
         durable_key=state.durable_key, switches=state.switches, watchers=watchers,
         created_at=state.created_at, updated_at=state.updated_at,
+        owner_uid=state.owner,
         history=[pb.ChannelHistoryEntry(key=e.key, generation=e.generation, set_at=e.set_at, set_by=e.set_by,
-                                        durable=e.durable) for e in state.history] if history else [])
+                                        durable=e.durable, uid=e.uid) for e in state.history] if history else [])
 
 
 class ChannelsRpc(Handlers):
@@ -48,11 +50,12 @@ class ChannelsRpc(Handlers):
 
     @rpc
     async def SetChannel(self, request: pb.SetChannelRequest, context: Ctx) -> pb.SetChannelResponse:
-        self._authorize(context, OPERATOR, "set a channel")
+        session = self._authorize(context, OPERATOR, "set a channel")
         channels = self._channel_service()
         name = check_channel_name(request.name)
         key = await self.c.catalog.resolve(request.key)
-        state, changed = await channels.set(name, key, set_by="operator", check=True)
+        state, changed = await channels.set(name, key, set_by="operator", check=True,
+                                            actor=Actor(session.cred.uid, operator=True))
         return pb.SetChannelResponse(channel=self._channel_info(state), changed=changed)
 
     @rpc

@@ -125,9 +125,7 @@ class CheckpointsMixin(Handlers):
         if request.tp_size > 1 or request.tp_plan or request.tp_ranks or request.keep_fp32:
             raise InvalidRequest("tp and keep_fp32 options do not apply to the vllm-omni producer",
                                  details={"field": "producer"})
-        config = parse_config(bytes(request.producer_config))
-        if request.dtype:
-            config.setdefault("dtype", request.dtype)
+        config = parse_config(bytes(request.producer_config), dtype=request.dtype)
         ckpt = self.c.checkpoints.get(request.checkpoint)
         settings = self.c.settings.config
         timeout = request.timeout_ms / 1000.0 if request.timeout_ms else settings.producer_timeout_s

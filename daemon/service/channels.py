@@ -20,16 +20,18 @@ orders them with the file writes and the watchers:
   (``close``). A watcher reads the newest state when it wakes, so a slow one skips states
   (coalesced), never queues them.
 
+Who may create or repoint a channel, and how many one uid may create: ``channel_rights``.
+
 Contract: on the daemon's event loop (the file writes run in worker threads); ``open`` is
-blocking (at start). Limits: ``MAX_CHANNELS`` channels, ``MAX_WATCHES_PER_SESSION`` watches per
-session; a change costs one fsynced file write (a few ms), a non-durable one a plain write.
+blocking (at start). Limits: ``MAX_CHANNELS`` channels (publishers stop earlier),
+``MAX_WATCHES_PER_SESSION`` watches per session; a change costs one fsynced file write (a few
+ms), a non-durable one a plain write.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import time
@@ -41,6 +43,7 @@ from pathlib import Path
 from hwr.client.channels import check_channel_name
 from hwr.client.errors import ChannelNotFound, DaemonUnavailable, InvalidRequest, SessionInvalid
 from hwr.client.identity import canonical_json
+from hwr.daemon.policy.channel_rights import MAX_CHANNELS, Actor, owner_after
 from hwr.daemon.policy.channel_state import ChannelState, document, moved, protected_keys, restored
 from hwr.daemon.store import fileio as store_io
 
@@ -48,9 +51,10 @@ __all__ = ["MAX_CHANNELS", "MAX_WATCHES_PER_SESSION", "Channels", "Watch"]
 
 log = logging.getLogger("hwrd.channels")
 
-MAX_CHANNELS = 1024
 MAX_WATCHES_PER_SESSION = 64
 FILE_NAME = "channels.json"
+#: A change hwrd makes on its own (no caller): it may change any channel.
+DAEMON = Actor(None, operator=True)
 
 
 class Watch:
@@ -114,18 +118,23 @@ class Channels:
              lookup: Callable[[str], Awaitable[object]]) -> Channels:
         """Load ``<root>/channels.json`` (blocking). Channels that pointed to a non-durable
         revision fall back to their last durable key (written durably here); an unreadable file
+        (not JSON, nested too deeply, not a schema 1 document; or a symlink, FIFO or other
+        non-regular file, or one over 32 MiB, which is never read: ``fileio.read_state_file``)
         is kept aside as ``channels.json.corrupt-<unique>`` and hwrd starts without channels."""
         path = root / FILE_NAME
         states: dict[str, ChannelState] = {}
         counter = 0
         try:
-            raw = path.read_bytes()
-        except FileNotFoundError:
-            raw = None
+            raw = store_io.read_state_file(path)
+            unreadable: Exception | None = None
+        except OSError as exc:  # a symlink, a FIFO, a device, too large: never read
+            raw, unreadable = b"", exc
         if raw is not None:
             try:
-                result = restored(json.loads(raw), time.time())
-            except ValueError as exc:
+                if unreadable is not None:
+                    raise unreadable
+                result = restored(store_io.parse_json(raw), time.time())
+            except (OSError, ValueError) as exc:
                 aside = path.with_name(f"{FILE_NAME}.corrupt-{uuid.uuid4().hex[:12]}")
                 store_io.rename(path, aside)
                 log.error("channels file unreadable (%s): kept as %s; starting without channels", exc, aside.name)
@@ -172,11 +181,21 @@ class Channels:
         return len(self._watches.get(name, ()))
 
     # changes ----------------------------------------------------------------------------------
-    async def set(self, name: str, key: str, *, set_by: str, check: bool = False) -> tuple[ChannelState, bool]:
-        """Point ``name`` at ``key``: (its state, whether it changed). ``check``: prove the key
-        is a ready artifact first (``lookup``; its typed errors). Without it the caller vouches
-        that nothing can evict the key before this call protects it (a publication's commit:
-        the key is still being built)."""
+    def may_set(self, name: str, actor: Actor) -> None:
+        """Refuse now (typed, as ``set`` would) when ``actor`` may not set ``name``: a publication
+        learns it at its begin, before it stages anything. ``set`` decides again."""
+        current = self._states.get(check_channel_name(name))
+        owner_after(actor, name, current is not None, current.owner if current else None,
+                    (s.owner for s in self._states.values()))
+
+    async def set(self, name: str, key: str, *, set_by: str, actor: Actor = DAEMON,
+                  check: bool = False) -> tuple[ChannelState, bool]:
+        """Point ``name`` at ``key`` as ``actor``: (its state, whether it changed). Who may create
+        or repoint which channel, and the quotas, are ``channel_rights.owner_after``'s (typed
+        refusals); the change is recorded under the actor's uid. ``check``: prove the key is a
+        ready artifact first (``lookup``; its typed errors). Without it the caller vouches that
+        nothing can evict the key before this call protects it (a publication's commit: the key
+        is still being built)."""
         check_channel_name(name)
         if check:
             await self._lookup(key)
@@ -184,14 +203,14 @@ class Channels:
         try:
             async with self._lock:
                 current = self._states.get(name)
+                owner = owner_after(actor, name, current is not None, current.owner if current else None,
+                                    (s.owner for s in self._states.values()))
                 if current is not None and current.key == key:
                     return current, False
-                if current is None and len(self._states) >= MAX_CHANNELS:
-                    raise InvalidRequest(f"hwrd keeps at most {MAX_CHANNELS} channels; remove one first",
-                                         details={"limit": MAX_CHANNELS})
                 durable = not self._volatile(key)
                 generation = self._counter + 1
-                state = moved(current, name, key, generation, time.time(), set_by, durable)
+                state = moved(current, name, key, generation, time.time(), set_by, durable, uid=actor.uid,
+                              owner=owner)
                 states = {**self._states, name: state}
                 await asyncio.to_thread(_write, self.path, document(states.values(), generation), durable)
                 self._counter = generation
@@ -201,8 +220,8 @@ class Channels:
             self._pending[key] -= 1
             if self._pending[key] <= 0:
                 del self._pending[key]
-        log.info("channel %s -> %s (generation %d, %s, by %s)", name, key[:16], state.generation,
-                 "durable" if state.durable else "non-durable", set_by)
+        log.info("channel %s -> %s (generation %d, %s, by %s, uid %s)", name, key[:16], state.generation,
+                 "durable" if state.durable else "non-durable", set_by, "hwrd" if actor.uid is None else actor.uid)
         self._wake(name)
         return state, True
 

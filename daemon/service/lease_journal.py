@@ -67,6 +67,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hwr.client.identity import is_key
+from hwr.daemon.store import fileio as store_io
 
 if TYPE_CHECKING:
     from hwr.daemon.service.sessions import LeaseRecord
@@ -74,6 +75,8 @@ if TYPE_CHECKING:
 __all__ = ["Hold", "LeaseHolds", "LeaseJournal", "process_start", "same_process"]
 
 COMPACT_SLACK = 4096
+#: A journal larger than this is not read at start (set aside): about 2 million live leases.
+JOURNAL_MAX_BYTES = 512 * 1024 * 1024
 #: Strings that need no JSON escaping (ids, hex keys, "checkpoint:<id>"): formatted directly.
 _PLAIN = re.compile(r"[A-Za-z0-9:_.-]{1,200}").fullmatch
 log = logging.getLogger("hwrd.journal")
@@ -146,12 +149,18 @@ class LeaseJournal:
 
     def _replay(self) -> None:
         try:
-            data = self.path.read_bytes()
-        except FileNotFoundError:
+            data = store_io.read_state_file(self.path, JOURNAL_MAX_BYTES)
+        except OSError as exc:  # a symlink, a FIFO, a device, too large: never read
+            aside = self.path.with_name(f"{self.path.name}.corrupt-{uuid.uuid4().hex[:12]}")
+            store_io.rename(self.path, aside)
+            log.error("lease journal unreadable (%s): kept as %s; starting without recovered leases",
+                      exc.strerror or exc, aside.name)
+            return
+        if data is None:
             return
         for line in data.splitlines():
             try:
-                entry = json.loads(line)
+                entry = store_io.parse_json(line)
                 op = entry["op"]
                 if op == "acquire" and is_key(entry["key"]):
                     hold = Hold(str(entry["lease"]), entry["key"], int(entry["pid"]), int(entry["start"]),
@@ -163,7 +172,7 @@ class LeaseJournal:
                 elif op == "forget":
                     self._uids.pop(entry["key"], None)
             except (ValueError, KeyError, TypeError):
-                continue  # a torn last line or a foreign one: ignore it
+                continue  # a torn last line or a foreign one (or one nested too deeply): ignore it
 
     def _snapshot(self) -> tuple[list[Hold], dict[str, tuple[int, ...]]]:
         """What a compacted journal holds, copied (cheap: the holds are immutable)."""

@@ -38,7 +38,6 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
-import json
 import logging
 import mmap
 import os
@@ -80,12 +79,12 @@ class PinSet:
         path = root / "pins.json"
         keys: set[str] = set()
         try:
-            document = json.loads(path.read_bytes())
-            keys = {k for k in document.get("pins", []) if is_key(k)}
-        except FileNotFoundError:
-            pass
-        except (ValueError, AttributeError):
-            keys = set()  # unreadable: start unpinned rather than refuse to serve
+            raw = store_io.read_state_file(path)
+            if raw is not None:
+                document = store_io.parse_json(raw)
+                keys = {k for k in document.get("pins", []) if is_key(k)}  # type: ignore[union-attr]
+        except (OSError, ValueError, AttributeError, TypeError):
+            keys = set()  # unreadable (or not a regular file: never read): start unpinned rather than refuse to serve
         return cls(path, keys)
 
     def __contains__(self, key: object) -> bool:

@@ -50,6 +50,7 @@ from hwr.client.errors import (
 )
 from hwr.client.identity import ArtifactIdentity
 from hwr.client.wire import close_fds
+from hwr.daemon.policy.channel_rights import Actor
 from hwr.daemon.service import handover
 from hwr.daemon.service.sessions import Session
 from hwr.daemon.store.prehash import prehash
@@ -97,6 +98,7 @@ class Publication:
     started_at: float = 0.0  # loop time when staged (the stalled-publisher deadline counts from it)
     claim: Claim | None = None  # its admission + capacity reservation (``service.capacity``)
     channel: str | None = None  # pointed at the key as part of the commit
+    channel_actor: Actor | None = None  # who sets it (the publishing uid and its role)
     durable: bool = True  # False: no fsync, removed at the next start (store.volatile)
     # Files handed over by the writer (``file_done``), by index: their hashing in flight or done
     # (``store.prehash``; a None result: the commit hashes that file itself).
@@ -147,6 +149,9 @@ class Publishing:
         # The channels a publication may set (hwr.daemon.service.channels), set by the daemon;
         # None: a publication that names a channel is refused.
         self.channels: Channels | None = None
+        # Whether a session's caller holds the operator role (the daemon's current roles, read at
+        # each call): an operator's publication may repoint any channel (policy.channel_rights).
+        self.is_operator: Callable[[Session], bool] = lambda session: session.cred.uid == 0
 
     def active(self) -> list[Publication]:
         return list(self._by_id.values())
@@ -181,10 +186,13 @@ class Publishing:
         (``store.reuse``; ``BeginResult.reused`` says which, none when the base is no longer
         there: then the writer writes every tensor)."""
         key = identity.key
+        actor = None
         if channel is not None:
             check_channel_name(channel)
             if self.channels is None:
                 raise InvalidRequest("this hwrd serves no channels", details={"field": "channel"})
+            actor = Actor(None, True) if session is None else Actor(session.cred.uid, self.is_operator(session))
+            self.channels.may_set(channel, actor)  # refused before anything is staged
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(0.0, wait_timeout)
         waited = False
@@ -192,8 +200,8 @@ class Publishing:
             # Provably absent (not validated, not denied, no directory): no thread hop.
             absent = self._catalog.absent_now(key)
             if not absent and await asyncio.to_thread(self._exists, key):
-                if channel is not None and self.channels is not None:
-                    await self.channels.set(channel, key, set_by="publication", check=True)
+                if channel is not None and self.channels is not None and actor is not None:
+                    await self.channels.set(channel, key, set_by="publication", check=True, actor=actor)
                 return BeginResult("joined" if waited else "already_present", key)
             current = self._by_key.get(key)
             if current is None:
@@ -214,7 +222,8 @@ class Publishing:
         # session None: a daemon-side build (prewarm); it is owned by its build task, not a session.
         owner = session.session_id if session is not None else DAEMON_OWNER
         raw = secrets.token_bytes(32)  # one getrandom for the id and the secret token
-        pub = Publication(raw[:8].hex(), raw[8:].hex(), key, owner, None, channel=channel, durable=durable)
+        pub = Publication(raw[:8].hex(), raw[8:].hex(), key, owner, None, channel=channel, channel_actor=actor,
+                          durable=durable)
         max_file_bytes = overlap_file_bytes(sum(_nbytes(s) for s in specs)) if overlap else None
         self._by_key[key] = pub
         self._by_id[pub.publication_id] = pub
@@ -406,9 +415,9 @@ class Publishing:
             pub.state = PubState.STAGED
             raise outcome
         existed, record = outcome
-        if pub.channel is not None and self.channels is not None:
+        if pub.channel is not None and self.channels is not None and pub.channel_actor is not None:
             try:  # still building: the key cannot be evicted before the channel protects it
-                await self.channels.set(pub.channel, record.key, set_by="publication")
+                await self.channels.set(pub.channel, record.key, set_by="publication", actor=pub.channel_actor)
             except BaseException:
                 self._finish(pub, PubState.COMMITTED)  # the artifact is committed all the same
                 raise

@@ -24,7 +24,6 @@ the file I/O goes to ``write``.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import threading
@@ -36,6 +35,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from hwr.daemon.policy.recency import LruIndex
+from hwr.daemon.store import fileio as store_io
 
 if TYPE_CHECKING:
     from hwr.daemon.service.catalog import Catalog
@@ -85,7 +85,8 @@ class AccessTimes:
         self._saved = 0  # the newest snapshot saved
         self._write_lock = threading.Lock()
         with contextlib.suppress(OSError, ValueError, AttributeError, TypeError):
-            self._times = {str(k): float(v) for k, v in json.loads(path.read_bytes()).get("last_access", {}).items()}
+            raw = store_io.read_state_file(path) or b"{}"  # never a symlink, FIFO or huge file
+            self._times = {str(k): float(v) for k, v in store_io.parse_json(raw).get("last_access", {}).items()}
 
     def get(self, key: str, default: float) -> float:
         return self._times.get(key, default)

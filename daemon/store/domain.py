@@ -9,7 +9,7 @@ enforced (the filesystem type is re-checked from statfs at every open).
 
 from __future__ import annotations
 
-import json
+import os
 import socket
 import uuid
 from pathlib import Path
@@ -24,9 +24,12 @@ __all__ = ["ensure_domain", "read_deny_code"]
 def ensure_domain(root: Path, filesystem_type: str) -> dict[str, object]:
     """Return the root's domain document, creating it on first use."""
     path = root / "domain.json"
-    if path.exists():
+    if os.path.lexists(path):
         try:
-            document = json.loads(path.read_bytes())
+            raw = store_io.read_state_file(path, 1 << 20)
+            document = store_io.parse_json(raw if raw is not None else b"")
+        except OSError as exc:  # a symlink, FIFO or other non-regular file: never read
+            raise ManifestCorrupt(f"domain.json is unreadable: {exc.strerror}", details={"root": str(root)}) from None
         except ValueError:
             raise ManifestCorrupt("domain.json is not JSON", details={"root": str(root)}) from None
         if not isinstance(document, dict) or document.get("schema_version") != 1:
@@ -51,7 +54,7 @@ def ensure_domain(root: Path, filesystem_type: str) -> dict[str, object]:
 def read_deny_code(path: Path, default: str) -> str:
     """The ``reason`` code of a deny marker; an unreadable marker counts as ``default`` (still denied)."""
     try:
-        document = json.loads(path.read_bytes())
+        document = store_io.parse_json(store_io.read_state_file(path, 1 << 20) or b"")
         code = document.get("reason") if isinstance(document, dict) else None
     except (OSError, ValueError):
         code = None

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import json
 import mmap
 import os
 import shutil
@@ -45,8 +46,10 @@ __all__ = [
     "fsync_dir",
     "hash_ranges",
     "io_error",
+    "parse_json",
     "pwrite_all",
     "read_small",
+    "read_state_file",
     "remove_tree",
     "rename",
     "start_writeback",
@@ -256,6 +259,44 @@ def read_small(fd: int, limit: int) -> bytes:
         chunks.append(chunk)
         offset += len(chunk)
     return b"".join(chunks)
+
+
+#: The largest state file hwrd reads at start (channels.json, pins.json, ...); the lease journal
+#: passes a larger bound of its own.
+STATE_FILE_MAX_BYTES = 32 * 1024 * 1024
+
+
+def read_state_file(path: Path, limit: int = STATE_FILE_MAX_BYTES) -> bytes | None:
+    """The bytes of one of hwrd's own small state files, read as if someone had replaced it:
+    a symlink is not followed (``ELOOP``), the open never blocks (a FIFO fails at once), only a
+    regular file is read (else ``EINVAL``) and at most ``limit`` bytes (else ``EFBIG``). None
+    when there is no such file; any other failure is an ``OSError``, which callers treat as an
+    unreadable file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    except FileNotFoundError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, f"{path.name} is not a regular file")
+        if st.st_size > limit:
+            raise OSError(errno.EFBIG, f"{path.name} is larger than {limit} bytes")
+        data = read_small(fd, limit)
+        if len(data) > limit:
+            raise OSError(errno.EFBIG, f"{path.name} is larger than {limit} bytes")
+        return data
+    finally:
+        os.close(fd)
+
+
+def parse_json(raw: bytes) -> object:
+    """``json.loads`` whose every failure is a ``ValueError`` (nesting deeper than the decoder's
+    recursion limit raises ``RecursionError`` otherwise)."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 def remove_tree(path: Path) -> None:

@@ -60,7 +60,7 @@ from hwr.daemon.system import socket_files
 __all__ = ["Counter", "Histogram", "Instruments", "MetricsServer", "parse_listen", "render"]
 
 log = logging.getLogger("hwrd.metrics")
-_LABEL_VALUE = re.compile(r"^[A-Za-z0-9_]{1,64}$")
+_LABEL_VALUE = re.compile(r"[A-Za-z0-9_]{1,64}")
 ACQUIRE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 #: Publication phases span a 64 KiB artifact's sub-millisecond staging to a 100 GB commit's hash.
 PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -70,7 +70,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def label_value(value: str) -> str:
-    if not _LABEL_VALUE.match(value):
+    if not _LABEL_VALUE.fullmatch(value):
         raise ValueError("metric label values are fixed words ([A-Za-z0-9_], at most 64)")
     return value
 

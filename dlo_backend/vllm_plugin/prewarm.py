@@ -19,8 +19,10 @@ layout with its own producer and ``format_metadata``:
    hwrd (``built``: hwrd holds the key afterwards, whichever publisher of it committed first);
 5. check the files again, then report ``{"event": "done", "key", "outcome", ...}``.
 
-The job's ``config`` holds the serving worker's vLLM-Omni config fields (``model`` defaults to
-the checkpoint path, which must then be the path the server is given). Limits: the DiT is loaded
+The job's ``config`` holds the serving worker's vLLM-Omni config fields that select the pipeline
+and its layout (the daemon's allow-list, ``hwr.daemon.producers.omni_config``); ``model`` is always
+the registered checkpoint path, which must then be the path the server is given, and
+``trust_remote_code`` is always off (``engine_fields``); the hub is offline in this process. Limits: the DiT is loaded
 whole into this process's memory (vLLM-Omni's loader does), so its peak RSS is about the
 pipeline's size; parallel sizes other than 1 are refused by the daemon.
 """
@@ -36,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cpu_only", "main", "run"]
+__all__ = ["cpu_only", "engine_fields", "main", "run"]
 
 _SDPA = "vllm_omni.diffusion.attention.backends.sdpa.SDPABackend"
 _TIB = 1 << 40
@@ -80,6 +82,19 @@ def _check_files(root: Path, files: list[list[Any]]) -> None:
             raise CheckpointModified(f"registered file {name!r} changed since registration")
 
 
+def engine_fields(root: Path, config: object, *, port: int, runtime_root: str) -> dict[str, Any]:
+    """The vLLM-Omni config fields of the load: the job's ``config``, checked again against the
+    daemon's allow-list (``hwr.daemon.producers.omni_config``; ``InvalidRequest``), under the
+    producer's own fields, which always win: ``model`` is the registered ``root`` and
+    ``trust_remote_code`` is off whatever the config says (this process has hwrd's rights)."""
+    from hwr.daemon.producers.omni_config import check_omni_config
+
+    checked = check_omni_config(config)
+    return {**checked, "model": str(root), "trust_remote_code": False, "num_gpus": 1, "enforce_eager": True,
+            "enable_distributed_layerwise_offload": True, "dlo_use_allgather": False, "pin_cpu_memory": False,
+            "master_port": port, "host_weight_runtime_mode": "preferred", "host_weight_runtime_root": runtime_root}
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
@@ -94,6 +109,9 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ["HWR_SOCKET"] = str(job["socket"])
     os.environ.pop("HWR_VLLM_PLUGIN", None)
+    # Nothing but the registered files: a component or config that names a hub repository must
+    # fail, not download into a process with hwrd's rights.
+    os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     port = _free_port()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
 
@@ -121,11 +139,8 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         raise ProducerFailed(f"the hwr vLLM-Omni plugin is not active in the producer: {plugin.state()}")
     device = torch.device("cpu")
     with tempfile.TemporaryDirectory(prefix="hwr-vllm-omni-") as runtime_root:
-        fields = {"model": str(root), **job.get("config", {}), "num_gpus": 1, "enforce_eager": True,
-                  "enable_distributed_layerwise_offload": True, "dlo_use_allgather": False,
-                  "pin_cpu_memory": False, "master_port": port, "host_weight_runtime_mode": "preferred",
-                  "host_weight_runtime_root": runtime_root}
-        od_config = OmniDiffusionConfig.from_kwargs(**fields)
+        od_config = OmniDiffusionConfig.from_kwargs(**engine_fields(root, job.get("config", {}), port=port,
+                                                                    runtime_root=runtime_root))
         od_config.enrich_config()
         vllm_config = create_diffusion_vllm_config(device, od_config)
         with set_forward_context(vllm_config=vllm_config, omni_diffusion_config=od_config), \

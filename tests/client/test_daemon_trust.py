@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hwr.client.daemon_trust import Node, Walk, problem, walk
+from hwr.client.daemon_trust import Node, Walk, opted_in_uids, problem, walk
+from hwr.client.errors import UntrustedDaemon
 
 ME, OTHER, DAEMON = 1000, 1001, 990
 DIR, SOCK, LINK = stat.S_IFDIR, stat.S_IFSOCK, stat.S_IFLNK
@@ -38,7 +39,11 @@ RUN = d("/run", 0, 0o755)
     ("socket activation: systemd listens, the sockets are hwrd's", way(ROOT, RUN, d("/run/hwrd", DAEMON, 0o755),
                                                                       sock_uid=DAEMON), 0, None),
     ("another user's own /tmp/hwrd-N, explicitly chosen", way(ROOT, TMP, d("/tmp/hwrd-1001", OTHER, 0o755),
-                                                            sock_uid=OTHER), OTHER, None),
+                                                            sock_uid=OTHER), OTHER, "is uid 1001's own"),
+    ("another user's own /tmp/hwrd-N\n (not its name)", way(ROOT, TMP, d("/tmp/hwrd-1001\n", OTHER, 0o755),
+                                                           sock_uid=OTHER), OTHER, "parent is writable by others"),
+    ("another user's XDG_RUNTIME_DIR", way(ROOT, RUN, d("/run/user", 0, 0o755), d("/run/user/1001", OTHER, 0o700),
+                                           sock_uid=OTHER), OTHER, "is uid 1001's own"),
     ("own daemon with its socket right in /tmp", way(ROOT, TMP), ME, None),
     ("squatted /tmp/hwrd-$UID", way(ROOT, TMP, d("/tmp/hwrd-1000", OTHER, 0o755), sock_uid=OTHER), OTHER,
      "belongs to uid 1001"),
@@ -69,6 +74,28 @@ def test_rules(case: str, walk_: Walk, peer: int, refused: str | None) -> None:
         assert verdict is None, case
     else:
         assert verdict is not None and refused in verdict, (case, verdict)
+
+
+def test_another_users_daemon_only_when_my_user_opts_in() -> None:
+    theirs = way(ROOT, TMP, d("/tmp/hwrd-1001", OTHER, 0o755), sock_uid=OTHER)
+    assert problem(theirs, OTHER, ME, frozenset({OTHER})) is None
+    assert "is uid 1001's own" in (problem(theirs, OTHER, ME, frozenset({1002})) or "")
+    runtime = way(ROOT, RUN, d("/run/user", 0, 0o755), d("/run/user/1001", OTHER, 0o700), sock_uid=OTHER)
+    assert problem(runtime, OTHER, ME, frozenset({OTHER})) is None
+    # opting in to a uid does not accept a daemon of a third one in that uid's directory
+    assert "runs as uid 1002" in (problem(theirs, 1002, ME, frozenset({OTHER})) or "")
+
+
+@pytest.mark.parametrize(("value", "uids"), [("", frozenset()), (" 1001, 1002 ", frozenset({1001, 1002})),
+                                             ("1001,", frozenset({1001}))])
+def test_the_opt_in_variable(value: str, uids: frozenset[int]) -> None:
+    assert opted_in_uids({"HWR_TRUSTED_UIDS": value}) == uids
+
+
+@pytest.mark.parametrize("value", ["eve", "1001;1002", "-1", "1001\n2", "99999999999"])
+def test_a_malformed_opt_in_is_refused_not_ignored(value: str) -> None:
+    with pytest.raises(UntrustedDaemon):
+        opted_in_uids({"HWR_TRUSTED_UIDS": value})
 
 
 def test_root_as_a_client_is_judged_by_the_same_rules() -> None:

@@ -75,6 +75,8 @@ def roles(uid: int, socket_path: str) -> int:
         report["remove_channel"] = attempt(lambda: client.remove_channel(channel))
         report["publish_to_channel"] = attempt(lambda: client.publish(
             ArtifactIdentity.simple("channels/by-nobody"), {"w": torch.ones(8)}, channel=channel))
+        report["publish_to_own_channel"] = attempt(lambda: client.publish(
+            ArtifactIdentity.simple("channels/by-nobody"), {"w": torch.ones(8)}, channel=f"{channel}-own"))
     print(json.dumps(report), flush=True)
     return 0
 

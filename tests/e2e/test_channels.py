@@ -286,10 +286,16 @@ def test_setting_a_channel_needs_the_operator_role_publishing_to_one_the_publish
     assert report["acquire_channel"] == {"ok": True} and report["watch_channel"] == {"ok": True}
     for action in ("set_channel", "remove_channel"):
         assert (report[action]["code"], report[action]["role"]) == ("PERMISSION_DENIED", "operator"), report
-    assert report["publish_to_channel"] == {"ok": True}  # the publish role: everyone admitted, by default
+    # The publish role (everyone admitted, by default) creates channels of its own; root's channel
+    # is an operator's, which a publisher may not repoint.
+    assert (report["publish_to_channel"]["code"], report["publish_to_channel"]["role"]) == (
+        "PERMISSION_DENIED", "operator"), report
+    assert report["publish_to_own_channel"] == {"ok": True}
     with connect(daemon.socket) as client:
-        info = client.inspect_channel("roles")
-        assert info["key"] != key and info["history"][-1]["set_by"] == "publication"
+        assert client.inspect_channel("roles")["key"] == key
+        info = client.inspect_channel("roles-own")
+        assert info["owner_uid"] == NOBODY
+        assert info["history"][-1]["set_by"] == "publication" and info["history"][-1]["uid"] == NOBODY
 
 
 @pytest.mark.timeout(120)

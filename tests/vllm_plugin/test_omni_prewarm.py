@@ -75,5 +75,9 @@ def test_prewarm_for_vllm_omni_refuses_what_it_cannot_build(vo_hwrd, tmp_path: P
     assert sp.returncode != 0 and "ulysses_degree" in sp.stderr, sp.stderr
     bad = _hwrctl(socket, "prewarm", str(folder), "--producer", "vllm-omni", "--omni-config", "[1]")
     assert bad.returncode != 0 and "JSON object" in bad.stderr, bad.stderr
+    for key, value in (("model", "/root/secret-model"), ("trust_remote_code", True), ("tokenizer", "/root/t")):
+        other = _hwrctl(socket, "prewarm", str(folder), "--producer", "vllm-omni", "--omni-config",
+                        json.dumps({key: value}))
+        assert other.returncode != 0 and "INVALID_ARGUMENT" in other.stderr and key in other.stderr, other.stderr
     with hwr.client.connect(socket) as client:
         assert [a["key"] for a in client.list_artifacts()] == before  # refused before any producer ran

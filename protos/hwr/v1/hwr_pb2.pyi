@@ -813,21 +813,23 @@ class PushArtifactResponse(_message.Message):
     def __init__(self, key: _Optional[str] = ..., outcome: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class ChannelHistoryEntry(_message.Message):
-    __slots__ = ("key", "generation", "set_at", "set_by", "durable")
+    __slots__ = ("key", "generation", "set_at", "set_by", "durable", "uid")
     KEY_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SET_AT_FIELD_NUMBER: _ClassVar[int]
     SET_BY_FIELD_NUMBER: _ClassVar[int]
     DURABLE_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
     key: str
     generation: int
     set_at: float
     set_by: str
     durable: bool
-    def __init__(self, key: _Optional[str] = ..., generation: _Optional[int] = ..., set_at: _Optional[float] = ..., set_by: _Optional[str] = ..., durable: _Optional[bool] = ...) -> None: ...
+    uid: int
+    def __init__(self, key: _Optional[str] = ..., generation: _Optional[int] = ..., set_at: _Optional[float] = ..., set_by: _Optional[str] = ..., durable: _Optional[bool] = ..., uid: _Optional[int] = ...) -> None: ...
 
 class ChannelInfo(_message.Message):
-    __slots__ = ("name", "key", "generation", "durable", "durable_key", "switches", "watchers", "created_at", "updated_at", "history")
+    __slots__ = ("name", "key", "generation", "durable", "durable_key", "switches", "watchers", "created_at", "updated_at", "history", "owner_uid")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -838,6 +840,7 @@ class ChannelInfo(_message.Message):
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
+    OWNER_UID_FIELD_NUMBER: _ClassVar[int]
     name: str
     key: str
     generation: int
@@ -848,7 +851,8 @@ class ChannelInfo(_message.Message):
     created_at: float
     updated_at: float
     history: _containers.RepeatedCompositeFieldContainer[ChannelHistoryEntry]
-    def __init__(self, name: _Optional[str] = ..., key: _Optional[str] = ..., generation: _Optional[int] = ..., durable: _Optional[bool] = ..., durable_key: _Optional[str] = ..., switches: _Optional[int] = ..., watchers: _Optional[int] = ..., created_at: _Optional[float] = ..., updated_at: _Optional[float] = ..., history: _Optional[_Iterable[_Union[ChannelHistoryEntry, _Mapping]]] = ...) -> None: ...
+    owner_uid: int
+    def __init__(self, name: _Optional[str] = ..., key: _Optional[str] = ..., generation: _Optional[int] = ..., durable: _Optional[bool] = ..., durable_key: _Optional[str] = ..., switches: _Optional[int] = ..., watchers: _Optional[int] = ..., created_at: _Optional[float] = ..., updated_at: _Optional[float] = ..., history: _Optional[_Iterable[_Union[ChannelHistoryEntry, _Mapping]]] = ..., owner_uid: _Optional[int] = ...) -> None: ...
 
 class SetChannelRequest(_message.Message):
     __slots__ = ("name", "key")

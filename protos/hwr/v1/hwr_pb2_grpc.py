@@ -456,7 +456,8 @@ class HostWeightRuntimeServicer:
         (fsynced before the answer) unless the artifact itself is non-durable (then the change is
         lost at a restart, like the artifact). Setting the key it already has changes nothing.
         Status: OK; PERMISSION_DENIED (needs the operator role); NOT_FOUND (LOCAL_MISS: no such
-        artifact); FAILED_PRECONDITION (ARTIFACT_DENIED); RESOURCE_EXHAUSTED (too many channels).
+        artifact); FAILED_PRECONDITION (ARTIFACT_DENIED); INVALID_ARGUMENT (too many channels,
+        details.reason CHANNELS).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
