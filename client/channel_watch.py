@@ -7,10 +7,12 @@
                 switch_to(client.acquire(update.key))
 
 A ``ChannelWatch`` holds one ``WatchChannel`` stream on the client's session (gRPC, read by a
-background thread) and keeps only the newest state it heard of. ``wait`` returns the newest
-state not yet returned (coalesced: a slow caller sees the newest, never the states in between),
-or None when ``timeout`` passes first. The first ``wait`` returns the channel's state at
-subscription when the channel exists (compare its key with the one you serve).
+background thread, on a connection that carries only watches: ``Connection.watch_stream``, so
+open watches never hold up the client's other calls) and keeps only the newest state it heard
+of. ``wait`` returns the newest state not yet returned (coalesced: a slow caller sees the
+newest, never the states in between), or None when ``timeout`` passes first. The first
+``wait`` returns the channel's state at subscription when the channel exists (compare its key
+with the one you serve).
 
 Session end and restarts: hwrd ends a watch when its session ends (and when it stops). The watch
 then RESUMES on the client's next session: with ``auto_reconnect`` (the default) it reconnects
@@ -162,12 +164,14 @@ class ChannelWatch:
     def _stream(self, connection: Connection) -> HwrError:
         """Read one subscription until it ends; returns why it ended."""
         try:
-            call = connection.stub.WatchChannel(pb.WatchChannelRequest(name=self.name), metadata=connection.metadata)
+            slot = connection.watch_stream()
+            call = slot.stub.WatchChannel(pb.WatchChannelRequest(name=self.name), metadata=connection.metadata)
         except HwrError as exc:
             return exc
         with self._cond:
             if self._closed:
                 call.cancel()
+                slot.release()
                 return DaemonUnavailable("closed")
             self._call = call
         try:
@@ -190,6 +194,7 @@ class ChannelWatch:
                 self._subscribed = False
                 if self._call is call:
                     self._call = None
+            slot.release()
 
     def _end(self, error: HwrError) -> None:
         with self._cond:
