@@ -5,22 +5,33 @@ daemon's rights matter) and is counted in the hostile summary of ``test_hostile_
 
 - A session holding as many channel watches as the README allows (64) still gets its unary
   calls answered at once, and one more watch is refused with a typed error.
+- A publisher stopped (SIGSTOP) mid-staging, as another uid, gives its reservation back once it
+  made no progress for ``publication_stall_timeout_s``: an innocent publication that needs the
+  room then succeeds, and the stopped one, resumed, fails with a typed error; nothing leaks.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+import torch
+from daemon_proc import NOBODY, as_user
 
-from hwr.client import connect
+from hwr.client import ArtifactIdentity, connect
 from hwr.client.errors import InvalidRequest
 from hwr.daemon.app.launcher import DaemonProcess
 
 from . import test_hostile_clients as hostile
 from .faultkit import publish
-from .test_hostile_clients import Attack, crashes
+from .test_hostile_clients import Attack, _readline, crashes
 
 # The hostile suite's fixtures (the tally and its summary, the attacked daemon), shared so that
 # these attacks are counted with the others.
@@ -76,4 +87,89 @@ def test_watches_per_session(artifact: Callable[..., tuple[DaemonProcess, str, s
     print(f"\nwatches per session: {WATCHES_PER_SESSION} open, one more refused; unary calls took "
           + ", ".join(f"{call} {t * 1000:.0f} ms" for call, t in timings.items()))
     assert not slow, f"unary calls were held up behind the watches: {slow}"
+    assert attack.crashes == 0
+
+
+STALLER = """
+import json, sys
+import torch
+from hwr.client import ArtifactIdentity, connect
+from hwr.client.errors import HwrError
+from hwr.client.publisher import TensorSpec
+sock, numel = sys.argv[1], int(sys.argv[2])
+client = connect(sock)
+pub = client.publisher(ArtifactIdentity.simple("hostile/stalled"),
+                       [TensorSpec("a", torch.float32, (numel,)), TensorSpec("b", torch.float32, (numel,))])
+pub.write("a", torch.ones(numel))
+print("staged", flush=True)
+sys.stdin.readline()  # stopped here (SIGSTOP), then resumed and told to go on
+try:
+    pub.write("b", torch.ones(numel))
+    print("result " + json.dumps({"committed": pub.commit()}), flush=True)
+except HwrError as exc:
+    print("result " + json.dumps({"code": exc.code, "type": type(exc).__name__, "message": str(exc)}), flush=True)
+client.close()
+"""
+STALL_TIMEOUT_S = 3.0
+NUMEL = 256 * 1024  # two tensors of 1 MiB each: the staller's reservation is 2 MiB
+STORE_LIMIT = 3 << 20  # room for one such publication at a time
+
+
+@pytest.mark.usefixtures("daemon_user")  # root without capabilities, and the unit's user
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("staging", ["memfd", "files"])
+def test_publisher_stopped_mid_staging(artifact: Callable[..., tuple[DaemonProcess, str, str]], attack: Attack,
+                                       staging: str) -> None:
+    """uid nobody stages a 2 MiB publication, writes half of it and is stopped (SIGSTOP): its
+    session stays open, so only the stall timeout can take its reservation back. The innocent's
+    publication that needs the room waits for it and succeeds; the staller, resumed, gets
+    ``PUBLICATION_FAILED``; no reservation, staging or publication is left."""
+    flags = ["--store-limit-bytes", str(STORE_LIMIT), "--publication-stall-timeout-s", str(STALL_TIMEOUT_S),
+             "--housekeeping-interval-s", "0.3"]
+    if staging == "files":
+        flags += ["--memfd-staging-max-bytes", "0"]
+    daemon, _key, _digest = artifact(*flags)
+    staller = subprocess.Popen(as_user(NOBODY, [sys.executable, "-c", STALLER, str(daemon.socket), str(NUMEL)]),
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
+    try:
+        assert _readline(staller, 60).strip() == "staged"
+        os.kill(staller.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        with connect(daemon.socket, timeout=30) as client:
+            assert client.store_usage()["reserved_bytes"] >= 2 * NUMEL * 4
+            innocent = client.publish(ArtifactIdentity.simple("hostile/innocent"), {"w": torch.full((2 * NUMEL,), 5.0)})
+            waited = time.monotonic() - stopped_at
+            with client.acquire(innocent) as lease:
+                assert float(lease.tensors["w"][-1]) == 5.0
+            os.kill(staller.pid, signal.SIGCONT)
+            assert staller.stdin is not None
+            staller.stdin.write("go\n")
+            staller.stdin.flush()
+            line = _readline(staller, 60)
+            assert line.startswith("result "), line
+            resumed = json.loads(line[len("result "):])
+            assert staller.wait(30) == 0
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and (client.status()["publications"]
+                                                   or os.listdir(Path(daemon.root) / "tmp")):
+                time.sleep(0.1)
+            leftovers = {"publications": client.status()["publications"],
+                         "reserved_bytes": client.store_usage()["reserved_bytes"],
+                         "staging": os.listdir(Path(daemon.root) / "tmp")}
+    finally:
+        if staller.poll() is None:
+            os.kill(staller.pid, signal.SIGCONT)
+            staller.kill()
+            staller.wait()
+    attack.tried = 1
+    attack.crashes = crashes(daemon)
+    attack.others_failed = 0  # the innocent's publication succeeded (it raised otherwise)
+    attack.complete = True
+    print(f"\npublisher stopped mid-staging ({staging}): the innocent's publication succeeded after "
+          f"{waited:.1f} s (stall timeout {STALL_TIMEOUT_S:g} s); the resumed staller got {resumed}; "
+          f"left: {leftovers}")
+    assert resumed.get("code") == "PUBLICATION_FAILED", resumed
+    assert "no progress" in resumed["message"]
+    assert waited < STALL_TIMEOUT_S + 20
+    assert leftovers == {"publications": 0, "reserved_bytes": 0, "staging": []}
     assert attack.crashes == 0
