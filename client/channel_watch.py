@@ -153,6 +153,13 @@ class ChannelWatch:
             if not (connection.auto_reconnect and connection.active) or error.code not in _RESUMABLE:
                 self._end(error)
                 return
+            if error.code == "DAEMON_UNAVAILABLE" and connection.peer_alive(peer):
+                # Only the stream's gRPC connection went (shed by hwrd): subscribe again on the
+                # same session, on a fresh connection.
+                time.sleep(delay)
+                delay = min(2.0, delay * 2)
+                self.resubscriptions += 1
+                continue
             try:
                 connection.reconnect(failed_peer=peer)  # nothing when another thread already did
                 delay = 0.05

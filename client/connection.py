@@ -366,6 +366,19 @@ class Connection:
             self.reconnects += 1
             return self.reattach()
 
+    def peer_alive(self, peer: socket.socket | None) -> bool:
+        """Whether ``peer`` is still this session's socket and hwrd has not hung it up: a gRPC
+        stream that failed meanwhile lost only its own connection (hwrd may close a gRPC
+        connection to make room for other uids), not the session."""
+        if peer is None or peer is not self._peer:
+            return False
+        poller = select.poll()
+        try:
+            poller.register(peer, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+            return not poller.poll(0)
+        except (OSError, ValueError):
+            return False
+
     def start_watcher(self, needed: Callable[[], bool]) -> None:
         """Watch the peer socket for hang-up in a daemon thread, and reconnect when it hangs up,
         for as long as ``needed()`` (the owner holds leases) and the connection is active."""

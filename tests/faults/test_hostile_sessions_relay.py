@@ -8,12 +8,17 @@ daemon's rights matter) and is counted in the hostile summary of ``test_hostile_
 - A publisher stopped (SIGSTOP) mid-staging, as another uid, gives its reservation back once it
   made no progress for ``publication_stall_timeout_s``: an innocent publication that needs the
   room then succeeds, and the stopped one, resumed, fails with a typed error; nothing leaks.
+- Many uids each holding their per-uid maximum of idle gRPC relay connections cannot exhaust
+  hwrd's descriptors: relayed connections share one node-wide budget (half the open-files
+  limit), an innocent uid gets in by shedding a connection of the biggest holder, and a
+  connection that never sends a byte is closed.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -23,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from daemon_proc import NOBODY, as_user
+from daemon_proc import NOBODY, RunAs, as_user, requested_user
 
 from hwr.client import ArtifactIdentity, connect
 from hwr.client.errors import InvalidRequest
@@ -31,7 +36,7 @@ from hwr.daemon.app.launcher import DaemonProcess
 
 from . import test_hostile_clients as hostile
 from .faultkit import publish
-from .test_hostile_clients import Attack, _readline, crashes
+from .test_hostile_clients import Attack, _readline, crashes, rss_mib
 
 # The hostile suite's fixtures (the tally and its summary, the attacked daemon), shared so that
 # these attacks are counted with the others.
@@ -172,4 +177,144 @@ def test_publisher_stopped_mid_staging(artifact: Callable[..., tuple[DaemonProce
     assert "no progress" in resumed["message"]
     assert waited < STALL_TIMEOUT_S + 20
     assert leftovers == {"publications": 0, "reserved_bytes": 0, "staging": []}
+    assert attack.crashes == 0
+
+
+HOLDER = """
+import json, select, socket, sys, time
+path, conns = sys.argv[1], int(sys.argv[2])
+# An HTTP/2 client preface and an empty SETTINGS frame: a connection that looks like a gRPC
+# client's, then stays idle for good.
+PREFACE = b"PRI * HTTP/2.0\\r\\n\\r\\nSM\\r\\n\\r\\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+socks = []
+for _ in range(conns):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+        sock.sendall(PREFACE)
+    except OSError:
+        sock.close()
+        continue
+    socks.append(sock)
+print("holding", flush=True)
+sys.stdin.readline()
+open_now = 0
+for sock in socks:  # open: no end of file and no reset after what gRPC sent is read
+    state = "open"
+    try:
+        while select.select([sock], [], [], 0)[0]:
+            if not sock.recv(65536, socket.MSG_DONTWAIT):
+                state = "closed"
+                break
+    except OSError:
+        state = "closed"
+    open_now += state == "open"
+print("result " + json.dumps({"connections": conns, "connected": len(socks), "open": open_now}), flush=True)
+"""
+ATTACKER_GID = 64399
+ATTACKER_UIDS = [64400 + i for i in range(24)]
+PER_UID = 32  # max_grpc_connections_per_uid's default: each uid holds all it may
+NOFILE = 1024
+
+
+def lower_nofile(daemon: DaemonProcess, user: RunAs | None) -> None:
+    """Give the running daemon an open-files limit of ``NOFILE`` (soft and hard). As its own uid
+    when it runs as another user: lowering one's own limits needs no capability."""
+    if user is None:
+        resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE, (NOFILE, NOFILE))
+        return
+    code = "import resource, sys; resource.prlimit(int(sys.argv[1]), resource.RLIMIT_NOFILE, (int(sys.argv[2]),) * 2)"
+    subprocess.run(as_user(user, [sys.executable, "-c", code, str(daemon.pid), str(NOFILE)]), check=True,
+                   timeout=60, cwd="/")
+
+
+def fd_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@pytest.mark.usefixtures("daemon_user")  # root without capabilities, and the unit's user
+@pytest.mark.timeout(300)
+def test_idle_relay_connections_of_many_uids(artifact: Callable[..., tuple[DaemonProcess, str, str]],
+                                             attack: Attack, request: pytest.FixtureRequest) -> None:
+    """24 uids of one admitted gid each hold 32 idle gRPC connections (an HTTP/2 preface, then
+    nothing) against an hwrd limited to 1,024 descriptors: it holds at most its budget of them,
+    its descriptors stay well below the limit, and an innocent client (another uid) opens
+    sessions, lists, sets and watches channels, publishes and acquires throughout. A connection
+    that sends no byte at all is closed after ``FIRST_BYTES_TIMEOUT_S``."""
+    from hwr.daemon.system.activation import FIRST_BYTES_TIMEOUT_S
+    from hwr.daemon.system.grpc_peers import FDS_PER_CONNECTION, SHARE
+
+    daemon, key, _digest = artifact("--allow-gid", str(ATTACKER_GID))
+    lower_nofile(daemon, requested_user(request))
+    budget = int(NOFILE * SHARE) // FDS_PER_CONNECTION
+    holders = [subprocess.Popen(as_user(RunAs(uid, ATTACKER_GID, umask=0o022),
+                                        [sys.executable, "-c", HOLDER, str(daemon.socket), str(PER_UID)]),
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
+               for uid in ATTACKER_UIDS]
+    innocent_ops: list[str] = []
+    failures: list[str] = []
+    peak_fds = 0
+    try:
+        for holder in holders:
+            assert _readline(holder, 120).strip() == "holding"
+        peak_fds = fd_count(daemon.pid)
+        for round_ in range(3):  # innocent work while every attacker holds what it got
+            try:
+                with connect(daemon.socket, timeout=10) as client:
+                    client.status()
+                    client.set_channel("innocent", key)
+                    with client.watch_channel("innocent") as watch:
+                        assert watch.wait(10) is not None
+                        client.list_channels()
+                        fresh = publish(client, f"hostile-relay-{round_}", 9)
+                        client.set_channel("innocent", fresh)
+                        update = watch.wait(10)
+                        assert update is not None and update.key == fresh
+                    with client.acquire(key) as lease:
+                        assert float(lease.tensors["w"][-1]) == 7.0
+                innocent_ops.append("ok")
+            except Exception as exc:  # counted: an innocent failure is the finding
+                failures.append(f"{type(exc).__name__}: {exc}")
+            peak_fds = max(peak_fds, fd_count(daemon.pid))
+        reports = []
+        for holder in holders:
+            assert holder.stdin is not None
+            holder.stdin.write("go\n")
+            holder.stdin.flush()
+            line = _readline(holder, 60)
+            assert line.startswith("result "), line
+            reports.append(json.loads(line[len("result "):]))
+        # A connection that never speaks: closed unread after the first-bytes timeout.
+        import socket as socket_module
+
+        silent = socket_module.socket(socket_module.AF_UNIX, socket_module.SOCK_STREAM)
+        silent.connect(str(daemon.socket))
+        silent.settimeout(FIRST_BYTES_TIMEOUT_S + 20)
+        began = time.monotonic()
+        try:
+            closed_after = time.monotonic() - began if silent.recv(1) == b"" else -1.0
+        except OSError:
+            closed_after = time.monotonic() - began
+        silent.close()
+    finally:
+        for holder in holders:
+            if holder.poll() is None:
+                holder.kill()
+            holder.wait()
+    held = sum(r["open"] for r in reports)
+    log = daemon.log.read_text(errors="replace")
+    shed, refused = log.count("shed the least recently active gRPC connection"), log.count("its budget, and")
+    attack.tried = sum(r["connections"] for r in reports)
+    attack.crashes = crashes(daemon)
+    attack.others_failed = len(failures)
+    attack.complete = True
+    print(f"\nidle relay connections of {len(ATTACKER_UIDS)} uids x {PER_UID}: {held} still open at the end "
+          f"(budget {budget}; {shed} shed, {refused} refused), per uid {[r['open'] for r in reports]}, "
+          f"daemon descriptors at most {peak_fds} of {NOFILE}, RSS {rss_mib(daemon.pid):.0f} MiB; "
+          f"innocent rounds {innocent_ops}, failures {failures[:3]}; a silent connection closed after "
+          f"{closed_after:.1f} s")
+    assert not failures, failures
+    assert held <= budget
+    assert peak_fds < NOFILE - 64, "the attack came close to hwrd's open-files limit"
+    assert FIRST_BYTES_TIMEOUT_S - 1 <= closed_after <= FIRST_BYTES_TIMEOUT_S + 10
     assert attack.crashes == 0
