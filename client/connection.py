@@ -264,13 +264,22 @@ class Connection:
     # calls ----------------------------------------------------------------------------------
     def call(self, method: str, request: Message, timeout: float | None = None) -> Any:
         """The RPC ``method`` with the session's token; after a reconnect (the daemon restarted)
-        it is made once more, unless it belongs to the old session (``NO_RETRY``)."""
+        it is made once more, unless it belongs to the old session (``NO_RETRY``). A call whose
+        gRPC connection broke while the session lives on is made once more on the same session
+        first."""
         self.check_usable()
         peer = self._peer
         try:
             return getattr(self.stub, method)(request, metadata=self.metadata, timeout=timeout or self.timeout)
         except grpc.RpcError as exc:
             error = error_from_rpc(exc)
+        if error.code == "DAEMON_UNAVAILABLE" and self.may_reconnect(method, error) and self.peer_alive(peer):
+            # Only this call's gRPC connection went (hwrd sheds one to make room for other uids):
+            # once more on the same session before the session is given up.
+            try:
+                return getattr(self.stub, method)(request, metadata=self.metadata, timeout=timeout or self.timeout)
+            except grpc.RpcError as exc:
+                error = error_from_rpc(exc)
         if not self.may_reconnect(method, error):
             raise error
         self.reconnect(failed_peer=peer)  # raises DaemonUnavailable while hwrd is down
