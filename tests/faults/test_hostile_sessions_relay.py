@@ -8,10 +8,10 @@ daemon's rights matter) and is counted in the hostile summary of ``test_hostile_
 - A publisher stopped (SIGSTOP) mid-staging, as another uid, gives its reservation back once it
   made no progress for ``publication_stall_timeout_s``: an innocent publication that needs the
   room then succeeds, and the stopped one, resumed, fails with a typed error; nothing leaks.
-- Many uids each holding their per-uid maximum of idle gRPC relay connections cannot exhaust
-  hwrd's descriptors: relayed connections share one node-wide budget (half the open-files
-  limit), an innocent uid gets in by shedding a connection of the biggest holder, and a
-  connection that never sends a byte is closed.
+- Many uids each holding many idle gRPC relay connections, or peer sessions, cannot exhaust
+  hwrd's descriptors: each kind shares one node-wide budget (half, and a quarter, of the
+  open-files limit), an innocent uid gets in by shedding a connection of the biggest holder,
+  and a gRPC connection that never sends a byte is closed.
 """
 
 from __future__ import annotations
@@ -182,16 +182,17 @@ def test_publisher_stopped_mid_staging(artifact: Callable[..., tuple[DaemonProce
 
 HOLDER = """
 import json, select, socket, sys, time
-path, conns = sys.argv[1], int(sys.argv[2])
-# An HTTP/2 client preface and an empty SETTINGS frame: a connection that looks like a gRPC
-# client's, then stays idle for good.
+path, conns, kind = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+# gRPC: an HTTP/2 client preface and an empty SETTINGS frame, a connection that looks like a
+# gRPC client's; peer: nothing (the session opens at connect). Then idle for good.
 PREFACE = b"PRI * HTTP/2.0\\r\\n\\r\\nSM\\r\\n\\r\\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
 socks = []
 for _ in range(conns):
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(path)
-        sock.sendall(PREFACE)
+        if kind == "grpc":
+            sock.sendall(PREFACE)
     except OSError:
         sock.close()
         continue
@@ -228,27 +229,50 @@ def lower_nofile(daemon: DaemonProcess, user: RunAs | None) -> None:
                    timeout=60, cwd="/")
 
 
+def silent_connection_closed_after(daemon: DaemonProcess) -> float:
+    """Seconds until hwrd closes a gRPC connection that never sends a byte."""
+    import socket
+
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        silent.connect(str(daemon.socket))
+        silent.settimeout(60)
+        began = time.monotonic()
+        try:
+            return time.monotonic() - began if silent.recv(1) == b"" else -1.0
+        except OSError:
+            return time.monotonic() - began
+    finally:
+        silent.close()
+
+
 def fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 @pytest.mark.usefixtures("daemon_user")  # root without capabilities, and the unit's user
 @pytest.mark.timeout(300)
-def test_idle_relay_connections_of_many_uids(artifact: Callable[..., tuple[DaemonProcess, str, str]],
-                                             attack: Attack, request: pytest.FixtureRequest) -> None:
-    """24 uids of one admitted gid each hold 32 idle gRPC connections (an HTTP/2 preface, then
-    nothing) against an hwrd limited to 1,024 descriptors: it holds at most its budget of them,
-    its descriptors stay well below the limit, and an innocent client (another uid) opens
-    sessions, lists, sets and watches channels, publishes and acquires throughout. A connection
-    that sends no byte at all is closed after ``FIRST_BYTES_TIMEOUT_S``."""
+@pytest.mark.parametrize("kind", ["grpc", "peer"])
+def test_idle_connections_of_many_uids(artifact: Callable[..., tuple[DaemonProcess, str, str]],
+                                       attack: Attack, request: pytest.FixtureRequest, kind: str) -> None:
+    """24 uids of one admitted gid each hold 32 idle connections against an hwrd limited to
+    1,024 descriptors: gRPC connections (an HTTP/2 preface, then nothing) or peer sessions
+    (nothing at all). hwrd holds at most its budget of them, its descriptors stay well below the
+    limit, and an innocent client (another uid) opens sessions, lists, sets and watches channels,
+    publishes and acquires throughout. A gRPC connection that sends no byte at all is closed
+    after ``FIRST_BYTES_TIMEOUT_S``."""
+    from hwr.daemon.peer.channel import SESSION_SHARE
     from hwr.daemon.system.activation import FIRST_BYTES_TIMEOUT_S
     from hwr.daemon.system.grpc_peers import FDS_PER_CONNECTION, SHARE
 
     daemon, key, _digest = artifact("--allow-gid", str(ATTACKER_GID))
     lower_nofile(daemon, requested_user(request))
-    budget = int(NOFILE * SHARE) // FDS_PER_CONNECTION
+    if kind == "grpc":
+        budget, target = int(NOFILE * SHARE) // FDS_PER_CONNECTION, str(daemon.socket)
+    else:
+        budget, target = int(NOFILE * SESSION_SHARE), f"{daemon.socket}.peer"
     holders = [subprocess.Popen(as_user(RunAs(uid, ATTACKER_GID, umask=0o022),
-                                        [sys.executable, "-c", HOLDER, str(daemon.socket), str(PER_UID)]),
+                                        [sys.executable, "-c", HOLDER, target, str(PER_UID), kind]),
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
                for uid in ATTACKER_UIDS]
     innocent_ops: list[str] = []
@@ -284,18 +308,7 @@ def test_idle_relay_connections_of_many_uids(artifact: Callable[..., tuple[Daemo
             line = _readline(holder, 60)
             assert line.startswith("result "), line
             reports.append(json.loads(line[len("result "):]))
-        # A connection that never speaks: closed unread after the first-bytes timeout.
-        import socket as socket_module
-
-        silent = socket_module.socket(socket_module.AF_UNIX, socket_module.SOCK_STREAM)
-        silent.connect(str(daemon.socket))
-        silent.settimeout(FIRST_BYTES_TIMEOUT_S + 20)
-        began = time.monotonic()
-        try:
-            closed_after = time.monotonic() - began if silent.recv(1) == b"" else -1.0
-        except OSError:
-            closed_after = time.monotonic() - began
-        silent.close()
+        closed_after = silent_connection_closed_after(daemon) if kind == "grpc" else 0.0
     finally:
         for holder in holders:
             if holder.poll() is None:
@@ -303,18 +316,21 @@ def test_idle_relay_connections_of_many_uids(artifact: Callable[..., tuple[Daemo
             holder.wait()
     held = sum(r["open"] for r in reports)
     log = daemon.log.read_text(errors="replace")
-    shed, refused = log.count("shed the least recently active gRPC connection"), log.count("its budget, and")
+    shed = log.count("shed the least recently active gRPC connection") + log.count("ended the least recently active "
+                                                                                     "session")
+    refused = log.count("its budget, and")
     attack.tried = sum(r["connections"] for r in reports)
     attack.crashes = crashes(daemon)
     attack.others_failed = len(failures)
     attack.complete = True
-    print(f"\nidle relay connections of {len(ATTACKER_UIDS)} uids x {PER_UID}: {held} still open at the end "
+    print(f"\nidle {kind} connections of {len(ATTACKER_UIDS)} uids x {PER_UID}: {held} still open at the end "
           f"(budget {budget}; {shed} shed, {refused} refused), per uid {[r['open'] for r in reports]}, "
           f"daemon descriptors at most {peak_fds} of {NOFILE}, RSS {rss_mib(daemon.pid):.0f} MiB; "
-          f"innocent rounds {innocent_ops}, failures {failures[:3]}; a silent connection closed after "
-          f"{closed_after:.1f} s")
+          f"innocent rounds {innocent_ops}, failures {failures[:3]}"
+          + (f"; a silent connection closed after {closed_after:.1f} s" if kind == "grpc" else ""))
     assert not failures, failures
     assert held <= budget
     assert peak_fds < NOFILE - 64, "the attack came close to hwrd's open-files limit"
-    assert FIRST_BYTES_TIMEOUT_S - 1 <= closed_after <= FIRST_BYTES_TIMEOUT_S + 10
+    if kind == "grpc":
+        assert FIRST_BYTES_TIMEOUT_S - 1 <= closed_after <= FIRST_BYTES_TIMEOUT_S + 10
     assert attack.crashes == 0
