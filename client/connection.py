@@ -376,7 +376,7 @@ class Connection:
             return self.reattach()
 
     def peer_alive(self, peer: socket.socket | None) -> bool:
-        """Whether ``peer`` is still this session's socket and hwrd has not hung it up: a gRPC
+        """Whether ``peer`` is still the current session's socket and hwrd has not hung it up: a gRPC
         stream that failed meanwhile lost only its own connection (hwrd may close a gRPC
         connection to make room for other uids), not the session."""
         if peer is None or peer is not self._peer:
