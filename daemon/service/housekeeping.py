@@ -77,14 +77,18 @@ class Housekeeping:
                 log.exception("housekeeping failed")
 
     async def _cancel_stalled(self, publications: Publishing, clock: Callable[[], float]) -> None:
-        """Cancel staged publications that made no progress for ``publication_stall_timeout_s``:
-        a writer stopped (SIGSTOP) or hung mid-staging gives its reservation back."""
-        from hwr.daemon.service.publishing import PubState
+        """Cancel staged client publications that made no progress for
+        ``publication_stall_timeout_s``: a writer stopped (SIGSTOP) or hung mid-staging gives its
+        reservation back. Daemon-side builds are bounded by their own limits instead (a producer's
+        ``producer_timeout_s``, which covers loading a model before the first write; a pull's
+        ``remote_stall_timeout_s``)."""
+        from hwr.daemon.service.publishing import DAEMON_OWNER, PubState
 
         timeout = self.config.publication_stall_timeout_s
         if timeout <= 0:
             return
-        staged = [p for p in publications.active() if p.state is PubState.STAGED and p.staging is not None]
+        staged = [p for p in publications.active()
+                  if p.state is PubState.STAGED and p.staging is not None and p.session_id != DAEMON_OWNER]
         if not staged:
             return
         marks = await asyncio.to_thread(lambda: [publications.progress_marks(p) for p in staged])

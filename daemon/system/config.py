@@ -78,8 +78,8 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     min_free_bytes: int = 0
     mlock_budget_bytes: int = 0
     publication_deadline_s: float = 3600.0
-    # A staged publication whose staging files (sizes, blocks, modification times) and handed-over
-    # files did not change for this long is cancelled: its reservation comes back (a writer stopped
+    # A staged client publication whose staging files (sizes, blocks, modification times) and
+    # handed-over files did not change for this long is cancelled: its reservation comes back (a writer stopped
     # or hung mid-staging; it gets PUBLICATION_FAILED if it resumes). 0 = off.
     publication_stall_timeout_s: float = 300.0
     serialized_admission: bool = False
