@@ -7,10 +7,12 @@
                 switch_to(client.acquire(update.key))
 
 A ``ChannelWatch`` holds one ``WatchChannel`` stream on the client's session (gRPC, read by a
-background thread) and keeps only the newest state it heard of. ``wait`` returns the newest
-state not yet returned (coalesced: a slow caller sees the newest, never the states in between),
-or None when ``timeout`` passes first. The first ``wait`` returns the channel's state at
-subscription when the channel exists (compare its key with the one you serve).
+background thread, on a connection that carries only watches: ``Connection.watch_stream``, so
+open watches never hold up the client's other calls) and keeps only the newest state it heard
+of. ``wait`` returns the newest state not yet returned (coalesced: a slow caller sees the
+newest, never the states in between), or None when ``timeout`` passes first. The first
+``wait`` returns the channel's state at subscription when the channel exists (compare its key
+with the one you serve).
 
 Session end and restarts: hwrd ends a watch when its session ends (and when it stops). The watch
 then RESUMES on the client's next session: with ``auto_reconnect`` (the default) it reconnects
@@ -151,6 +153,13 @@ class ChannelWatch:
             if not (connection.auto_reconnect and connection.active) or error.code not in _RESUMABLE:
                 self._end(error)
                 return
+            if error.code == "DAEMON_UNAVAILABLE" and connection.peer_alive(peer):
+                # Only the stream's gRPC connection went (shed by hwrd): subscribe again on the
+                # same session, on a fresh connection.
+                time.sleep(delay)
+                delay = min(2.0, delay * 2)
+                self.resubscriptions += 1
+                continue
             try:
                 connection.reconnect(failed_peer=peer)  # nothing when another thread already did
                 delay = 0.05
@@ -162,12 +171,14 @@ class ChannelWatch:
     def _stream(self, connection: Connection) -> HwrError:
         """Read one subscription until it ends; returns why it ended."""
         try:
-            call = connection.stub.WatchChannel(pb.WatchChannelRequest(name=self.name), metadata=connection.metadata)
+            slot = connection.watch_stream()
+            call = slot.stub.WatchChannel(pb.WatchChannelRequest(name=self.name), metadata=connection.metadata)
         except HwrError as exc:
             return exc
         with self._cond:
             if self._closed:
                 call.cancel()
+                slot.release()
                 return DaemonUnavailable("closed")
             self._call = call
         try:
@@ -190,6 +201,7 @@ class ChannelWatch:
                 self._subscribed = False
                 if self._call is call:
                     self._call = None
+            slot.release()
 
     def _end(self, error: HwrError) -> None:
         with self._cond:

@@ -26,6 +26,13 @@ background (a watcher thread that polls the peer socket for hang-up) while the o
 session is needed. Limits: publications in flight are lost (their commit fails: publish again);
 calls bound to the old session (Release, Commit/AbortPublication) are not retried.
 
+Streams apart from calls: hwrd serves at most ``STREAMS_PER_GRPC_CONNECTION`` (8) calls in flight
+per gRPC connection, and a channel watch is a call that stays in flight. So watches never ride on
+the connection the unary calls use: ``watch_stream`` hands each one a slot on a gRPC connection
+of its own kind (one per ``STREAMS_PER_GRPC_CONNECTION`` watches, opened when needed and closed
+when its last watch ends). A session's 64 watches thus take 8 more gRPC connections (of the
+uid's ``max_grpc_connections_per_uid``) and never delay a unary call.
+
 Thread safety: calls may be made from several threads; peer exchanges are serialized. The lock
 order and what each lock guards is written where the locks are declared (``__init__``).
 """
@@ -65,9 +72,12 @@ from hwr.protos.hwr.v1 import hwr_pb2_grpc
 if TYPE_CHECKING:
     from google.protobuf.message import Message
 
-__all__ = ["Connection", "ReattachReport", "open_peer", "open_session"]
+__all__ = ["STREAMS_PER_GRPC_CONNECTION", "Connection", "ReattachReport", "WatchSlot", "open_peer", "open_session"]
 
 R = TypeVar("R")
+
+#: Calls hwrd serves in flight on one gRPC connection (its ``grpc.max_concurrent_streams``).
+STREAMS_PER_GRPC_CONNECTION = 8
 
 #: Every connection of this process, so that a forked child can drop its copies of their sockets.
 _LIVE: weakref.WeakSet[Connection] = weakref.WeakSet()
@@ -82,6 +92,32 @@ class ReattachReport(TypedDict):
 
 def _nothing_to_reattach() -> ReattachReport:
     return {"reattached": 0, "detached": []}
+
+
+class _StreamChannel:
+    """A gRPC connection that carries only long-lived streams (watches), at most
+    ``STREAMS_PER_GRPC_CONNECTION`` of them. Its own subchannel pool: it never shares its
+    connection with the unary calls' channel (grpc shares equal targets process-wide otherwise)."""
+
+    def __init__(self, target: str) -> None:
+        self.channel = grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+        self.stub = hwr_pb2_grpc.HostWeightRuntimeStub(self.channel)
+        self.users = 0
+
+
+class WatchSlot:
+    """One stream's place on a stream connection (``Connection.watch_stream``); ``release``
+    (idempotent) gives it back, closing the connection when it was the last one there."""
+
+    def __init__(self, owner: Connection, holder: _StreamChannel) -> None:
+        self._owner, self._holder = owner, holder
+        self.stub = holder.stub
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._owner._release_stream(self._holder)
 
 
 class Connection:
@@ -125,6 +161,9 @@ class Connection:
         self._channel: grpc.Channel | None = None
         self._grpc_stub: hwr_pb2_grpc.HostWeightRuntimeStub | None = None
         self._watcher: threading.Thread | None = None
+        # Guards ``_streams`` (taken after the locks above, never before one of them).
+        self._streams_lock = threading.Lock()
+        self._streams: list[_StreamChannel] = []
         try:
             self._peer, hello = open_session(socket_path, timeout, self._hello_request())
             self._take_session(hello)
@@ -177,6 +216,35 @@ class Connection:
                 stub = self._grpc_stub
         return stub
 
+    def watch_stream(self) -> WatchSlot:
+        """A slot for one long-lived stream (a channel watch) on a gRPC connection that carries
+        no unary call (see the module docstring); the caller releases it when its stream ends."""
+        with self._streams_lock:
+            holder = next((h for h in self._streams if h.users < STREAMS_PER_GRPC_CONNECTION), None)
+            if holder is None:
+                holder = _StreamChannel(f"unix:{self.socket_path}")
+                self._streams.append(holder)
+            holder.users += 1
+            return WatchSlot(self, holder)
+
+    def _release_stream(self, holder: _StreamChannel) -> None:
+        with self._streams_lock:
+            holder.users -= 1
+            idle = holder.users <= 0
+            if idle and holder in self._streams:
+                self._streams.remove(holder)
+        if idle and os.getpid() == self._pid:
+            holder.channel.close()
+
+    def _drop_streams(self) -> None:
+        """Forget the stream connections (a reconnect or close): their streams end with the
+        session; each closes with its last release, and new watches open fresh ones."""
+        with self._streams_lock:
+            idle = [h for h in self._streams if h.users <= 0]
+            self._streams = []
+        for holder in idle:
+            holder.channel.close()
+
     def check_usable(self) -> None:
         if self._closed:
             raise DaemonUnavailable("the client is closed")
@@ -196,13 +264,22 @@ class Connection:
     # calls ----------------------------------------------------------------------------------
     def call(self, method: str, request: Message, timeout: float | None = None) -> Any:
         """The RPC ``method`` with the session's token; after a reconnect (the daemon restarted)
-        it is made once more, unless it belongs to the old session (``NO_RETRY``)."""
+        it is made once more, unless it belongs to the old session (``NO_RETRY``). A call whose
+        gRPC connection broke while the session lives on is made once more on the same session
+        first."""
         self.check_usable()
         peer = self._peer
         try:
             return getattr(self.stub, method)(request, metadata=self.metadata, timeout=timeout or self.timeout)
         except grpc.RpcError as exc:
             error = error_from_rpc(exc)
+        if error.code == "DAEMON_UNAVAILABLE" and self.may_reconnect(method, error) and self.peer_alive(peer):
+            # Only this call's gRPC connection went (hwrd sheds one to make room for other uids):
+            # once more on the same session before the session is given up.
+            try:
+                return getattr(self.stub, method)(request, metadata=self.metadata, timeout=timeout or self.timeout)
+            except grpc.RpcError as exc:
+                error = error_from_rpc(exc)
         if not self.may_reconnect(method, error):
             raise error
         self.reconnect(failed_peer=peer)  # raises DaemonUnavailable while hwrd is down
@@ -294,8 +371,22 @@ class Connection:
                 if closing is not None:
                     with contextlib.suppress(Exception):
                         closing.close()
+            self._drop_streams()
             self.reconnects += 1
             return self.reattach()
+
+    def peer_alive(self, peer: socket.socket | None) -> bool:
+        """Whether ``peer`` is still the current session's socket and hwrd has not hung it up: a gRPC
+        stream that failed meanwhile lost only its own connection (hwrd may close a gRPC
+        connection to make room for other uids), not the session."""
+        if peer is None or peer is not self._peer:
+            return False
+        poller = select.poll()
+        try:
+            poller.register(peer, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+            return not poller.poll(0)
+        except (OSError, ValueError):
+            return False
 
     def start_watcher(self, needed: Callable[[], bool]) -> None:
         """Watch the peer socket for hang-up in a daemon thread, and reconnect when it hangs up,
@@ -342,6 +433,8 @@ class Connection:
             channel, self._channel, self._grpc_stub = self._channel, None, None
         if channel is not None and os.getpid() == self._pid:
             channel.close()
+        if os.getpid() == self._pid:
+            self._drop_streams()
 
     def _forget_after_fork(self) -> None:
         # The child's copy of the peer socket must not keep the parent's session alive.

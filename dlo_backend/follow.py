@@ -4,11 +4,13 @@
 
     watch = client.watch_channel(name)         # coalesced: the newest state, never a queue
     loop: update = watch.wait(poll)            # ChannelUpdate(name, key, generation) or None
-          key not the running/pending one ->   lease = client.acquire(key)
+          key not pending, not running alone ->   lease = client.acquire(key)
                                                handle.update(lease)   # switch at the next pass
 
-- A key the handle already runs (or has pending) is skipped, so the watch's first answer (the
-  channel's state when the watch starts) costs nothing when the handle started on it.
+- A key the handle has pending, or runs with nothing pending, is skipped, so the watch's first
+  answer (the channel's state when the watch starts) costs nothing when the handle started on
+  it. The running key while another is pending (the channel went back: a rollback) is handed
+  to ``update``, which cancels the pending revision and releases its lease.
 - A revision refused by the contract check (``RevisionMismatch``) is recorded
   (``last_error``; the handle's ``revision_status()`` has it too) and the handle keeps its
   revision; following goes on. A key evicted before it could be acquired (it was superseded
@@ -145,8 +147,10 @@ class ChannelFollower:
 
     def _take(self, key: str) -> None:
         status = self._target.revision_status()
-        if key in (status.key, status.pending):
+        if key == status.pending or (key == status.key and status.pending is None):
             return
+        # A key equal to the running one while another is pending is a rollback: it goes to
+        # ``update``, which drops the pending revision (released, evictable) and keeps running.
         try:
             lease = self._client.acquire(key, **self._acquire_options)
         except HwrError as exc:  # evicted once superseded, or hwrd going away: the watch goes on

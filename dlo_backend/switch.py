@@ -12,7 +12,10 @@ to (the compute thread, before the model's first layer runs):
 
 - ``update`` checks the tensor contract and builds the revision's host side (views, shards,
   ``cudaHostRegister``, staging) off the compute thread; a failure leaves everything as it was.
-  The newest update wins: a pending revision not yet taken is closed when a newer one arrives.
+  The newest update wins: a pending revision not yet taken is closed when a newer one arrives,
+  and an update to the revision that runs (a rollback) closes the pending one and changes
+  nothing else. A rollback that arrives while the group agrees on the pending revision is
+  staged as a revision of its own (the boundary may still switch; the next one switches back).
 - At the boundary, rank-local: the pending revision (if any) is applied. With AllGather, every
   rank first gathers every rank's ``agreement.Proposal`` and applies ``agreement.decide``:
   all ranks switch at the same pass, or none does. A pass therefore runs entirely on one
@@ -103,11 +106,20 @@ class RevisionSwitch:
     def update(self, lease: HostLease) -> None:
         """Stage ``lease`` for the next pass boundary (see the module docstring)."""
         key = lease.key
+        cancelled: Revision | None = None
         with self._lock:
             closed = self._closed
             same = key == self._current and self._pending is None
             same = same or (self._pending is not None and key == self._pending.key)
+            if not closed and key == self._current and self._pending is not None and self._pending is not self._offered:
+                # A return to the running revision (a rollback): the pending one is abandoned,
+                # so its lease is released now instead of running at the next boundary.
+                cancelled, self._pending, same = self._pending, None, True
+                if self._proposal.digest == cancelled.digest:
+                    self._proposal = Proposal()
             known_bad = key_digest(key) in self._refused
+        if cancelled is not None:
+            self._discard(cancelled)
         if closed or same or known_bad:
             lease.close()
             if closed:

@@ -52,8 +52,15 @@ Only the connection that owns a session can fetch its descriptors: the token alo
 to another process. Descriptors are opened per request and closed right after sending.
 
 Bounds per connection and per uid (sessions, descriptors in flight, partial frames, a stalled
-frame's timeout): ``hwr.daemon.peer.limits``. One connection's reading, ordering and replies:
-``hwr.daemon.peer.connection``; this module accepts, greets and dispatches requests.
+frame's timeout): ``hwr.daemon.peer.limits``. Node-wide, sessions hold at most a quarter of
+hwrd's soft ``RLIMIT_NOFILE`` (one descriptor each; ``SESSION_SHARE``), shared fairly between
+uids (``hwr.daemon.policy.connection_share``): at that budget a uid holding fewer sessions than
+the biggest holder less one gets in by ending that holder's least recently active session (its
+client reconnects and reattaches its leases, as after a daemon restart); any other newcomer gets
+``DAEMON_UNAVAILABLE`` (``details.reason = "SESSIONS_BUDGET"``, retryable). So however many uids
+hold sessions, they cannot take the last descriptors from an innocent client. One connection's
+reading, ordering and replies: ``hwr.daemon.peer.connection``; this module accepts, greets and
+dispatches requests.
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ import contextlib
 import errno
 import logging
 import os
+import resource
 import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -73,6 +81,7 @@ from hwr.client.errors import DaemonUnavailable, HwrError, InvalidRequest, Permi
 from hwr.client.wire import MAX_FRAME, error_frame, send_frame
 from hwr.daemon.peer.connection import LATER, Later, PeerConnection, Served
 from hwr.daemon.peer.limits import Ledger, PeerLimits
+from hwr.daemon.policy.connection_share import connection_budget, share_verdict
 from hwr.daemon.service.sessions import Registry, Session
 from hwr.daemon.system.accepting import Acceptor, cancel_and_wait
 from hwr.daemon.system.peercred import AllowList, peer_allowed, read_peercred
@@ -87,6 +96,10 @@ __all__ = ["PeerServer"]
 log = logging.getLogger("hwrd.peer")
 
 _PUBLISH_OPS = {"publish_begin": "begin", "publish_commit": "commit", "publish_abort": "abort"}
+#: The share of the soft open-files limit that sessions (one descriptor each) may hold, and the
+#: fewest the budget allows.
+SESSION_SHARE = 0.25
+MIN_SESSION_BUDGET = 64
 
 
 class PeerServer:
@@ -126,7 +139,9 @@ class PeerServer:
         self._task: asyncio.Task[None] | None = None
         self._acceptor: Acceptor | None = None
         self._conns: set[PeerConnection] = set()
+        self._sessions_of: dict[int, set[PeerConnection]] = {}  # the connections with a session, by uid
         self.ledger = Ledger(limits or PeerLimits())
+        self.shed = 0  # sessions ended to make room for another uid
 
     async def start(self) -> None:
         if self._sock is None:
@@ -175,7 +190,24 @@ class PeerServer:
                 conn.connection_lost(exc)
 
     # ---------------------------------------------------------------- request handling
-    def _greet(self, sock: socket.socket) -> tuple[Session | None, dict[str, Any]]:
+    def session_budget(self) -> int:
+        """Sessions hwrd holds at most, node-wide (see the module docstring)."""
+        return connection_budget(_soft_nofile(), 1, SESSION_SHARE, MIN_SESSION_BUDGET)
+
+    def _session_gone(self, conn: PeerConnection) -> None:
+        """``conn``'s session ended (its connection was lost)."""
+        assert conn.session is not None
+        uid = conn.session.cred.uid
+        mine = self._sessions_of.get(uid)
+        if mine is not None:
+            mine.discard(conn)
+            if not mine:
+                del self._sessions_of[uid]
+        if not conn.shed:  # a shed one left the ledger when it was shed
+            self.ledger.session_closed(uid)
+
+    def _greet(self, sock: socket.socket,
+               conn: PeerConnection | None = None) -> tuple[Session | None, dict[str, Any]]:
         cred = read_peercred(sock)
         if not peer_allowed(cred, self._allow()):
             log.warning("refused peer pid=%d uid=%d gid=%d", cred.pid, cred.uid, cred.gid)
@@ -187,10 +219,35 @@ class PeerServer:
             return None, error_frame(DaemonUnavailable(
                 f"uid {cred.uid} has {limit} sessions open, the most hwrd allows one uid; close some",
                 details={"reason": "SESSIONS_PER_UID", "limit": limit}))
+        budget = self.session_budget()
+        verdict = share_verdict(self.ledger.sessions_by_uid, cred.uid, budget)
+        if not verdict.admit:
+            log.warning("refused peer pid=%d uid=%d: hwrd holds %d sessions, its budget, and this uid holds as "
+                        "many as any other", cred.pid, cred.uid, budget)
+            return None, error_frame(DaemonUnavailable(
+                f"hwrd holds {budget} sessions, the most its open-files limit allows, and uid {cred.uid} holds as "
+                "many as any other uid; retry later", details={"reason": "SESSIONS_BUDGET", "limit": budget}))
+        if verdict.shed_uid is not None:
+            self._shed_one(verdict.shed_uid, cred.uid, budget)
         session = self._registry.open_session(cred)
         self.ledger.session_opened(cred.uid)
+        if conn is not None:
+            self._sessions_of.setdefault(cred.uid, set()).add(conn)
         return session, {"ok": True, "session_id": session.session_id, "token": session.token,
                          "pid": cred.pid, "uid": cred.uid}
+
+    def _shed_one(self, uid: int, newcomer: int, budget: int) -> None:
+        """End the least recently active session of ``uid`` (it holds the most) for ``newcomer``."""
+        candidates = [c for c in self._sessions_of.get(uid, ()) if not c.shed and not c.closed]
+        if not candidates:
+            return
+        victim = min(candidates, key=lambda c: c.last_active)
+        victim.shed = True
+        self.ledger.session_closed(uid)  # now: the connection ends in a later step of the loop
+        self.shed += 1
+        log.warning("ended the least recently active session of uid %d (it holds the most) to admit uid %d: "
+                    "hwrd holds %d sessions, its budget", uid, newcomer, budget)
+        victim.abort()
 
     def handle_now(self, session: Session, req: dict[str, Any]) -> Served | Later:
         """(reply, fds, tail) for a request served synchronously, or ``LATER``; every failure
@@ -361,3 +418,8 @@ def _failure_frame(op: object, exc: Exception) -> dict[str, Any]:
                                     details={"errno": errno.errorcode.get(exc.errno or 0, str(exc.errno))}))
     log.error("internal error in peer operation %s", name, exc_info=exc)
     return error_frame(HwrError(f"internal error in peer operation {name}"))
+
+
+def _soft_nofile() -> int:
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20

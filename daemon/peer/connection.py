@@ -17,6 +17,7 @@ import enum
 import errno
 import logging
 import socket
+import time
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +62,10 @@ class PeerConnection(asyncio.Protocol):
         self.ended: asyncio.Future[None] = loop.create_future()  # set once the session has ended
         self._tasks: set[asyncio.Task[None]] = set()
         self.inflight: InflightFds | None = None  # descriptors sent, maybe not received yet
+        # When the client last sent bytes (the session budget sheds the least recently active),
+        # and whether it was shed (its session was taken off the ledger then).
+        self.last_active = time.monotonic()
+        self.shed = False
         self.frames = FrameWatch(server.ledger, loop, self, lambda: self.busy or self.write_paused,
                                  self._stalled)
 
@@ -70,7 +75,7 @@ class PeerConnection(asyncio.Protocol):
         if hasattr(transport, "max_size"):  # bound what one read adds to the buffer (peer_limits)
             transport.max_size = READ_SIZE  # type: ignore[attr-defined]
         try:
-            session, hello = self.server._greet(self.sock)
+            session, hello = self.server._greet(self.sock, self)
         except OSError as exc:
             log.debug("peer connection ended at greeting: %s", exc)
             self.abort()
@@ -114,6 +119,7 @@ class PeerConnection(asyncio.Protocol):
             self.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
+        self.last_active = time.monotonic()
         self.buf += data
         self._pump()
         self._account()
@@ -144,7 +150,7 @@ class PeerConnection(asyncio.Protocol):
         if self.inflight is not None:
             self.inflight.close()
         if self.session is not None:
-            self.server.ledger.session_closed(self.session.cred.uid)
+            self.server._session_gone(self)
         if exc is not None:
             log.debug("peer connection ended: %s", exc)
         self.loop.create_task(self._end())

@@ -3,7 +3,7 @@
 A channel points to one artifact key. Each change takes the next generation of one node-wide
 counter and is recorded in a bounded history (newest last). A change is *durable* when the key
 it points to is a durable artifact; a channel remembers its last durable key and generation,
-which is all that a restart keeps of it::
+which is all that a restart keeps of its state (its history is kept whole, see below)::
 
     persisted document of a channel        what a restart makes of it
     ---------------------------------      ------------------------------------------------
@@ -11,6 +11,11 @@ which is all that a restart keeps of it::
     durable state, volatile_generation g   the last durable key, at a NEW generation (the
                                            fallback is a change; history entry "fallback")
     no durable key, volatile_generation g  nothing: the channel is gone
+
+The history (the last ``HISTORY`` changes) is persisted whole, non-durable entries included
+(``durable`` false): after a restart it still says which revisions ran, though a non-durable
+one's artifact is gone. Non-durable changes are written without fsync, so a host crash (not a
+restart of hwrd) may lose the newest of them.
 
 Protected keys (never evicted): each channel's current key and its last durable key (what a
 restart falls back to). Superseded keys are not protected: they become evictable once no lease
@@ -102,7 +107,7 @@ def protected_keys(states: Iterable[ChannelState]) -> set[str]:
 
 def _entry_doc(entry: HistoryEntry) -> dict[str, Any]:
     doc: dict[str, Any] = {"key": entry.key, "generation": entry.generation, "set_at": entry.set_at,
-                           "set_by": entry.set_by}
+                           "set_by": entry.set_by, "durable": entry.durable}
     if entry.uid is not None:
         doc["uid"] = entry.uid
     return doc
@@ -110,7 +115,7 @@ def _entry_doc(entry: HistoryEntry) -> dict[str, Any]:
 
 def document(states: Iterable[ChannelState], counter: int) -> dict[str, Any]:
     """The persisted form: per channel only its durable part (its last durable key, generation
-    and the durable entries of its history) plus ``volatile_generation``, the generation of a
+    and its whole history) plus ``volatile_generation``, the generation of a
     non-durable current state (0 when the current state is durable)."""
     channels = {}
     for s in sorted(states, key=lambda s: s.name):
@@ -118,7 +123,7 @@ def document(states: Iterable[ChannelState], counter: int) -> dict[str, Any]:
             "key": s.durable_key, "generation": s.durable_generation, "switches": s.switches,
             "created_at": s.created_at, "updated_at": s.updated_at,
             "volatile_generation": 0 if s.durable else s.generation,
-            "history": [_entry_doc(e) for e in s.history if e.durable],
+            "history": [_entry_doc(e) for e in s.history],
         }
         if s.owner is not None:
             channels[s.name]["owner"] = s.owner
@@ -141,10 +146,11 @@ def _history(items: object) -> tuple[HistoryEntry, ...]:
     for item in items[-HISTORY:]:
         if not isinstance(item, Mapping) or not is_key(item.get("key")) or not _number(item.get("generation"), int) \
                 or not isinstance(item.get("set_at"), (int, float)) or item.get("set_by") not in SET_BY \
-                or not _optional_uid(item.get("uid")):
+                or not _optional_uid(item.get("uid")) or not isinstance(item.get("durable", True), bool):
             raise ValueError("a history entry is malformed")
-        out.append(HistoryEntry(item["key"], item["generation"], float(item["set_at"]), item["set_by"], True,
-                                item.get("uid")))
+        # Documents written before entries said so hold durable entries only.
+        out.append(HistoryEntry(item["key"], item["generation"], float(item["set_at"]), item["set_by"],
+                                item.get("durable", True), item.get("uid")))
     return tuple(out)
 
 

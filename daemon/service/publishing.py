@@ -104,6 +104,9 @@ class Publication:
     # (``store.prehash``; a None result: the commit hashes that file itself).
     prehashed: dict[int, handover.Job] = field(default_factory=dict)
     reuse: ReuseSource | None = None  # the base whose tensors this publication takes (store.reuse)
+    # The stall timeout's state (housekeeping): the progress marks last seen and when they changed.
+    progress: tuple[int, ...] | None = None
+    progress_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -277,6 +280,22 @@ class Publishing:
         except HwrError:
             return None
         return open_reuse(record, fds, list(names), {s.name: s for s in specs})
+
+    def progress_marks(self, pub: Publication) -> tuple[int, ...]:
+        """What changes while ``pub``'s writer writes (blocking: ``stat`` of its staging): per
+        staging file and memfd its size, blocks and modification time, plus the files handed
+        over. A file that cannot be looked at counts as -1s (it changes nothing by itself)."""
+        marks: list[int] = [len(pub.prehashed)]
+        for _name, path, _size in pub.staging.files:
+            try:
+                st = os.stat(path, follow_symlinks=False)
+            except OSError:
+                marks += [-1, -1, -1]
+                continue
+            marks += [st.st_size, st.st_blocks, st.st_mtime_ns]
+        if self.memfd_staging is not None:
+            marks += self.memfd_staging.progress_marks(pub.publication_id)
+        return tuple(marks)
 
     def get(self, session: Session, publication_id: str, token: str | None = None) -> Publication:
         pub = self._by_id.get(publication_id)

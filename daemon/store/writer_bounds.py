@@ -215,6 +215,20 @@ class MemfdStagings:
                                         details={"file": name}) from None
         self.discard(publication_id)
 
+    def progress_marks(self, publication_id: str) -> list[int]:
+        """Size, blocks and modification time of each memfd of the publication (none before its
+        writer asked for its descriptors): they change as the writer writes."""
+        with self._lock:
+            memfds = list(self._by_pub.get(publication_id, ()))
+        marks: list[int] = []
+        for fd in memfds:
+            try:
+                st = os.fstat(fd)
+            except OSError:  # discarded meanwhile
+                continue
+            marks += [st.st_size, st.st_blocks, st.st_mtime_ns]
+        return marks
+
     def discard(self, publication_id: str) -> None:
         with self._lock:
             memfds = self._by_pub.pop(publication_id, [])

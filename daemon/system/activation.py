@@ -21,7 +21,10 @@ unlink systemd's socket and break the next activation), and it reads a whole req
 anything can look at the caller. So hwrd always binds gRPC on a private ``<socket>.grpc`` (mode
 0600, the daemon's user only), and ``GrpcRelay`` accepts on the public socket (systemd's, or
 hwrd's own ``<socket>``), asks ``admit`` about each connection's peer credentials before reading
-a byte of it (``hwr.daemon.system.grpc_peers``), and splices the admitted ones both ways. Clients
+a byte of it (``hwr.daemon.system.grpc_peers``), and splices the admitted ones both ways. A connection reaches
+gRPC only once its client sent a first byte: one that sends nothing for ``FIRST_BYTES_TIMEOUT_S``
+is closed (it held one descriptor meanwhile, never three). ``admit`` may later shed a
+connection to make room for another uid (the node-wide budget): the relay then closes it. Clients
 see the public socket; gRPC carries only small control messages (descriptors go over the peer
 channel), so the extra hop costs one copy of a few KiB per call. Limits: the relay keeps no
 per-connection state besides the two streams, and a connection queued in the inherited backlog
@@ -38,8 +41,12 @@ import socket
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hwr.daemon.system.accepting import Acceptor, cancel_and_wait
+
+if TYPE_CHECKING:
+    from hwr.daemon.system.grpc_peers import RelayTicket
 
 __all__ = ["Assignment", "GrpcRelay", "InheritedSocket", "assign", "inherited_sockets", "private_grpc_path"]
 
@@ -48,6 +55,9 @@ SD_LISTEN_FDS_START = 3
 #: How long the relay waits for a closed stream's connection to end (its buffer flushed) before
 #: it aborts it.
 RELAY_CLOSE_WAIT_S = 1.0
+#: A relayed connection whose client sends no byte this long after it was accepted is closed
+#: (gRPC clients send their connection preface at once).
+FIRST_BYTES_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -141,12 +151,13 @@ def _is_listening_stream(sock: socket.socket) -> bool:
 
 class GrpcRelay:
     """Accept on a listening socket (systemd's, or hwrd's own ``<socket>``) and splice each
-    connection to gRPC's private path. ``admit(conn)``, when given, is asked before a byte of a
-    connection is read: None closes it unread, else its result is called once the connection
-    ends (``hwr.daemon.system.grpc_peers``)."""
+    connection to gRPC's private path. ``admit(conn, abort)``, when given, is asked before a byte
+    of a connection is read: None closes it unread, else the ``RelayTicket`` it returns hears of
+    the client's activity and is released once the connection ends; ``abort()`` closes the
+    connection when ``admit`` sheds it later (``hwr.daemon.system.grpc_peers``)."""
 
     def __init__(self, listen: socket.socket, target: Path,
-                 admit: Callable[[socket.socket], Callable[[], None] | None] | None = None) -> None:
+                 admit: Callable[[socket.socket, Callable[[], None]], RelayTicket | None] | None = None) -> None:
         self._listen = listen
         self._target = target
         self._admit = admit
@@ -175,38 +186,63 @@ class GrpcRelay:
         acceptor = Acceptor(self._listen, "gRPC relay")
         while True:
             conn = await acceptor.accept()
-            release = self._admit(conn) if self._admit is not None else _nothing
-            if release is None:
+            spliced: list[asyncio.Task[None]] = []
+
+            def abort(conn: socket.socket = conn, spliced: list[asyncio.Task[None]] = spliced) -> None:
+                if spliced:
+                    spliced[0].cancel()  # the splice closes both ends
+                else:
+                    conn.close()
+
+            ticket = self._admit(conn, abort) if self._admit is not None else None
+            if self._admit is not None and ticket is None:
                 conn.close()  # unread: a refused peer never makes the daemon buffer its bytes
                 continue
-            task = loop.create_task(self._splice(conn))
+            task = loop.create_task(self._splice(conn, ticket))
+            spliced.append(task)
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
-            task.add_done_callback(lambda _t, done=release: done())
+            # A splice cancelled (shed) before it ran never closes the connection itself.
+            task.add_done_callback(lambda _t, c=conn: c.close())
+            if ticket is not None:
+                task.add_done_callback(lambda _t, done=ticket: done.release())
 
-    async def _splice(self, conn: socket.socket) -> None:
+    async def _splice(self, conn: socket.socket, ticket: RelayTicket | None) -> None:
         try:
             client_r, client_w = await asyncio.open_unix_connection(sock=conn)
         except OSError:
             conn.close()
             return
+        except asyncio.CancelledError:
+            conn.close()
+            raise
+        writers = [client_w]
         try:
-            server_r, server_w = await asyncio.open_unix_connection(str(self._target))
-        except OSError as exc:
-            log.warning("relay cannot reach gRPC at its private socket: %s", exc.strerror or exc)
-            client_w.close()
-            return
-        try:
-            await asyncio.gather(_pump(client_r, server_w), _pump(server_r, client_w))
+            # Nothing of gRPC is spent on a connection before its client speaks.
+            try:
+                # ``asyncio.timeout``, not ``wait_for``: on Python 3.11 ``wait_for`` loses a
+                # cancellation (a shed) that arrives as the read completes.
+                async with asyncio.timeout(FIRST_BYTES_TIMEOUT_S):
+                    first = await client_r.read(1 << 16)
+            except (TimeoutError, ConnectionError, OSError):
+                return
+            if not first or (ticket is not None and ticket.released):  # no bytes, or shed meanwhile
+                return
+            if ticket is not None:
+                ticket.touch()
+            try:
+                server_r, server_w = await asyncio.open_unix_connection(str(self._target))
+            except OSError as exc:
+                log.warning("relay cannot reach gRPC at its private socket: %s", exc.strerror or exc)
+                return
+            writers.append(server_w)
+            server_w.write(first)
+            await asyncio.gather(_pump(client_r, server_w, ticket), _pump(server_r, client_w))
         finally:
-            for writer in (client_w, server_w):
+            for writer in writers:
                 writer.close()
-            for writer in (client_w, server_w):
+            for writer in writers:
                 await _ended(writer)
-
-
-def _nothing() -> None:
-    return None
 
 
 async def _ended(writer: asyncio.StreamWriter) -> None:
@@ -224,9 +260,14 @@ async def _ended(writer: asyncio.StreamWriter) -> None:
         raise
 
 
-async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                ticket: RelayTicket | None = None) -> None:
+    """Copy ``reader`` to ``writer`` until EOF; ``ticket`` (the client's direction) hears of
+    every chunk, so that shedding picks the least recently active connection."""
     try:
         while chunk := await reader.read(1 << 16):
+            if ticket is not None:
+                ticket.touch()
             writer.write(chunk)
             await writer.drain()
         if writer.can_write_eof():

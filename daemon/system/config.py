@@ -87,6 +87,10 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     min_free_bytes: int = 0
     mlock_budget_bytes: int = 0
     publication_deadline_s: float = 3600.0
+    # A staged client publication whose staging files (sizes, blocks, modification times) and
+    # handed-over files did not change for this long is cancelled: its reservation comes back (a writer stopped
+    # or hung mid-staging; it gets PUBLICATION_FAILED if it resumes). 0 = off.
+    publication_stall_timeout_s: float = 300.0
     serialized_admission: bool = False
     scrub_bandwidth_mib_s: float = 0.0
     scrub_interval_s: float = 86400.0
@@ -132,7 +136,7 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ConfigError("log_level must be debug, info, warning or error", details={"key": "log_level"})
         for name in ("store_limit_bytes", "artifact_limit_bytes", "min_free_bytes", "mlock_budget_bytes",
-                     "publication_deadline_s", "scrub_bandwidth_mib_s"):
+                     "publication_deadline_s", "publication_stall_timeout_s", "scrub_bandwidth_mib_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative", details={"key": name})
         for name in ("scrub_interval_s", "housekeeping_interval_s", "remote_stall_timeout_s"):

@@ -222,7 +222,9 @@ def test_non_durable_revision_falls_back_at_restart_and_the_watch_resumes(
             client.acquire(volatile)
         info = client.inspect_channel("fb")
         assert info["key"] == durable and info["history"][-1]["set_by"] == "fallback"
-        assert [e["key"] for e in info["history"]] == [durable, durable]  # only durable entries survive
+        # The history survives the restart whole: the gone revision's entry says it was not durable.
+        assert [(e["key"], e["durable"]) for e in info["history"]] == [(durable, True), (volatile, False),
+                                                                       (durable, True)]
         held.close()
         watch.close()
     daemon.stop()
