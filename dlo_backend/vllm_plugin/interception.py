@@ -50,13 +50,16 @@ def installed() -> bool:
 
 
 def install() -> bool:
-    """Install every hook (the store, the loader gate, the DLO backend factory); False when the
-    store hook was already installed. See ``gate`` and ``factory`` for the other two."""
+    """Install every hook (the store, the loader gate, the DLO backend factory, the loader's
+    "unchanged" snapshot); False when the store hook was already installed. See ``gate``,
+    ``factory`` and ``unchanged`` for the other three."""
+    from hwr.dlo_backend.vllm_plugin import unchanged
     from hwr.dlo_backend.vllm_plugin.factory import install_factory
     from hwr.dlo_backend.vllm_plugin.gate import install_gate
 
     install_gate()
     install_factory()
+    unchanged.install()
     return _install_store()
 
 
@@ -79,11 +82,13 @@ def _install_store() -> bool:
 
 def uninstall() -> bool:
     """Restore every original; False when the store hook was not installed."""
+    from hwr.dlo_backend.vllm_plugin import unchanged
     from hwr.dlo_backend.vllm_plugin.factory import uninstall_factory
     from hwr.dlo_backend.vllm_plugin.gate import uninstall_gate
 
     uninstall_gate()
     uninstall_factory()
+    unchanged.uninstall()
     cls = _runtime_cls()
     with _lock:
         current = cls.__dict__["from_config"].__func__

@@ -47,6 +47,7 @@ the daemon went away.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import logging
@@ -54,6 +55,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from vllm_omni.host_weight_runtime import (
@@ -90,6 +92,7 @@ from hwr.client.errors import (
 )
 from hwr.client.identity import ArtifactIdentity
 from hwr.client.lease import Lease
+from hwr.dlo_backend.vllm_plugin import unchanged
 from hwr.dlo_backend.vllm_plugin.config import DaemonTarget
 from hwr.dlo_backend.vllm_plugin.writer import CollectingWriter, WriterError
 
@@ -185,6 +188,7 @@ class HwrdHostWeightStore:
         self._client: Client | None = None
         self._pid = os.getpid()
         self._manifests: dict[bytes, WeightManifest] = {}
+        self._digest_maps: dict[int, tuple[WeightManifest, dict[str, str]]] = {}
 
     # session -------------------------------------------------------------------------------
     def _session(self) -> Client:
@@ -324,9 +328,34 @@ class HwrdHostWeightStore:
             publication_id=lease.lease_id, resolution_source="hwrd", artifact_origin=origin,
             producer_id=identity.producer.producer_id, provider_id=None, validation_level=validation.value,
             backing_fingerprint=backing)
-        return HostWeightLease(identity=identity, manifest=manifest, tensors=dict(lease.tensors),
-                               mapped_regions=regions, provenance=provenance, resource_closers=(),
-                               release_artifact_lock=lease.close)
+        tensors = dict(lease.tensors)
+        forget: list[Callable[[], None]] = []
+
+        def release() -> None:
+            for forget_views in forget:
+                forget_views()
+            lease.close()
+
+        wrapped = HostWeightLease(identity=identity, manifest=manifest, tensors=tensors, mapped_regions=regions,
+                                  provenance=provenance, resource_closers=(), release_artifact_lock=release)
+        # The views serve the loader's "unchanged" check (``unchanged``) once vLLM-Omni accepted
+        # them, and leave it before the hwrd lease is released.
+        forget.append(unchanged.register(lease.key, lease.lease_id, tensors, self._digests(manifest),
+                                         _read_only_ranges(regions)))
+        return wrapped
+
+    def _digests(self, manifest: WeightManifest) -> dict[str, str]:
+        """name -> SHA-256 of one manifest (cached like the manifest itself: it is immutable)."""
+        with self._lock:
+            cached = self._digest_maps.get(id(manifest))
+            if cached is not None and cached[0] is manifest:
+                return cached[1]
+        digests = {entry.name: entry.sha256 for entry in manifest.tensors}
+        with self._lock:
+            if len(self._digest_maps) >= _MANIFEST_CACHE:
+                self._digest_maps.pop(next(iter(self._digest_maps)))
+            self._digest_maps[id(manifest)] = (manifest, digests)
+        return digests
 
     def _manifest(self, document: bytes) -> WeightManifest:
         """vLLM-Omni's strict parse of the daemon's manifest, once per distinct document.
@@ -348,6 +377,19 @@ class HwrdHostWeightStore:
 
     def __repr__(self) -> str:
         return f"HwrdHostWeightStore(socket={str(self.target.socket)!r}, origin={self.target.origin!r})"
+
+
+def _read_only_ranges(regions: tuple[MappedHostRegion, ...]) -> Callable[[int, int], bool]:
+    """Whether ``[address, address + nbytes)`` lies inside one read-only region (bisect over the
+    regions sorted by address: O(log files) per tensor)."""
+    spans = sorted((r.address, r.address + r.length) for r in regions if r.read_only)
+    starts = [start for start, _ in spans]
+
+    def inside(address: int, nbytes: int) -> bool:
+        at = bisect.bisect_right(starts, address) - 1
+        return at >= 0 and address + nbytes <= spans[at][1]
+
+    return inside
 
 
 def _metadata_refusal(identity: WeightArtifactIdentity, metadata: Any) -> HostWeightFailure | None:

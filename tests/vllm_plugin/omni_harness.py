@@ -67,7 +67,8 @@ class Start:
     """One worker start: runtime ``mode`` (``disabled``/``preferred``/``required``), the hwrd
     socket (None: ``HWR_SOCKET`` unset; a path where no daemon listens: "daemon down"), host
     registration (``omni_accelerator.REGISTRATION_MODES``), DLO forwards after the straight one,
-    and DLO AllGather for this start only (``allgather``; None: the topology's)."""
+    DLO AllGather for this start only (``allgather``; None: the topology's), and whether to
+    record what ``load_model`` hashes (``audit_hashing``: the worker's ``HashAudit``)."""
 
     name: str
     mode: str = "preferred"
@@ -77,6 +78,7 @@ class Start:
     straight: bool = True
     input_seed: int = 1
     allgather: bool | None = None
+    audit_hashing: bool = False
 
 
 @dataclass
