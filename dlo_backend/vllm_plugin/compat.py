@@ -29,7 +29,8 @@ __all__ = ["SUPPORTED_SERIES", "CompatReport", "check"]
 SUPPORTED_SERIES = ("0.30",)
 
 _RUNTIME_NAMES = (
-    "BuildRequest", "CanonicalJson", "CoordinationScope", "FailureCode", "HostWeightFailure",
+    "AttemptResult", "HostWeightResolution", "ResolutionAction", "ResolutionAttempt", "ResolutionOutcome",
+    "ResolutionReport", "BuildRequest", "CanonicalJson", "CoordinationScope", "FailureCode", "HostWeightFailure",
     "HostWeightLease", "HostWeightRuntime", "LeaseProvenance", "MappedHostRegion", "ProductionMetadata",
     "ResolutionStage", "RuntimeMode", "StoreResult", "StoreStatus", "TensorKind", "TensorWriteSpec",
     "ValidationLevel", "WeightArtifactIdentity", "WeightManifest",
@@ -39,6 +40,9 @@ _ENUM_MEMBERS = {
     "ValidationLevel": ("MANIFEST_AND_METADATA", "FULL_CHECKSUM", "FS_VERITY"),
     "RuntimeMode": ("DISABLED", "PREFERRED", "REQUIRED"),
     "CoordinationScope": ("SINGLE_PROCESS",),
+    "ResolutionOutcome": ("LOCAL_HIT", "CANONICAL_FALLBACK", "FAILED"),
+    "AttemptResult": ("SKIPPED",),
+    "ResolutionAction": ("CANONICAL_FALLBACK", "FAIL_STARTUP"),
     "ResolutionStage": ("CONFIGURATION", "DOMAIN", "LOOKUP", "VALIDATION", "PRODUCTION", "CAPACITY", "LIFECYCLE"),
     "FailureCode": ("INVALID_CONFIG", "DOMAIN_UNAVAILABLE", "ARTIFACT_DENIED", "ACTIVE_BUILD_TIMEOUT",
                     "MANIFEST_INCOMPATIBLE", "MANIFEST_CORRUPT", "CHECKSUM_MISMATCH", "IDENTITY_COLLISION",
@@ -49,6 +53,7 @@ _SIGNATURES = {
     ("HostWeightRuntime", "__init__"): ("config", "store", "observer", "publication_observer",
                                         "_initialization_failure"),
     ("HostWeightRuntime", "from_config"): ("config", "observer", "publication_observer"),
+    ("HostWeightRuntime", "resolve"): ("identity", "producer"),
     ("HostWeightLease", "__init__"): ("identity", "manifest", "tensors", "mapped_regions", "provenance",
                                       "resource_closers", "release_artifact_lock"),
 }
@@ -57,6 +62,9 @@ _DATACLASS_FIELDS = {
                         "publication_id", "resolution_source", "artifact_origin", "producer_id", "provider_id",
                         "validation_level", "backing_fingerprint"),
     "MappedHostRegion": ("file_name", "address", "length", "read_only"),
+    "HostWeightResolution": ("report", "lease"),
+    "ResolutionReport": ("resolution_id", "outcome", "attempts", "elapsed_seconds"),
+    "ResolutionAttempt": ("stage", "result", "action", "elapsed_seconds", "failure"),
     "ProductionMetadata": ("producer_schema", "restorer_schema", "format_metadata"),
     "TensorWriteSpec": ("name", "shape", "dtype", "kind", "role"),
 }

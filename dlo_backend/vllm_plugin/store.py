@@ -16,7 +16,9 @@ Outcome table (hwr error -> ``StoreResult``):
 
     RemoteUnavailable (a miss, hwrd's remote tier down) -> FAILED, DOMAIN_UNAVAILABLE, retryable,
                                                       the message naming the remote
-    ArtifactNotFound                               -> MISS
+    ArtifactNotFound                               -> MISS; in ``required`` mode FAILED
+                                                      (PRODUCER_UNAVAILABLE, not retryable) naming
+                                                      hwrd, its socket and ``hwrctl prewarm``
     ArtifactDenied / ManifestCorrupt / ...Incompat. / ChecksumMismatch -> INVALID (typed failure)
     ActiveBuildTimeout                             -> TIMEOUT (retryable)
     DaemonUnavailable / DeadlineExceeded / SessionInvalid / StoreLocked
@@ -218,11 +220,31 @@ class HwrdHostWeightStore:
     # HostWeightStore -----------------------------------------------------------------------
     def lookup(self, identity: WeightArtifactIdentity, *, validation: ValidationLevel,
                deadline: float | None = None) -> StoreResult:
+        result = self._lookup(identity, validation, deadline)
+        if result.status is StoreStatus.MISS and self.mode == "required":
+            return StoreResult(StoreStatus.FAILED, failure=self._empty_for_required(identity))
+        return result
+
+    def _lookup(self, identity: WeightArtifactIdentity, validation: ValidationLevel,
+                deadline: float | None) -> StoreResult:
         if validation is ValidationLevel.FS_VERITY:
             return StoreResult(StoreStatus.FAILED, failure=_failure(
                 ResolutionStage.VALIDATION, FailureCode.UNSUPPORTED,
                 "fs-verity validation is not implemented by hwrd", retryable=False))
         return self._acquire(identity, validation, deadline, origin="hwrd")
+
+    def _empty_for_required(self, identity: WeightArtifactIdentity) -> HostWeightFailure:
+        """A ``required`` lookup that hwrd answered "not here": name hwrd, its socket and how to
+        fill it (vLLM-Omni's own message would only say that no producer may build it)."""
+        socket = self.target.socket
+        return _failure(
+            ResolutionStage.LOOKUP, FailureCode.PRODUCER_UNAVAILABLE,
+            f"hwrd at {socket} (from {self.target.origin}) does not hold artifact {identity.key[:16]} and a "
+            "required start never builds it. Fill hwrd first: `hwrctl --socket "
+            f"{socket} checkpoints add MODEL_DIR` then `hwrctl --socket {socket} prewarm MODEL_DIR --producer "
+            "vllm-omni --omni-config CONFIG` (the serving worker's vLLM-Omni config as JSON), or start once "
+            "with --host-weight-runtime-mode preferred (the cold start publishes into hwrd)",
+            retryable=False, details={"socket": socket, "artifact": identity.key})
 
     def get_or_build(self, request: BuildRequest, producer: Any, *, validation: ValidationLevel,
                      deadline: float) -> StoreResult:
@@ -236,7 +258,7 @@ class HwrdHostWeightStore:
             return StoreResult(StoreStatus.FAILED, failure=_failure(
                 ResolutionStage.PRODUCTION, FailureCode.PRODUCER_UNAVAILABLE,
                 "producer does not declare exactly the requested artifact identity", retryable=False))
-        initial = self.lookup(identity, validation=validation, deadline=deadline)
+        initial = self._lookup(identity, validation, deadline)  # a miss here is what builds
         if initial.status is not StoreStatus.MISS and initial.status is not StoreStatus.INVALID:
             return initial
         if initial.status is StoreStatus.MISS and identity.key in self._pulling:  # preferred_pull = fallback

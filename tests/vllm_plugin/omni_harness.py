@@ -68,7 +68,8 @@ class Start:
     socket (None: ``HWR_SOCKET`` unset; a path where no daemon listens: "daemon down"), host
     registration (``omni_accelerator.REGISTRATION_MODES``), DLO forwards after the straight one,
     DLO AllGather for this start only (``allgather``; None: the topology's), and whether to
-    record what ``load_model`` hashes (``audit_hashing``: the worker's ``HashAudit``)."""
+    record what ``load_model`` hashes (``audit_hashing``: the worker's ``HashAudit``); rank r
+    waits ``r * stagger_s`` seconds before its load (a cold start's ranks reaching hwrd apart)."""
 
     name: str
     mode: str = "preferred"
@@ -79,6 +80,7 @@ class Start:
     input_seed: int = 1
     allgather: bool | None = None
     audit_hashing: bool = False
+    stagger_s: float = 0.0
 
 
 @dataclass

@@ -314,6 +314,7 @@ class Worker:
         from hwr.dlo_backend.vllm_plugin import unchanged
 
         snapshots_before = unchanged.stats()
+        time.sleep(self.rank * float(start.get("stagger_s", 0.0)))
         with audit.active() if start.get("audit_hashing") else contextlib.nullcontext():
             began = time.perf_counter()
             loaded = loader.load_model(load_device="cpu", load_format="default", device=self.device)
