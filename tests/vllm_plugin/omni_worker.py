@@ -27,6 +27,7 @@ vLLM-Omni and hwr log records about the runtime and DLO; or the error a start fa
 from __future__ import annotations
 
 import contextlib
+import cProfile
 import hashlib
 import json
 import logging
@@ -316,9 +317,15 @@ class Worker:
         snapshots_before = unchanged.stats()
         time.sleep(self.rank * float(start.get("stagger_s", 0.0)))
         with audit.active() if start.get("audit_hashing") else contextlib.nullcontext():
+            profile = cProfile.Profile() if os.environ.get("HWR_PROFILE_LOAD") else None
             began = time.perf_counter()
+            if profile is not None:  # benchmarks only: where a load's time goes
+                profile.enable()
             loaded = loader.load_model(load_device="cpu", load_format="default", device=self.device)
             record["load_s"] = time.perf_counter() - began
+            if profile is not None:
+                profile.disable()
+                profile.dump_stats(str(self.out / f"start{index}-load.prof"))
         state = loader._hwr_state or {}  # the loader's own transaction state (no public accessor)
         outcome = state.get("outcome")
         record["outcome"] = None if outcome is None else outcome.value
@@ -391,9 +398,9 @@ class Worker:
         return out
 
     def _measure(self) -> dict[str, Any]:
-        """Benchmarks only: seconds from process start, then PSS and Private_Dirty once every rank
-        has run its first forward (a barrier on each side: the ranks' PSS shares are taken while
-        all of them map what they share)."""
+        """Benchmarks only: seconds from process start, then PSS and Private_Dirty (and the node's
+        MemAvailable) once every rank has run its first forward (a barrier on each side: the
+        ranks' PSS shares are taken while all of them map what they share)."""
         at = time.time() - float(self.spec.get("spawned_at", time.time()))
         torch.distributed.barrier()
         memory = {}
@@ -402,6 +409,9 @@ class Worker:
                 key, _, rest = line.partition(":")
                 if key in ("Pss", "Private_Dirty", "Anonymous", "Rss"):
                     memory[key] = int(rest.split()[0]) * 1024
+        with open("/proc/meminfo") as meminfo:  # the node's view, page cache included
+            memory["MemAvailable"] = next(int(line.split()[1]) * 1024 for line in meminfo
+                                          if line.startswith("MemAvailable:"))
         torch.distributed.barrier()
         return {"seconds_from_start": at, **memory}
 
