@@ -103,7 +103,13 @@ __all__ = ["HwrdHostWeightStore", "PullLog", "failure_from_error", "to_hwr_ident
 log = logging.getLogger("hwr.vllm_plugin")
 
 _INVALID = (ArtifactDenied, ManifestCorrupt, ManifestIncompatible, ChecksumMismatch)
-_MANIFEST_CACHE = 32  # parsed manifests kept per store (one per artifact this process leases)
+_MANIFEST_CACHE = 32  # parsed manifests kept per process (one per artifact this process leases)
+# Process-wide, not per store: vLLM-Omni builds a new runtime (and so a new store) for every
+# load, and a process may load the same artifact again (a preferred start's fresh canonical
+# retry, a second pipeline). Entries are immutable: content-addressed manifests, frozen parses.
+_manifests: dict[bytes, WeightManifest] = {}
+_digest_maps: dict[int, tuple[WeightManifest, dict[str, str]]] = {}
+_cache_lock = threading.Lock()
 _UNREACHABLE_CODES = {"DAEMON_UNAVAILABLE", "DEADLINE_EXCEEDED", "SESSION_INVALID", "STORE_LOCKED"}
 _STAGE_BY_CODE = {
     "ARTIFACT_DENIED": ResolutionStage.LOOKUP, "MANIFEST_CORRUPT": ResolutionStage.VALIDATION,
@@ -189,8 +195,6 @@ class HwrdHostWeightStore:
         self._lock = threading.Lock()
         self._client: Client | None = None
         self._pid = os.getpid()
-        self._manifests: dict[bytes, WeightManifest] = {}
-        self._digest_maps: dict[int, tuple[WeightManifest, dict[str, str]]] = {}
 
     # session -------------------------------------------------------------------------------
     def _session(self) -> Client:
@@ -368,15 +372,15 @@ class HwrdHostWeightStore:
 
     def _digests(self, manifest: WeightManifest) -> dict[str, str]:
         """name -> SHA-256 of one manifest (cached like the manifest itself: it is immutable)."""
-        with self._lock:
-            cached = self._digest_maps.get(id(manifest))
+        with _cache_lock:
+            cached = _digest_maps.get(id(manifest))
             if cached is not None and cached[0] is manifest:
                 return cached[1]
         digests = {entry.name: entry.sha256 for entry in manifest.tensors}
-        with self._lock:
-            if len(self._digest_maps) >= _MANIFEST_CACHE:
-                self._digest_maps.pop(next(iter(self._digest_maps)))
-            self._digest_maps[id(manifest)] = (manifest, digests)
+        with _cache_lock:
+            if len(_digest_maps) >= _MANIFEST_CACHE:
+                _digest_maps.pop(next(iter(_digest_maps)))
+            _digest_maps[id(manifest)] = (manifest, digests)
         return digests
 
     def _manifest(self, document: bytes) -> WeightManifest:
@@ -386,15 +390,15 @@ class HwrdHostWeightStore:
         ``WeightManifest`` is frozen, so equal bytes can share one parsed object; the parse
         (vLLM-Omni's full schema validation) dominated a warm lookup's client-side cost.
         """
-        with self._lock:
-            cached = self._manifests.get(document)
+        with _cache_lock:
+            cached = _manifests.get(document)
         if cached is not None:
             return cached
         manifest = WeightManifest.from_dict(json.loads(document))
-        with self._lock:
-            if len(self._manifests) >= _MANIFEST_CACHE:
-                self._manifests.pop(next(iter(self._manifests)))
-            self._manifests[document] = manifest
+        with _cache_lock:
+            if len(_manifests) >= _MANIFEST_CACHE:
+                _manifests.pop(next(iter(_manifests)))
+            _manifests[document] = manifest
         return manifest
 
     def __repr__(self) -> str:
