@@ -46,10 +46,18 @@ vLLM-Omni's backend (``offload.HwrdOffloadBackend``), and leaves every other par
 
 Cold starts stay vLLM-Omni's canonical path; its post-load publication goes to hwrd (``store``).
 
+Warm starts cost metadata, not bytes: vLLM-Omni's loader checks that the warm finalization left
+every restored tensor unchanged by hashing all of them twice; for tensors that are still an hwrd
+lease's read-only views the plugin answers from metadata instead (``unchanged``). And the ranks of
+a job agree on one lookup outcome before any of them loads (``agree``), so a cold start's ranks
+never mix leased and canonically loaded weights.
+
 Modules: ``config`` (where hwrd is), ``compat`` (version/attribute check), ``interception``
 (the classmethod wrapper, and the installer of the others), ``store`` (the HostWeightStore over
 hwrd), ``writer`` (producer output collected for an hwrd publication), ``gate``, ``factory``,
-``offload``, ``checkpoints``, ``borrowed`` (a lease view lent to ``hwr.dlo_backend``).
+``offload``, ``checkpoints``, ``borrowed`` (a lease view lent to ``hwr.dlo_backend``),
+``unchanged`` (the loader's "unchanged" snapshot for leased tensors), ``agree`` (one outcome
+across ranks).
 ``HWR_VLLM_PLUGIN=0`` disables the plugin. If ``VLLM_PLUGINS`` is set, it must name ``hwr`` for
 vLLM-Omni to load this plugin.
 """

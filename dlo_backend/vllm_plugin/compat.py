@@ -6,7 +6,8 @@ The plugin replaces the store behind ``HostWeightRuntime.from_config`` and build
 the plugin (the caller logs the report once) instead of failing a serving process halfway.
 
 Beyond the runtime's names it checks (``dlo_problems``) every loader and DLO symbol the loader
-gate, the backend factory and the backend subclass wrap, override or read: signatures with the
+gate, the backend factory, the backend subclass and the loader's "unchanged" snapshot
+(``unchanged``) wrap, override or read: signatures with the
 parameters passed, dataclass fields, and the private attributes vLLM-Omni's backend constructor
 must still set.
 
@@ -28,7 +29,8 @@ __all__ = ["SUPPORTED_SERIES", "CompatReport", "check"]
 SUPPORTED_SERIES = ("0.30",)
 
 _RUNTIME_NAMES = (
-    "BuildRequest", "CanonicalJson", "CoordinationScope", "FailureCode", "HostWeightFailure",
+    "AttemptResult", "HostWeightResolution", "ResolutionAction", "ResolutionAttempt", "ResolutionOutcome",
+    "ResolutionReport", "BuildRequest", "CanonicalJson", "CoordinationScope", "FailureCode", "HostWeightFailure",
     "HostWeightLease", "HostWeightRuntime", "LeaseProvenance", "MappedHostRegion", "ProductionMetadata",
     "ResolutionStage", "RuntimeMode", "StoreResult", "StoreStatus", "TensorKind", "TensorWriteSpec",
     "ValidationLevel", "WeightArtifactIdentity", "WeightManifest",
@@ -38,6 +40,9 @@ _ENUM_MEMBERS = {
     "ValidationLevel": ("MANIFEST_AND_METADATA", "FULL_CHECKSUM", "FS_VERITY"),
     "RuntimeMode": ("DISABLED", "PREFERRED", "REQUIRED"),
     "CoordinationScope": ("SINGLE_PROCESS",),
+    "ResolutionOutcome": ("LOCAL_HIT", "CANONICAL_FALLBACK", "FAILED"),
+    "AttemptResult": ("SKIPPED",),
+    "ResolutionAction": ("CANONICAL_FALLBACK", "FAIL_STARTUP"),
     "ResolutionStage": ("CONFIGURATION", "DOMAIN", "LOOKUP", "VALIDATION", "PRODUCTION", "CAPACITY", "LIFECYCLE"),
     "FailureCode": ("INVALID_CONFIG", "DOMAIN_UNAVAILABLE", "ARTIFACT_DENIED", "ACTIVE_BUILD_TIMEOUT",
                     "MANIFEST_INCOMPATIBLE", "MANIFEST_CORRUPT", "CHECKSUM_MISMATCH", "IDENTITY_COLLISION",
@@ -48,6 +53,7 @@ _SIGNATURES = {
     ("HostWeightRuntime", "__init__"): ("config", "store", "observer", "publication_observer",
                                         "_initialization_failure"),
     ("HostWeightRuntime", "from_config"): ("config", "observer", "publication_observer"),
+    ("HostWeightRuntime", "resolve"): ("identity", "producer"),
     ("HostWeightLease", "__init__"): ("identity", "manifest", "tensors", "mapped_regions", "provenance",
                                       "resource_closers", "release_artifact_lock"),
 }
@@ -56,6 +62,9 @@ _DATACLASS_FIELDS = {
                         "publication_id", "resolution_source", "artifact_origin", "producer_id", "provider_id",
                         "validation_level", "backing_fingerprint"),
     "MappedHostRegion": ("file_name", "address", "length", "read_only"),
+    "HostWeightResolution": ("report", "lease"),
+    "ResolutionReport": ("resolution_id", "outcome", "attempts", "elapsed_seconds"),
+    "ResolutionAttempt": ("stage", "result", "action", "elapsed_seconds", "failure"),
     "ProductionMetadata": ("producer_schema", "restorer_schema", "format_metadata"),
     "TensorWriteSpec": ("name", "shape", "dtype", "kind", "role"),
 }
@@ -128,6 +137,8 @@ _BACKEND = "vllm_omni.diffusion.offloader.distributed_layerwise_backend"
 _DLO_SIGNATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (_LOADER, "HWRLoaderMixin._hwr_eligibility_mode", ("model", "modules", "dist_offload", "use_allgather",
                                                        "load_format")),
+    (_LOADER, "HWRLoaderMixin._snapshot_final_layout_tensors", ("model", "names")),
+    (_LOADER, "HWRLoaderMixin._assert_final_layout_tensors_unchanged", ("model", "snapshot")),
     (_OFFLOADER, "get_offload_backend", ("od_config", "device", "host_weight_plan")),
     (_OFFLOADER, "enable_offload_backend", ("od_config", "pipeline", "device")),
     (_BACKEND, "DistributedLayerwiseOffloadBackend.__init__", ("config", "device", "host_weight_plan")),
@@ -147,6 +158,7 @@ _DLO_ATTRIBUTES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (_PLAN, "HostWeightPlan", ("backing_kind", "bindings", "lease_carrier")),
     (_PLAN, "TensorBinding", ("checkpoint_key", "file_path", "transform")),
     ("vllm_omni.host_weight_runtime", "HostWeightLease", ("closed", "close")),
+    ("vllm_omni.host_weight_runtime.manifest", "TensorManifestEntry", ("name", "sha256")),
     ("vllm_omni.diffusion.model_loader.diffusers_loader", "DiffusersPipelineLoader",
      ("load_model", "take_host_weight_plan")),
 )
@@ -199,11 +211,28 @@ def dlo_problems() -> list[str]:
                         if a not in assigned)
         lease_init = _resolve("vllm_omni.host_weight_runtime", "HostWeightLease").__init__.__code__.co_names
         problems.extend(f"HostWeightLease no longer sets {a}" for a in _LEASE_STATE if a not in lease_init)
+        problems.extend(_snapshot_problems())
         enable = _resolve(_OFFLOADER, "enable_offload_backend")
         if "get_offload_backend" not in _global_names(enable.__code__):
             problems.append("enable_offload_backend no longer looks get_offload_backend up at call time")
     except Exception as exc:
         problems.append(f"the DLO backend cannot be inspected ({type(exc).__name__})")
+    return problems
+
+
+def _snapshot_problems() -> list[str]:
+    """``unchanged`` replaces the loader's snapshot function: it must still be a static method
+    that both snapshots (after the restore, after the warm finalization) look up at call time,
+    and whose entries nothing but the equality check reads."""
+    mixin = _resolve(_LOADER, "HWRLoaderMixin")
+    problems = []
+    if not isinstance(mixin.__dict__.get("_snapshot_final_layout_tensors"), staticmethod):
+        problems.append("HWRLoaderMixin._snapshot_final_layout_tensors is not a staticmethod")
+    for caller in ("_resolve_hwr", "_assert_final_layout_tensors_unchanged"):
+        code = getattr(mixin.__dict__.get(caller), "__func__", mixin.__dict__.get(caller))
+        if code is None or "_snapshot_final_layout_tensors" not in _global_names(code.__code__):
+            problems.append(f"HWRLoaderMixin.{caller} no longer takes its snapshot through "
+                            "_snapshot_final_layout_tensors")
     return problems
 
 

@@ -13,7 +13,8 @@ plugin therefore replaces that classmethod with a wrapper:
     hwrd configured                    -> a runtime over ``HwrdHostWeightStore``; reaching the
                                           daemon is deferred to the first lookup, so a daemon
                                           that is down gives preferred -> canonical fallback,
-                                          required -> failure naming the socket
+                                          required -> failure naming the socket; its ``resolve``
+                                          agrees on one outcome across the job's ranks (``agree``)
 
 The original is not called first when hwrd is configured: it would create and lock a
 filesystem store in the runtime root that nothing would use. The runtime root still holds
@@ -50,13 +51,16 @@ def installed() -> bool:
 
 
 def install() -> bool:
-    """Install every hook (the store, the loader gate, the DLO backend factory); False when the
-    store hook was already installed. See ``gate`` and ``factory`` for the other two."""
+    """Install every hook (the store, the loader gate, the DLO backend factory, the loader's
+    "unchanged" snapshot); False when the store hook was already installed. See ``gate``,
+    ``factory`` and ``unchanged`` for the other three."""
+    from hwr.dlo_backend.vllm_plugin import unchanged
     from hwr.dlo_backend.vllm_plugin.factory import install_factory
     from hwr.dlo_backend.vllm_plugin.gate import install_gate
 
     install_gate()
     install_factory()
+    unchanged.install()
     return _install_store()
 
 
@@ -79,11 +83,13 @@ def _install_store() -> bool:
 
 def uninstall() -> bool:
     """Restore every original; False when the store hook was not installed."""
+    from hwr.dlo_backend.vllm_plugin import unchanged
     from hwr.dlo_backend.vllm_plugin.factory import uninstall_factory
     from hwr.dlo_backend.vllm_plugin.gate import uninstall_gate
 
     uninstall_gate()
     uninstall_factory()
+    unchanged.uninstall()
     cls = _runtime_cls()
     with _lock:
         current = cls.__dict__["from_config"].__func__
@@ -116,9 +122,11 @@ def _from_config(original: Any, klass: Any, config: Any, observer: Any, publicat
                      _initialization_failure=failure)
     if target is None:
         return original(klass, config, observer=observer, publication_observer=publication_observer)
+    from hwr.dlo_backend.vllm_plugin import agree
     from hwr.dlo_backend.vllm_plugin.store import HwrdHostWeightStore
 
     log.info("Host Weight Runtime (%s) resolves through hwrd at %s (from %s)",
              config.mode.value, target.socket, target.origin)
     store = HwrdHostWeightStore(target, mode=config.mode.value)
-    return klass(config, store, observer=observer, publication_observer=publication_observer)
+    runtime = klass(config, store, observer=observer, publication_observer=publication_observer)
+    return agree.install_on(runtime)  # the job's ranks take one outcome (see ``agree``)

@@ -16,7 +16,9 @@ Outcome table (hwr error -> ``StoreResult``):
 
     RemoteUnavailable (a miss, hwrd's remote tier down) -> FAILED, DOMAIN_UNAVAILABLE, retryable,
                                                       the message naming the remote
-    ArtifactNotFound                               -> MISS
+    ArtifactNotFound                               -> MISS; in ``required`` mode FAILED
+                                                      (PRODUCER_UNAVAILABLE, not retryable) naming
+                                                      hwrd, its socket and ``hwrctl prewarm``
     ArtifactDenied / ManifestCorrupt / ...Incompat. / ChecksumMismatch -> INVALID (typed failure)
     ActiveBuildTimeout                             -> TIMEOUT (retryable)
     DaemonUnavailable / DeadlineExceeded / SessionInvalid / StoreLocked
@@ -47,6 +49,7 @@ the daemon went away.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import logging
@@ -54,6 +57,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from vllm_omni.host_weight_runtime import (
@@ -90,6 +94,7 @@ from hwr.client.errors import (
 )
 from hwr.client.identity import ArtifactIdentity
 from hwr.client.lease import Lease
+from hwr.dlo_backend.vllm_plugin import unchanged
 from hwr.dlo_backend.vllm_plugin.config import DaemonTarget
 from hwr.dlo_backend.vllm_plugin.writer import CollectingWriter, WriterError
 
@@ -98,7 +103,13 @@ __all__ = ["HwrdHostWeightStore", "PullLog", "failure_from_error", "to_hwr_ident
 log = logging.getLogger("hwr.vllm_plugin")
 
 _INVALID = (ArtifactDenied, ManifestCorrupt, ManifestIncompatible, ChecksumMismatch)
-_MANIFEST_CACHE = 32  # parsed manifests kept per store (one per artifact this process leases)
+_MANIFEST_CACHE = 32  # parsed manifests kept per process (one per artifact this process leases)
+# Process-wide, not per store: vLLM-Omni builds a new runtime (and so a new store) for every
+# load, and a process may load the same artifact again (a preferred start's fresh canonical
+# retry, a second pipeline). Entries are immutable: content-addressed manifests, frozen parses.
+_manifests: dict[bytes, WeightManifest] = {}
+_digest_maps: dict[int, tuple[WeightManifest, dict[str, str]]] = {}
+_cache_lock = threading.Lock()
 _UNREACHABLE_CODES = {"DAEMON_UNAVAILABLE", "DEADLINE_EXCEEDED", "SESSION_INVALID", "STORE_LOCKED"}
 _STAGE_BY_CODE = {
     "ARTIFACT_DENIED": ResolutionStage.LOOKUP, "MANIFEST_CORRUPT": ResolutionStage.VALIDATION,
@@ -185,7 +196,6 @@ class HwrdHostWeightStore:
         self._lock = threading.Lock()
         self._client: Client | None = None
         self._pid = os.getpid()
-        self._manifests: dict[bytes, WeightManifest] = {}
 
     # session -------------------------------------------------------------------------------
     def _session(self) -> Client:
@@ -215,11 +225,31 @@ class HwrdHostWeightStore:
     # HostWeightStore -----------------------------------------------------------------------
     def lookup(self, identity: WeightArtifactIdentity, *, validation: ValidationLevel,
                deadline: float | None = None) -> StoreResult:
+        result = self._lookup(identity, validation, deadline)
+        if result.status is StoreStatus.MISS and self.mode == "required":
+            return StoreResult(StoreStatus.FAILED, failure=self._empty_for_required(identity))
+        return result
+
+    def _lookup(self, identity: WeightArtifactIdentity, validation: ValidationLevel,
+                deadline: float | None) -> StoreResult:
         if validation is ValidationLevel.FS_VERITY:
             return StoreResult(StoreStatus.FAILED, failure=_failure(
                 ResolutionStage.VALIDATION, FailureCode.UNSUPPORTED,
                 "fs-verity validation is not implemented by hwrd", retryable=False))
         return self._acquire(identity, validation, deadline, origin="hwrd")
+
+    def _empty_for_required(self, identity: WeightArtifactIdentity) -> HostWeightFailure:
+        """A ``required`` lookup that hwrd answered "not here": name hwrd, its socket and how to
+        fill it (vLLM-Omni's own message would only say that no producer may build it)."""
+        socket = self.target.socket
+        return _failure(
+            ResolutionStage.LOOKUP, FailureCode.PRODUCER_UNAVAILABLE,
+            f"hwrd at {socket} (from {self.target.origin}) does not hold artifact {identity.key[:16]} and a "
+            "required start never builds it. Fill hwrd first: `hwrctl --socket "
+            f"{socket} checkpoints add MODEL_DIR` then `hwrctl --socket {socket} prewarm MODEL_DIR --producer "
+            "vllm-omni --omni-config CONFIG` (the serving worker's vLLM-Omni config as JSON), or start once "
+            "with --host-weight-runtime-mode preferred (the cold start publishes into hwrd)",
+            retryable=False, details={"socket": socket, "artifact": identity.key})
 
     def get_or_build(self, request: BuildRequest, producer: Any, *, validation: ValidationLevel,
                      deadline: float) -> StoreResult:
@@ -233,7 +263,7 @@ class HwrdHostWeightStore:
             return StoreResult(StoreStatus.FAILED, failure=_failure(
                 ResolutionStage.PRODUCTION, FailureCode.PRODUCER_UNAVAILABLE,
                 "producer does not declare exactly the requested artifact identity", retryable=False))
-        initial = self.lookup(identity, validation=validation, deadline=deadline)
+        initial = self._lookup(identity, validation, deadline)  # a miss here is what builds
         if initial.status is not StoreStatus.MISS and initial.status is not StoreStatus.INVALID:
             return initial
         if initial.status is StoreStatus.MISS and identity.key in self._pulling:  # preferred_pull = fallback
@@ -325,9 +355,34 @@ class HwrdHostWeightStore:
             publication_id=lease.lease_id, resolution_source="hwrd", artifact_origin=origin,
             producer_id=identity.producer.producer_id, provider_id=None, validation_level=validation.value,
             backing_fingerprint=backing)
-        return HostWeightLease(identity=identity, manifest=manifest, tensors=dict(lease.tensors),
-                               mapped_regions=regions, provenance=provenance, resource_closers=(),
-                               release_artifact_lock=lease.close)
+        tensors = dict(lease.tensors)
+        forget: list[Callable[[], None]] = []
+
+        def release() -> None:
+            for forget_views in forget:
+                forget_views()
+            lease.close()
+
+        wrapped = HostWeightLease(identity=identity, manifest=manifest, tensors=tensors, mapped_regions=regions,
+                                  provenance=provenance, resource_closers=(), release_artifact_lock=release)
+        # The views serve the loader's "unchanged" check (``unchanged``) once vLLM-Omni accepted
+        # them, and leave it before the hwrd lease is released.
+        forget.append(unchanged.register(lease.key, lease.lease_id, tensors, self._digests(manifest),
+                                         _read_only_ranges(regions)))
+        return wrapped
+
+    def _digests(self, manifest: WeightManifest) -> dict[str, str]:
+        """name -> SHA-256 of one manifest (cached like the manifest itself: it is immutable)."""
+        with _cache_lock:
+            cached = _digest_maps.get(id(manifest))
+            if cached is not None and cached[0] is manifest:
+                return cached[1]
+        digests = {entry.name: entry.sha256 for entry in manifest.tensors}
+        with _cache_lock:
+            if len(_digest_maps) >= _MANIFEST_CACHE:
+                _digest_maps.pop(next(iter(_digest_maps)))
+            _digest_maps[id(manifest)] = (manifest, digests)
+        return digests
 
     def _manifest(self, document: bytes) -> WeightManifest:
         """vLLM-Omni's strict parse of the daemon's manifest, once per distinct document.
@@ -336,19 +391,32 @@ class HwrdHostWeightStore:
         ``WeightManifest`` is frozen, so equal bytes can share one parsed object; the parse
         (vLLM-Omni's full schema validation) dominated a warm lookup's client-side cost.
         """
-        with self._lock:
-            cached = self._manifests.get(document)
+        with _cache_lock:
+            cached = _manifests.get(document)
         if cached is not None:
             return cached
         manifest = WeightManifest.from_dict(json.loads(document))
-        with self._lock:
-            if len(self._manifests) >= _MANIFEST_CACHE:
-                self._manifests.pop(next(iter(self._manifests)))
-            self._manifests[document] = manifest
+        with _cache_lock:
+            if len(_manifests) >= _MANIFEST_CACHE:
+                _manifests.pop(next(iter(_manifests)))
+            _manifests[document] = manifest
         return manifest
 
     def __repr__(self) -> str:
         return f"HwrdHostWeightStore(socket={str(self.target.socket)!r}, origin={self.target.origin!r})"
+
+
+def _read_only_ranges(regions: tuple[MappedHostRegion, ...]) -> Callable[[int, int], bool]:
+    """Whether ``[address, address + nbytes)`` lies inside one read-only region (bisect over the
+    regions sorted by address: O(log files) per tensor)."""
+    spans = sorted((r.address, r.address + r.length) for r in regions if r.read_only)
+    starts = [start for start, _ in spans]
+
+    def inside(address: int, nbytes: int) -> bool:
+        at = bisect.bisect_right(starts, address) - 1
+        return at >= 0 and address + nbytes <= spans[at][1]
+
+    return inside
 
 
 def _metadata_refusal(identity: WeightArtifactIdentity, metadata: Any) -> HostWeightFailure | None:

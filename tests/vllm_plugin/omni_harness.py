@@ -67,7 +67,9 @@ class Start:
     """One worker start: runtime ``mode`` (``disabled``/``preferred``/``required``), the hwrd
     socket (None: ``HWR_SOCKET`` unset; a path where no daemon listens: "daemon down"), host
     registration (``omni_accelerator.REGISTRATION_MODES``), DLO forwards after the straight one,
-    and DLO AllGather for this start only (``allgather``; None: the topology's)."""
+    DLO AllGather for this start only (``allgather``; None: the topology's), and whether to
+    record what ``load_model`` hashes (``audit_hashing``: the worker's ``HashAudit``); rank r
+    waits ``r * stagger_s`` seconds before its load (a cold start's ranks reaching hwrd apart)."""
 
     name: str
     mode: str = "preferred"
@@ -77,6 +79,8 @@ class Start:
     straight: bool = True
     input_seed: int = 1
     allgather: bool | None = None
+    audit_hashing: bool = False
+    stagger_s: float = 0.0
 
 
 @dataclass

@@ -27,6 +27,7 @@ vLLM-Omni and hwr log records about the runtime and DLO; or the error a start fa
 from __future__ import annotations
 
 import contextlib
+import cProfile
 import hashlib
 import json
 import logging
@@ -35,6 +36,7 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -110,6 +112,65 @@ def tensor_homes(module: torch.nn.Module, prefix: str) -> dict[str, Any]:
         else:
             homes[home] = homes.get(home, 0) + 1
     return {"file_mappings": homes, "not_file_backed": elsewhere}
+
+
+class HashAudit:
+    """Every buffer given to ``hashlib.sha256`` (constructor or ``update``) while active: its
+    address and length, so a start can tell which hashed bytes were the DiT's restored tensors.
+    Replaces the ``hashlib.sha256`` attribute (vLLM-Omni's loader calls ``hashlib.sha256(...)``
+    at call time); code that bound ``sha256`` by name at import is not seen."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[int, int]] = []
+        self.total = 0
+
+    def note(self, data: Any) -> None:
+        try:
+            nbytes = memoryview(data).nbytes
+        except TypeError:
+            return
+        self.total += nbytes
+        if nbytes:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # read-only buffers: torch only warns
+                self.spans.append((torch.frombuffer(data, dtype=torch.uint8).data_ptr(), nbytes))
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[HashAudit]:
+        real, audit = hashlib.sha256, self
+
+        class Audited:
+            def __init__(self, hasher: Any) -> None:
+                self._hasher = hasher
+
+            def update(self, data: Any) -> None:
+                audit.note(data)
+                self._hasher.update(data)
+
+            def copy(self) -> Audited:
+                return Audited(self._hasher.copy())
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self._hasher, name)
+
+        def sha256(*args: Any, **kwargs: Any) -> Audited:
+            for data in (*args[:1], *([kwargs["data"]] if "data" in kwargs else [])):
+                audit.note(data)
+            return Audited(real(*args, **kwargs))
+
+        hashlib.sha256 = sha256  # type: ignore[assignment]
+        try:
+            yield self
+        finally:
+            hashlib.sha256 = real
+
+    def overlap(self, ranges: list[tuple[int, int]]) -> int:
+        """Bytes hashed that lie inside ``ranges`` ((address, nbytes) pairs)."""
+        total = 0
+        for start, length in self.spans:
+            for lo, size in ranges:
+                total += max(0, min(start + length, lo + size) - max(start, lo))
+        return total
 
 
 def hwrctl_leases(socket: str | None) -> list[dict[str, Any]] | None:
@@ -250,9 +311,21 @@ class Worker:
 
         inputs = self.pipeline.dit_inputs(int(start["input_seed"])) if start["straight"] or start["forwards"] else {}
         loader = DiffusersPipelineLoader(LoadConfig(), od_config=od_config)
-        began = time.perf_counter()
-        loaded = loader.load_model(load_device="cpu", load_format="default", device=self.device)
-        record["load_s"] = time.perf_counter() - began
+        audit = HashAudit()
+        from hwr.dlo_backend.vllm_plugin import unchanged
+
+        snapshots_before = unchanged.stats()
+        time.sleep(self.rank * float(start.get("stagger_s", 0.0)))
+        with audit.active() if start.get("audit_hashing") else contextlib.nullcontext():
+            profile = cProfile.Profile() if os.environ.get("HWR_PROFILE_LOAD") else None
+            began = time.perf_counter()
+            if profile is not None:  # benchmarks only: where a load's time goes
+                profile.enable()
+            loaded = loader.load_model(load_device="cpu", load_format="default", device=self.device)
+            record["load_s"] = time.perf_counter() - began
+            if profile is not None:
+                profile.disable()
+                profile.dump_stats(str(self.out / f"start{index}-load.prof"))
         state = loader._hwr_state or {}  # the loader's own transaction state (no public accessor)
         outcome = state.get("outcome")
         record["outcome"] = None if outcome is None else outcome.value
@@ -261,6 +334,10 @@ class Worker:
         carrier = None if plan is None else plan.lease_carrier
         dit = getattr(loaded, self.pipeline.dit_attr)
         record["dit_homes"] = tensor_homes(dit, self.pipeline.dit_attr)
+        if start.get("audit_hashing"):
+            record["hashing"] = self._hashing(audit, loader, loaded, dit)
+            after = record["hashing"]["snapshots"]
+            record["hashing"]["snapshots"] = {k: after[k] - snapshots_before[k] for k in after}
         record["leases_during"] = hwrctl_leases(start["socket"])
         try:
             if start["straight"]:
@@ -292,10 +369,38 @@ class Worker:
                 backend.shutdown()
         record["offload"]["carrier_closed"] = None if carrier is None else carrier.closed
 
+    @staticmethod
+    def _hashing(audit: HashAudit, loader: Any, loaded: Any, dit: torch.nn.Module) -> dict[str, Any]:
+        """What ``load_model`` hashed (``HashAudit``), and whether the loader's "unchanged" check
+        still catches a restored tensor replaced after its snapshot."""
+        from hwr.dlo_backend.vllm_plugin import unchanged
+
+        ranges = [(t.data_ptr(), t.numel() * t.element_size()) for t in [*dit.parameters(), *dit.buffers()]
+                  if t.numel()]
+        out: dict[str, Any] = {"dit_bytes": sum(n for _, n in ranges), "total_bytes": audit.total,
+                               "restored_bytes": audit.overlap(ranges), "snapshots": unchanged.stats()}
+        snapshot = (loader._hwr_state or {}).get("warm_snapshot")
+        if snapshot:
+            name = next(iter(snapshot))
+            parent_path, _, leaf = name.rpartition(".")
+            parent = loaded.get_submodule(parent_path)
+            tensor = parent._parameters.get(leaf)
+            tensor = parent._buffers[leaf] if tensor is None else tensor
+            original = tensor.data
+            tensor.data = original.clone()  # same bytes, private memory: no longer the leased view
+            try:
+                loader._assert_final_layout_tensors_unchanged(loaded, snapshot)
+                out["replaced_tensor_detected"] = False
+            except RuntimeError as exc:
+                out["replaced_tensor_detected"] = name in str(exc)
+            finally:
+                tensor.data = original
+        return out
+
     def _measure(self) -> dict[str, Any]:
-        """Benchmarks only: seconds from process start, then PSS and Private_Dirty once every rank
-        has run its first forward (a barrier on each side: the ranks' PSS shares are taken while
-        all of them map what they share)."""
+        """Benchmarks only: seconds from process start, then PSS and Private_Dirty (and the node's
+        MemAvailable) once every rank has run its first forward (a barrier on each side: the
+        ranks' PSS shares are taken while all of them map what they share)."""
         at = time.time() - float(self.spec.get("spawned_at", time.time()))
         torch.distributed.barrier()
         memory = {}
@@ -304,6 +409,9 @@ class Worker:
                 key, _, rest = line.partition(":")
                 if key in ("Pss", "Private_Dirty", "Anonymous", "Rss"):
                     memory[key] = int(rest.split()[0]) * 1024
+        with open("/proc/meminfo") as meminfo:  # the node's view, page cache included
+            memory["MemAvailable"] = next(int(line.split()[1]) * 1024 for line in meminfo
+                                          if line.startswith("MemAvailable:"))
         torch.distributed.barrier()
         return {"seconds_from_start": at, **memory}
 
