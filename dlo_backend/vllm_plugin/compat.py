@@ -129,6 +129,7 @@ _DLO_SIGNATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (_LOADER, "HWRLoaderMixin._hwr_eligibility_mode", ("model", "modules", "dist_offload", "use_allgather",
                                                        "load_format")),
     (_OFFLOADER, "get_offload_backend", ("od_config", "device", "host_weight_plan")),
+    (_PLAN, "_planned_source_prefixes", ("sources", "dit_modules")),
     (_OFFLOADER, "enable_offload_backend", ("od_config", "pipeline", "device")),
     (_BACKEND, "DistributedLayerwiseOffloadBackend.__init__", ("config", "device", "host_weight_plan")),
     (_BACKEND, "DistributedLayerwiseOffloadBackend._enable", ("pipeline",)),
