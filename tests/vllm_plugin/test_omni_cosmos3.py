@@ -9,12 +9,13 @@ Host Weight Runtime path (Cosmos3 declares no restore contract) and plans a dire
 mmap through vLLM-Omni's own Cosmos3 adapter and the pipeline's real ``_remap_ckpt_key``;
 ``enable_offload_backend`` realizes the plan, and DLO streams the UND and GEN rings.
 
-- **Without hwrd** (``HWR_VLLM_PLUGIN=0``: vLLM-Omni alone): the reference outputs, rank-local
-  (DP 1) and with DLO AllGather at DP 2. vLLM-Omni 0.30's planner refuses Cosmos3 a plan (it
-  wants a weight source per DiT name; Cosmos3 nests ``transformer.language_model`` inside
-  ``transformer`` with one source), so vLLM-Omni alone loads it with the ordinary loader; with
-  hwrd the plugin's gate covers the nested DiT by its parent's source (``gate.nested_dits``) and
-  the plan is built by vLLM-Omni's own planner;
+- **Without hwrd** (``HWR_VLLM_PLUGIN=0``: vLLM-Omni alone), two fresh processes at DP 2: the
+  reference outputs with DLO AllGather, then rank-local (rank 0's input is a DP 1 run's).
+  vLLM-Omni 0.30's planner refuses Cosmos3 a plan (it wants a weight source per DiT name;
+  Cosmos3 nests ``transformer.language_model`` inside ``transformer`` with one source), so
+  vLLM-Omni alone loads it with the ordinary loader; with hwrd the plugin's gate covers the
+  nested DiT by its parent's source (``gate.nested_dits``) and the plan is built by vLLM-Omni's
+  own planner;
 - the checkpoint is then registered with hwrd (``hwrctl checkpoints add``'s RPC);
 - **cold**: the first fresh process after registration, ``preferred``: the plan's files are
   leased from hwrd (the daemon opens and maps the registered files for the first time);
@@ -60,8 +61,7 @@ OWN = {"HWR_VLLM_PLUGIN": "0"}  # vLLM-Omni alone: the plugin is not installed i
 
 @dataclass
 class Runs:
-    own: WorkerResult
-    own_dp2: list[WorkerResult]
+    own: list[WorkerResult]  # DP 2: "own" with AllGather, then "own-rank-local"
     cold: WorkerResult
     warm: WorkerResult
     dp2: list[WorkerResult]
@@ -76,11 +76,11 @@ def cosmos3(vo_hwrd, tmp_path_factory: pytest.TempPathFactory) -> Runs:
     common = {"pipeline": "cosmos3", "checkpoint": checkpoint, "runtime_root": base / "runtime"}
     (base / "runtime").mkdir()
     dp2 = Topology(world_size=2, data_parallel_size=2, use_allgather=True)
-    # straight=False: a checkpoint plan leaves the loader's DiT on meta until DLO binds it.
-    own = run(**common, out=base / "own", write_checkpoint=True, env=OWN, timeout=1200,
-              starts=[Start("own", mode="disabled", straight=False, allgather=False)])[0]
-    own_dp2 = run(**common, out=base / "own-dp2", topology=dp2, env=OWN, timeout=1200,
-                  starts=[Start("own", mode="disabled", straight=False)])
+    # straight=False: a checkpoint plan leaves the loader's DiT on meta until DLO binds it. Rank 0
+    # of a DP 2 run gets the input seed a DP 1 run gets: its rank-local output is the DP 1 reference.
+    own = run(**common, out=base / "own", topology=dp2, write_checkpoint=True, env=OWN, timeout=1200, starts=[
+        Start("own", mode="disabled", straight=False),
+        Start("own-rank-local", mode="disabled", straight=False, allgather=False)])
     with hwr.client.connect(socket) as client:
         registered = client.add_checkpoint(checkpoint / "transformer")
     cold = run(**common, out=base / "cold", timeout=1200,
@@ -89,7 +89,7 @@ def cosmos3(vo_hwrd, tmp_path_factory: pytest.TempPathFactory) -> Runs:
         Start("warm", mode="required", socket=socket, straight=False, allgather=False, registration="registered")])[0]
     dp2_runs = run(**common, out=base / "dp2", topology=dp2, timeout=1200,
                    starts=[Start("warm", mode="required", socket=socket, straight=False)])
-    return Runs(own, own_dp2, cold, warm, dp2_runs, registered)
+    return Runs(own, cold, warm, dp2_runs, registered)
 
 
 def _checkpoint_leases(start, registered: dict) -> list[dict]:
@@ -101,8 +101,8 @@ def _checkpoint_leases(start, registered: dict) -> list[dict]:
 def test_vllm_omni_alone_refuses_cosmos3_a_checkpoint_plan_and_loads_it_ordinarily(cosmos3: Runs) -> None:
     # vLLM-Omni 0.30's planner wants a weight source per DiT name, and Cosmos3 nests one DiT
     # (transformer.language_model) in another with one source: no plan, the ordinary loader.
-    assert cosmos3.own.plugin.startswith("disabled")
-    for start in [cosmos3.own["own"], *(r["own"] for r in cosmos3.own_dp2)]:
+    assert all(rank.plugin.startswith("disabled") for rank in cosmos3.own)
+    for start in [rank[name] for rank in cosmos3.own for name in ("own", "own-rank-local")]:
         start.expect_ok()
         assert start.plan is None, start.raw
         assert any("missing prefixes: ['transformer.language_model.']" in line for line in start.logs), start.logs
@@ -114,13 +114,13 @@ def test_vllm_omni_alone_refuses_cosmos3_a_checkpoint_plan_and_loads_it_ordinari
 
 def test_a_cold_start_leases_the_registered_checkpoint_and_equals_vllm_omni_alone(cosmos3: Runs) -> None:
     start = cosmos3.cold["cold"].expect_ok()
-    assert cosmos3.cold.plugin == "installed" and cosmos3.cold.pid != cosmos3.own.pid
+    assert cosmos3.cold.plugin == "installed" and cosmos3.cold.pid not in {rank.pid for rank in cosmos3.own}
     assert start.plan == "checkpoint_mmap", start.raw
     assert start.raw["offload"]["backend"] == "HwrdOffloadBackend", start.raw["offload"]
     assert any("from hwrd checkpoint lease" in line for line in start.logs), start.logs
     assert not any("cannot serve" in line for line in start.logs), start.logs
     assert {lease["pid"] for lease in _checkpoint_leases(start, cosmos3.registered)} == {cosmos3.cold.pid}, start.raw
-    assert start.offloaded == cosmos3.own["own"].offloaded
+    assert start.offloaded == cosmos3.own[0]["own-rank-local"].offloaded
     assert start.raw["offload"]["carrier_closed"] is None  # no runtime lease: the plan is the checkpoint's
     assert start.raw["leases_after"] == []  # teardown released the checkpoint leases
 
@@ -128,7 +128,7 @@ def test_a_cold_start_leases_the_registered_checkpoint_and_equals_vllm_omni_alon
 def test_a_warm_required_start_in_a_fresh_process_streams_from_the_leases(cosmos3: Runs) -> None:
     warm = cosmos3.warm
     start = warm["warm"].expect_ok()
-    assert warm.pid not in {cosmos3.cold.pid, cosmos3.own.pid}
+    assert warm.pid not in {cosmos3.cold.pid, *(rank.pid for rank in cosmos3.own)}
     assert start.plan == "checkpoint_mmap" and start.raw["offload"]["backend"] == "HwrdOffloadBackend"
     held = _checkpoint_leases(start, cosmos3.registered)
     assert held and {lease["pid"] for lease in held} == {warm.pid}, start.raw["offload"]
@@ -137,14 +137,14 @@ def test_a_warm_required_start_in_a_fresh_process_streams_from_the_leases(cosmos
     assert start.raw["registration"]["registered"] == []
     assert any("host staging buffers for rank-local mmap" in line and "pinned=True" in line
                for line in start.logs), start.logs
-    assert start.offloaded == cosmos3.own["own"].offloaded
+    assert start.offloaded == cosmos3.own[0]["own-rank-local"].offloaded
     assert start.raw["leases_after"] == []
 
 
 def test_allgather_at_dp2_gathers_from_the_checkpoint_leases_rank_by_rank_as_vllm_omni_alone(cosmos3: Runs) -> None:
     pids = {r.pid for r in cosmos3.dp2}
     outputs = set()
-    for rank, own in zip(cosmos3.dp2, cosmos3.own_dp2, strict=True):
+    for rank, own in zip(cosmos3.dp2, cosmos3.own, strict=True):
         start = rank["warm"].expect_ok()
         assert start.plan == "checkpoint_mmap", start.raw
         offload = start.raw["offload"]
