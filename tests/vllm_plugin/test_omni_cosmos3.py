@@ -16,6 +16,9 @@ mmap through vLLM-Omni's own Cosmos3 adapter and the pipeline's real ``_remap_ck
   vLLM-Omni alone loads it with the ordinary loader; with hwrd the plugin's gate covers the
   nested DiT by its parent's source (``gate.nested_dits``) and the plan is built by vLLM-Omni's
   own planner;
+- **not registered yet** (hwrd up, a fresh process): ``preferred`` realizes the same plan with
+  vLLM-Omni's own mappings (one warning naming ``hwrctl checkpoints add``), ``required`` fails
+  saying so;
 - the checkpoint is then registered with hwrd (``hwrctl checkpoints add``'s RPC);
 - **cold**: the first fresh process after registration, ``preferred``: the plan's files are
   leased from hwrd (the daemon opens and maps the registered files for the first time);
@@ -62,6 +65,7 @@ OWN = {"HWR_VLLM_PLUGIN": "0"}  # vLLM-Omni alone: the plugin is not installed i
 @dataclass
 class Runs:
     own: list[WorkerResult]  # DP 2: "own" with AllGather, then "own-rank-local"
+    unregistered: WorkerResult
     cold: WorkerResult
     warm: WorkerResult
     dp2: list[WorkerResult]
@@ -81,6 +85,9 @@ def cosmos3(vo_hwrd, tmp_path_factory: pytest.TempPathFactory) -> Runs:
     own = run(**common, out=base / "own", topology=dp2, write_checkpoint=True, env=OWN, timeout=1200, starts=[
         Start("own", mode="disabled", straight=False),
         Start("own-rank-local", mode="disabled", straight=False, allgather=False)])
+    unregistered = run(**common, out=base / "unregistered", timeout=1200, starts=[
+        Start("preferred", socket=socket, straight=False, allgather=False, forwards=1),
+        Start("required", mode="required", socket=socket, straight=False, allgather=False, forwards=1)])[0]
     with hwr.client.connect(socket) as client:
         registered = client.add_checkpoint(checkpoint / "transformer")
     cold = run(**common, out=base / "cold", timeout=1200,
@@ -89,7 +96,7 @@ def cosmos3(vo_hwrd, tmp_path_factory: pytest.TempPathFactory) -> Runs:
         Start("warm", mode="required", socket=socket, straight=False, allgather=False, registration="registered")])[0]
     dp2_runs = run(**common, out=base / "dp2", topology=dp2, timeout=1200,
                    starts=[Start("warm", mode="required", socket=socket, straight=False)])
-    return Runs(own, cold, warm, dp2_runs, registered)
+    return Runs(own, unregistered, cold, warm, dp2_runs, registered)
 
 
 def _checkpoint_leases(start, registered: dict) -> list[dict]:
@@ -110,6 +117,18 @@ def test_vllm_omni_alone_refuses_cosmos3_a_checkpoint_plan_and_loads_it_ordinari
         out = start.tensor("0")
         assert out.abs().sum() > 0 and bool(out.isfinite().all())  # a real output, not zeros or NaN
         assert len(set(start.offloaded)) == 1  # every DLO forward gives the same bytes
+
+
+def test_before_registration_preferred_maps_the_plan_itself_and_required_fails_naming_registration(
+        cosmos3: Runs) -> None:
+    preferred = cosmos3.unregistered["preferred"].expect_ok()
+    assert preferred.plan == "checkpoint_mmap" and preferred.raw["offload"]["backend"] == "HwrdOffloadBackend"
+    assert any("hwrctl checkpoints add" in line and "WARNING" in line for line in preferred.logs), preferred.logs
+    assert any("Realized" in line and "mmap views" in line for line in preferred.logs), preferred.logs
+    assert preferred.offloaded == cosmos3.own[0]["own-rank-local"].offloaded[:1]
+    required = cosmos3.unregistered["required"]
+    assert required.error is not None and "hwrctl checkpoints add" in required.error["message"], required.raw
+    assert required.raw["leases_after"] == []
 
 
 def test_a_cold_start_leases_the_registered_checkpoint_and_equals_vllm_omni_alone(cosmos3: Runs) -> None:
