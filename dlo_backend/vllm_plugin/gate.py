@@ -27,7 +27,7 @@ without a target it calls vLLM-Omni's gate unchanged.
 (``host_weight_plan._planned_source_prefixes``) wants one component weight source per DiT name,
 but Cosmos3 lists a DiT nested inside another (``_dit_modules = ["transformer.language_model",
 "transformer"]``) with one source, prefix ``transformer.``, covering both: the planner refuses
-("missing prefixes: ['transformer.language_model.']") and every Cosmos3 load falls back to the
+("missing prefixes: ['transformer.language_model.']") and every Cosmos3 DLO load falls back to the
 ordinary loader, so there is no plan whose files hwrd could lease. For a load this gate sent down
 the CHECKPOINT path only (hwrd configured, a ``_remap_ckpt_key`` pipeline, DLO on), the same
 install wraps that function so that a DiT without a source of its own is covered by the source
