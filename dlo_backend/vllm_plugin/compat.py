@@ -140,6 +140,7 @@ _DLO_SIGNATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (_LOADER, "HWRLoaderMixin._snapshot_final_layout_tensors", ("model", "names")),
     (_LOADER, "HWRLoaderMixin._assert_final_layout_tensors_unchanged", ("model", "snapshot")),
     (_OFFLOADER, "get_offload_backend", ("od_config", "device", "host_weight_plan")),
+    (_PLAN, "_planned_source_prefixes", ("sources", "dit_modules")),
     (_OFFLOADER, "enable_offload_backend", ("od_config", "pipeline", "device")),
     (_BACKEND, "DistributedLayerwiseOffloadBackend.__init__", ("config", "device", "host_weight_plan")),
     (_BACKEND, "DistributedLayerwiseOffloadBackend._enable", ("pipeline",)),

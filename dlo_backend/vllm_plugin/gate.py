@@ -22,6 +22,18 @@ With the plugin active and hwrd configured, ``verdict`` decides instead:
 ``install_gate``/``uninstall_gate`` wrap the mixin's method (idempotent, original kept in
 ``__wrapped__``). The wrapper reads hwrd's target from the runtime root like ``interception``;
 without a target it calls vLLM-Omni's gate unchanged.
+
+**Nested DiTs on the CHECKPOINT path.** vLLM-Omni 0.30's direct-mmap planner
+(``host_weight_plan._planned_source_prefixes``) wants one component weight source per DiT name,
+but Cosmos3 lists a DiT nested inside another (``_dit_modules = ["transformer.language_model",
+"transformer"]``) with one source, prefix ``transformer.``, covering both: the planner refuses
+("missing prefixes: ['transformer.language_model.']") and every Cosmos3 DLO load falls back to the
+ordinary loader, so there is no plan whose files hwrd could lease. For a load this gate sent down
+the CHECKPOINT path only (hwrd configured, a ``_remap_ckpt_key`` pipeline, DLO on), the same
+install wraps that function so that a DiT without a source of its own is covered by the source
+of a DiT that encloses it (``nested_dits``); a DiT enclosed by none is still refused by
+vLLM-Omni's own check, and the rest of the planner (source map through ``_remap_ckpt_key``,
+coverage of every DiT tensor, metadata) runs unchanged. Every other load calls the original.
 """
 
 from __future__ import annotations
@@ -35,12 +47,15 @@ from typing import Any
 from hwr.client.errors import ConfigError
 from hwr.dlo_backend.vllm_plugin.config import resolve_target
 
-__all__ = ["GateInputs", "LoadPath", "Verdict", "install_gate", "uninstall_gate", "verdict"]
+__all__ = ["GateInputs", "LoadPath", "Verdict", "install_gate", "nested_dits", "uninstall_gate", "verdict"]
 
 log = logging.getLogger("hwr.vllm_plugin")
 _MARK = "_hwr_vllm_gate"
 _lock = threading.Lock()
 _warned: set[str] = set()
+# Whether the load in progress on this thread took the CHECKPOINT path (set by the gate, read by
+# the planner wrapper: vLLM-Omni's loader calls both on one thread, the gate first).
+_checkpoint_load = threading.local()
 
 
 class LoadPath(enum.Enum):
@@ -117,6 +132,7 @@ def _gated(original: Any, loader: Any, model: Any, modules: Any, *, dist_offload
         return original(loader, model, modules, dist_offload=dist_offload, use_allgather=allgather,
                         load_format=load_format)
 
+    _checkpoint_load.active = False
     try:
         target = resolve_target(getattr(loader.od_config, "host_weight_runtime_root", None))
     except ConfigError:
@@ -131,6 +147,7 @@ def _gated(original: Any, loader: Any, model: Any, modules: Any, *, dist_offload
         return upstream(False)  # the same gate and lookup as rank-local; DLO then gathers from the lease
     required = getattr(loader.od_config, "host_weight_runtime_mode", "") == "required"
     if decision.path is LoadPath.CHECKPOINT:
+        _checkpoint_load.active = True
         log.info("Host Weight Runtime: %s loads by direct checkpoint mmap from hwrd checkpoint leases",
                  type(model).__name__)
         return None
@@ -143,11 +160,43 @@ def _gated(original: Any, loader: Any, model: Any, modules: Any, *, dist_offload
     return None
 
 
+def nested_dits(dit_names: list[str], source_prefixes: set[str]) -> set[str]:
+    """The DiTs without a weight source of their own that lie inside a DiT that has one; pure.
+
+    Names are vLLM-Omni's dotted DiT paths (``transformer.language_model``); a source prefix
+    ends with a dot (``transformer.``).
+    """
+    sourced = [name for name in dit_names if f"{name}." in source_prefixes]
+    return {name for name in dit_names if f"{name}." not in source_prefixes
+            and any(name.startswith(f"{outer}.") for outer in sourced)}
+
+
+def _planner_wrapper(original: Any) -> Any:
+    def _planned_source_prefixes(sources: Any, dit_modules: Any) -> Any:
+        if not getattr(_checkpoint_load, "active", False):
+            return original(sources, dit_modules)
+        names = [name for name, _module in dit_modules]
+        nested = nested_dits(names, {getattr(source, "prefix", "") for source in sources})
+        # vLLM-Omni's own check over the DiTs that are not nested (a DiT no source covers still fails
+        # it); the nested ones are planned with the enclosing DiT's source, as their tensors are its.
+        planned = original(sources, [(name, module) for name, module in dit_modules if name not in nested])
+        return frozenset(planned) | {f"{name}." for name in nested}
+
+    setattr(_planned_source_prefixes, _MARK, True)
+    _planned_source_prefixes.__wrapped__ = original  # type: ignore[attr-defined]
+    _planned_source_prefixes.__doc__ = original.__doc__
+    return _planned_source_prefixes
+
+
 def install_gate() -> bool:
-    """Wrap ``HWRLoaderMixin._hwr_eligibility_mode``; False when already wrapped."""
+    """Wrap ``HWRLoaderMixin._hwr_eligibility_mode`` and the direct-mmap planner's source check
+    (see the module docstring); False when already wrapped."""
+    import vllm_omni.diffusion.model_loader.host_weight_plan as planning
     from vllm_omni.diffusion.model_loader.host_weight_loader import HWRLoaderMixin
 
     with _lock:
+        if not getattr(planning._planned_source_prefixes, _MARK, False):
+            planning._planned_source_prefixes = _planner_wrapper(planning._planned_source_prefixes)
         original = HWRLoaderMixin.__dict__["_hwr_eligibility_mode"]
         if getattr(original, _MARK, False):
             return False
@@ -165,9 +214,12 @@ def install_gate() -> bool:
 
 
 def uninstall_gate() -> bool:
+    import vllm_omni.diffusion.model_loader.host_weight_plan as planning
     from vllm_omni.diffusion.model_loader.host_weight_loader import HWRLoaderMixin
 
     with _lock:
+        if getattr(planning._planned_source_prefixes, _MARK, False):
+            planning._planned_source_prefixes = planning._planned_source_prefixes.__wrapped__
         current = HWRLoaderMixin.__dict__["_hwr_eligibility_mode"]
         if not getattr(current, _MARK, False):
             return False

@@ -25,12 +25,15 @@ worker process only, with what a CUDA platform does when the work itself is plai
   allocations (``torch.empty(..., pin_memory=True)``, ``Tensor.pin_memory()``) are ordinary CPU
   memory: a CPU build of torch has no pinned allocator.
 
-- **One import-environment answer** (not the accelerator, but the CPU machine's package set):
-  vLLM-Omni's direct-checkpoint-mmap planner looks model-specific adapters up by importing the
-  Cosmos3, MAGI-2 and MiniMax-H3 modules, and Cosmos3's import chain needs torchvision, which has
-  no CPU build on PyPI. ``get_direct_mmap_adapter`` is answered for the pipelines the harness
-  drives, which are none of those three: ``None``, what the function returns for them on a GPU
-  machine. The planner itself runs (and declines FLUX.2-klein: custom weight loaders).
+- **One import-environment answer** (not the accelerator, but the CPU machine's package set),
+  only where Cosmos3's module cannot be imported: vLLM-Omni's direct-checkpoint-mmap planner
+  looks model-specific adapters up by importing the Cosmos3, MAGI-2 and MiniMax-H3 modules, and
+  Cosmos3's import chain needs torchvision and torchaudio, which have no CPU build on PyPI (the
+  CPU environment of ``scripts/setup-vllm.sh`` removes them). There ``get_direct_mmap_adapter``
+  is answered ``None``, what the function returns on a GPU machine for the pipelines that
+  environment drives (FLUX.2-klein, MiniMax-H3's planner declines it earlier). In the CUDA-wheel
+  environment (``scripts/setup-vllm-cuda.sh``) Cosmos3 imports and the real function runs: the
+  Cosmos3 pipeline gets vLLM-Omni's own Cosmos3 adapter. The planner itself always runs.
 
 Nothing else is faked: vLLM-Omni's loader, restorer, model classes, DLO backend, plugin loading,
 distributed setup (gloo) and hwrd are the real ones.
@@ -46,7 +49,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RegistrationLog", "install", "registration"]
+__all__ = ["RegistrationLog", "cosmos3_importable", "install", "registration"]
 
 TiB = 1 << 40
 SDPA_BACKEND = "vllm_omni.diffusion.attention.backends.sdpa.SDPABackend"
@@ -81,7 +84,17 @@ def install() -> None:
     LinearBase.cpu_linear = staticmethod(torch.nn.functional.linear)
     import vllm_omni.diffusion.model_loader.host_weight_plan as planning
 
-    planning.get_direct_mmap_adapter = lambda pipeline: None  # see the module docstring
+    if not cosmos3_importable():
+        planning.get_direct_mmap_adapter = lambda pipeline: None  # see the module docstring
+
+
+def cosmos3_importable() -> bool:
+    """Whether vLLM-Omni's Cosmos3 module imports here (torchvision and torchaudio present and loadable)."""
+    try:
+        import vllm_omni.diffusion.models.cosmos3.transformer_cosmos3  # noqa: F401
+    except (ImportError, OSError, RuntimeError):
+        return False
+    return True
 
 
 @dataclass

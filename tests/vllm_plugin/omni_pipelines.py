@@ -259,3 +259,13 @@ PIPELINES["minimax-h3"] = PipelineSpec(
     extra_config=(("model_loaded", {"transformer": True, "vae": True, "text_encoder": False, "vae_encoder": True}),
                   ("trust_remote_code", True), ("task_type", "t2va")),
     complete_checkpoint=_complete_minimax_h3, model_subpath="FL2VA")
+
+
+# --- Cosmos3 (direct checkpoint mmap; needs the CUDA-wheel environment: omni_cosmos3) -----------------
+from omni_cosmos3 import complete_checkpoint as _c3_complete  # noqa: E402  (it imports PipelineSpec's module)
+from omni_cosmos3 import dit_inputs as _c3_inputs  # noqa: E402
+from omni_cosmos3 import run_dit as _c3_forward  # noqa: E402
+from omni_cosmos3 import write_checkpoint as _c3_write  # noqa: E402
+
+PIPELINES["cosmos3"] = PipelineSpec("cosmos3", "Cosmos3OmniDiffusersPipeline", _c3_write, _c3_inputs, _c3_forward,
+                                    complete_checkpoint=_c3_complete)

@@ -19,7 +19,8 @@ vLLM-Omni's own code at every step, for each *start* of its spec in turn:
 It records, per start, as JSON in ``<out>/result.json``: the Host Weight Runtime outcome the
 loader reached and the plan it handed to DLO; where the DiT's tensors live (the file mappings of
 ``/proc/self/maps`` that back them: a warm start's are hwrd's read-only artifact files); what
-``hwrctl leases --json`` (a real ``hwrctl`` process) lists during the start and after teardown;
+``hwrctl leases --json`` (a real ``hwrctl`` process) lists during the start and after teardown
+(and, for a direct checkpoint mmap plan, whose leases DLO takes, while DLO runs);
 the SHA-256 of every output's bytes (outputs saved under ``<out>``); host registration; the
 vLLM-Omni and hwr log records about the runtime and DLO; or the error a start failed with.
 """
@@ -358,6 +359,8 @@ class Worker:
                         self._save(index, f"offload-{forward}", self.pipeline.run_dit(dit, inputs)))
                     if forward == 0 and os.environ.get("HWR_BENCH_MEASURE"):
                         record["first_forward"] = self._measure()
+            if record["plan"] == "checkpoint_mmap":  # a checkpoint plan's leases are taken by DLO's enable
+                record["offload"]["leases"] = hwrctl_leases(start["socket"])
             # DiT rings streamed by hwr.dlo_backend (AllGather from an hwrd lease): where shards come from.
             record["offload"]["hwr_rings"] = [
                 {"world": h.stats.world, "shard_source": h.stats.shard_source,
