@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{results['agent_rss_mib']:.0f} MiB; load average before {load_before}, after {results['load_after']}")
         for k in ks:
             results[f"ratio_k{k}_vs_k1_peers"] = results[f"peers_k{k}_s"] / results["peers_k1_s"]
-        print(json_line(results, args.json_out))
+        json_line(results, args.json_out)
     finally:
         for p in procs:
             if p.proc is not None and p.proc.poll() is None:

@@ -46,7 +46,7 @@ __all__ = ["BUFFERS", "CHUNK", "main"]
 #: One read moves at most this many bytes (hwrd's chunks are cut to it).
 CHUNK = 4 << 20
 #: Bounce buffers, so at most this many reads in flight.
-BUFFERS = 8
+BUFFERS = 16
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p

@@ -58,7 +58,7 @@ __all__ = ["DEPTH", "NOT_SERVED", "ROUNDS", "PeerFill"]
 log = logging.getLogger("hwrd.peers")
 
 #: Chunks each peer has in flight at once (one waits for its grant while the other moves).
-DEPTH = 2
+DEPTH = 4
 #: Verification rounds per pull (the first transfer, then repairs of what failed).
 ROUNDS = 3
 NOT_SERVED = object()
@@ -308,8 +308,18 @@ class PeerFill:
 
     async def _transfer(self, queue: collections.deque[_Chunk], peers: list[_Peer], state: dict[str, Any],
                         store_copy: StoreCopy, progress: PullProgress) -> None:
-        workers = [self._worker(p, queue, state) for p in peers if p.alive for _ in range(DEPTH)]
-        await asyncio.gather(*workers)
+        loop = asyncio.get_running_loop()
+        workers = [loop.create_task(self._worker(p, queue, state)) for p in peers if p.alive for _ in range(DEPTH)]
+        try:
+            if workers:
+                done, _ = await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
+                for task in done:
+                    task.result()  # the pull's own error (stopped, a refused chunk): raised here
+                await asyncio.gather(*workers)
+        finally:  # on any error no worker outlives this pull's staging
+            for task in workers:
+                task.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
         if queue:
             await self._from_store(list(queue), state, store_copy)
             queue.clear()

@@ -276,6 +276,8 @@ class PeerServer:
         self.server: asyncio.Server | None = None
         self.handshake_timeout = 10.0
         self.idle_timeout = 120.0
+        #: Control connections at once (members and not); past it new ones are closed at once.
+        self.max_connections = 256
         self._conns: set[asyncio.Task[None]] = set()
 
     async def start(self, host: str, port: int) -> None:
@@ -293,6 +295,9 @@ class PeerServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
+        if len(self._conns) >= self.max_connections:  # before any proof: a flood costs a close each
+            writer.close()
+            return
         self._conns.add(task)
         exposed: list[str] = []
         peer = "?"

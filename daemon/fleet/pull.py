@@ -13,7 +13,11 @@ Order for one key (one fetch at a time per key; every concurrent caller awaits t
        LRU eviction exactly as for a client publication; a local publisher of the same key is
        joined instead), then each payload goes from the backend into a ``DownloadSink``
        (``hwr.daemon.fleet.sink``): written into its staging file, sizes checked before and
-       during the transfer, and hashed in the same pass (file and tensor SHA-256s)
+       during the transfer, and hashed in the same pass (file and tensor SHA-256s). With the
+       peer tier fetching (``hwr.daemon.fleet.peer_fill``), the payloads come from the fleet's
+       nodes that hold the key first, through the same sinks and digests, and each file is
+       verified against the manifest before this step ends (a peer's bad range is fetched again
+       from others or the remote); the remote serves what no peer does
     6. ``Publishing.commit_publication`` with the manifest's tensor digests as the expected
        ones and the digests computed in step 5 (``ProducerDigests``: this daemon's own code
        hashed the bytes it wrote, so the store does not re-read them): the store re-reads the
