@@ -11,7 +11,8 @@ the staging are the object-store pull's, unchanged), when ``fleet_peer_fetch`` i
 3. Chunks: every payload file is cut into ``units`` (its header, each tensor, any padding) and
    the units into chunks of at most ``peer_agent.CHUNK`` bytes that never straddle a unit
    boundary unless the units are whole (small tensors travel together). Each peer runs
-   ``DEPTH`` workers that take the next chunk, ask the peer for a grant, and have the transfer
+   ``DEPTH`` workers that take the next chunk, ask the peer for a grant (when it caps its
+   serving; else they report the chunk after), and have the transfer
    process READ it from the peer into the staging file; the chunk is then hashed through the
    file's ``DownloadSink.landed`` (the same in-order digests as an object-store pull). A peer
    that fails, or does not deliver a chunk within the chunk timeout, is dropped and its chunk
@@ -100,6 +101,7 @@ class _Peer:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     alive: bool = True
     moved: int = 0
+    capped: bool = True  # the peer caps its serving: a grant before every chunk
 
 
 def units_of(head_len: int, size: int, ranges: Sequence[tuple[str, int, int]]) -> list[tuple[int, int, str]]:
@@ -331,13 +333,17 @@ class PeerFill:
             n = chunk.end - chunk.start
             try:
                 async with asyncio.timeout(self.peers.chunk_timeout):
-                    async with peer.lock:  # one request-reply at a time on the control connection
-                        await peer_wire.write_frame(peer.writer, {"grant": n})
-                        reply = await peer_wire.read_frame(peer.reader)
-                    if reply.get("granted") != n:
-                        raise _Dropped(f"grant refused: {reply}")
+                    if peer.capped:
+                        async with peer.lock:  # one request-reply at a time on the control connection
+                            await peer_wire.write_frame(peer.writer, {"grant": n})
+                            reply = await peer_wire.read_frame(peer.reader)
+                        if reply.get("granted") != n:
+                            raise _Dropped(f"grant refused: {reply}")
                     await agent.request("read", agent=peer.agent, addr=peer.addrs[chunk.file.name] + chunk.start,
                                         length=n, path=chunk.file.path, offset=chunk.start)
+                    if not peer.capped:
+                        async with peer.lock:
+                            await peer_wire.write_frame(peer.writer, {"served": n})
             except (AgentError, TimeoutError, ConnectionError, asyncio.IncompleteReadError, peer_wire.FrameError,
                     _Dropped) as exc:
                 queue.appendleft(chunk)
@@ -405,7 +411,8 @@ class PeerFill:
                 raise _Dropped("its files are not the manifest's")
             # Loaded every time: a peer's metadata grows with each file it exposes (a reload updates it).
             agent = str((await self.peers.agent.request("connect", metadata=opened["metadata"]))["agent"])
-            return _Peer(holder, reader, writer, agent, {n: a for n, (_s, a) in files.items()})
+            return _Peer(holder, reader, writer, agent, {n: a for n, (_s, a) in files.items()},
+                         capped=opened.get("cap", 1) != 0)
         except BaseException:
             writer.close()
             raise

@@ -15,9 +15,11 @@ Pieces, all on hwrd's event loop except the data plane:
   proofs (``hwr.daemon.fleet.peer_wire``) a peer may ``open`` a key: only a committed, not
   denied artifact of this node's store; its payload files are exposed read-only by the
   transfer process (the same immutable files leases map) and their addresses sent back with
-  the agent's metadata. The peer then asks a ``grant`` for every chunk before it reads it:
-  grants come from one token bucket of ``fleet_peer_serve_max_bytes_per_s`` for all of this
-  node's serving, which is how serving is capped.
+  the agent's metadata and the serving cap. Under a cap the peer asks a ``grant`` for every
+  chunk before it reads it: grants come from one token bucket of
+  ``fleet_peer_serve_max_bytes_per_s`` for all of this node's serving, which is how serving is
+  capped. Without a cap it reads at once and reports each chunk after (``served``, no reply),
+  which saves a round trip per chunk.
 
 Bound on the node's own work: serving costs hwrd's event loop one small frame per chunk
 (``peer_agent.CHUNK`` bytes, so at most ``cap / CHUNK`` frames a second, a few hundred at 1
@@ -320,6 +322,9 @@ class PeerServer:
                 if "open" in message:
                     reply = await self._open(str(message["open"]), exposed)
                     await peer_wire.write_frame(writer, reply)
+                elif "served" in message:  # without a cap: counted after the read, no reply
+                    self.counters.served_bytes += int(message["served"])
+                    self.counters.served_chunks += 1
                 elif "grant" in message:
                     n = int(message["grant"])
                     await self.bucket.take(n)
@@ -359,7 +364,7 @@ class PeerServer:
                 return {"error": f"{entry.name} is not the committed size"}
             files.append({"name": entry.name, "size": entry.size, "addr": int(reply["addr"])})
             metadata = str(reply["metadata"])
-        return {"files": files, "metadata": metadata}
+        return {"files": files, "metadata": metadata, "cap": self.bucket.rate}
 
 
 class Peers:
