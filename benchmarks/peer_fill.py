@@ -213,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         with connect(holder.socket) as client:
             key = client.publish(ArtifactIdentity.simple("bench/peer-fill"), _tensors(args.size_mib * MiB))
         wait_pushed(holder)
+        time.sleep(5)  # weed answered InternalError to GETs right after a large upload, now and then
         print(f"holder published and uploaded {args.size_mib} MiB in {time.monotonic() - t0:.1f} s", flush=True)
         size = args.size_mib * MiB
         rows = []
@@ -229,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
                             p = client.status()["remote"]["peers"]
                         fetched += p["fetched_bytes"]
                         fallback += p["fallback_bytes"]
+                        if p["peer_pulls"] == 0:  # no peer was used: the row is a store pull (say so)
+                            print(f"{n.root.name}: no peer served; its log:\n{n.log.read_text()[-3000:]}", flush=True)
                 results[f"{mode}_k{k}_s"] = seconds
                 rows.append([k, mode, f"{seconds:.1f}", f"{k * size / seconds / 1e6:.0f}",
                              f"{size / seconds / 1e6:.0f}" if k == 1 else "-",
@@ -255,7 +258,11 @@ def main(argv: list[str] | None = None) -> int:
                 p.stop()
         if weed_proc is not None:
             weed_proc.terminate()
-            weed_proc.wait(30)
+            try:
+                weed_proc.wait(30)
+            except subprocess.TimeoutExpired:  # weed can take longer to flush: the namespaces go anyway
+                weed_proc.kill()
+                weed_proc.wait()
         fabric.close()
         shutil.rmtree(base, ignore_errors=True)
     return 0
