@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from daemon_proc import finish_daemon
 
 from hwr.client import ArtifactIdentity, connect
 from hwr.daemon.app.launcher import DaemonProcess
@@ -85,13 +86,16 @@ def fleet(short_tmp: Path) -> Iterator[dict[str, Any]]:
     try:
         yield {"make": make, "remote": remote, "fabric": fabric}
     finally:
+        failures: list[BaseException] = []
         for name, node in nodes.items():
-            if node.proc is not None and node.proc.poll() is None:
-                node.stop()
-            else:
-                node.kill()
+            try:
+                finish_daemon(node)  # SIGTERM must exit 0 (a SIGKILL the test sent is fine), no traceback
+            except BaseException as exc:
+                failures.append(exc)
             print(f"--- hwrd {name} ---\n{node.log.read_text()[-6000:]}")  # shown when the test fails
         fabric.close()
+        if failures:
+            raise failures[0]
 
 
 def publish(node: DaemonProcess, tensors: dict[str, torch.Tensor]) -> str:
