@@ -172,6 +172,38 @@ def pull_all(nodes: list[NodeProcess], key: str) -> float:
     return elapsed
 
 
+class AcquireProbe:
+    """Acquire and release ``key`` on ``node`` in a loop; the latencies (ms) while it runs."""
+
+    def __init__(self, node: DaemonProcess, key: str) -> None:
+        self.node, self.key = node, key
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with connect(self.node.socket) as client:
+            while not self._stop.is_set():
+                t = time.perf_counter()
+                with client.acquire(self.key):
+                    pass
+                self.samples.append((time.perf_counter() - t) * 1e3)
+                time.sleep(0.02)
+
+    def __enter__(self) -> AcquireProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+def _p(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mib", type=int, default=1024)
@@ -222,7 +254,17 @@ def main(argv: list[str] | None = None) -> int:
                 nodes = [make_node(fabric, base, f"{mode[0]}{k}n{i}", args.rate, peers=mode == "peers",
                                    secret=secret) for i in range(k)]
                 procs.extend(nodes)
-                seconds = pull_all(nodes, key)
+                if mode == "peers" and k == 1:  # the holder's acquires, idle and while it serves
+                    with AcquireProbe(holder, key) as idle:
+                        time.sleep(3)
+                    with AcquireProbe(holder, key) as serving:
+                        seconds = pull_all(nodes, key)
+                    results["holder_acquire_ms"] = {
+                        "idle_p50": _p(idle.samples, 0.5), "idle_p99": _p(idle.samples, 0.99),
+                        "serving_p50": _p(serving.samples, 0.5), "serving_p99": _p(serving.samples, 0.99),
+                        "idle_n": len(idle.samples), "serving_n": len(serving.samples)}
+                else:
+                    seconds = pull_all(nodes, key)
                 fetched = fallback = 0
                 if mode == "peers":
                     for n in nodes:
@@ -247,6 +289,11 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(md_table(["K", "source", "time to all (s)", "total MB/s", "per-node MB/s (K=1)",
                         "MiB from peers/store"], rows))
+        acq = results.get("holder_acquire_ms")
+        if acq:
+            print(f"\nthe holder's acquire+release latency, idle: p50 {acq['idle_p50']:.1f} ms, p99 "
+                  f"{acq['idle_p99']:.1f} ms ({acq['idle_n']}); while serving K=1: p50 {acq['serving_p50']:.1f} ms, "
+                  f"p99 {acq['serving_p99']:.1f} ms ({acq['serving_n']})")
         print(f"\nraw link: {results['raw_link_mb_s']:.1f} MB/s; transfer process RSS on the holder: "
               f"{results['agent_rss_mib']:.0f} MiB; load average before {load_before}, after {results['load_after']}")
         for k in ks:
