@@ -302,7 +302,18 @@ def _remote_status_dict(r: pb.RemoteStatus) -> dict[str, Any]:
                        "started_at": p.started_at,
                        "waiters": [{"session_id": w.session_id, "pid": w.pid, "uid": w.uid,
                                     "client_name": w.client_name, "since": w.since} for w in p.waiters]}
-                      for p in r.pulls]}
+                      for p in r.pulls],
+            "peers": _peer_status_dict(r.peers) if r.HasField("peers") else None}
+
+
+def _peer_status_dict(r: pb.PeerTierStatus) -> dict[str, Any]:
+    return {"node": r.node, "address": r.address, "serve": r.serve, "fetch": r.fetch,
+            "served_bytes": r.served_bytes, "serving_peers": list(r.serving_peers), "fetched_bytes": r.fetched_bytes,
+            "fallback_bytes": r.fallback_bytes, "refused": r.refused, "lying_peers": r.lying_peers,
+            "failed_peers": r.failed_peers, "peer_pulls": r.peer_pulls, "cap_bytes_per_s": r.cap_bytes_per_s,
+            "agent_rss_bytes": r.agent_rss_bytes,
+            "pulls": [{"key": p.key, "peers": list(p.peers), "done_bytes": p.done_bytes, "total_bytes": p.total_bytes,
+                       "started_at": p.started_at, "from_store_bytes": p.from_store_bytes} for p in r.pulls]}
 
 
 def _checkpoint_dict(c: pb.CheckpointInfo) -> dict[str, Any]:

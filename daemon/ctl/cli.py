@@ -109,7 +109,29 @@ def _remote_lines(remote: dict[str, Any] | None) -> list[str]:
             f"{remote['pending_pushes']} pending pushes, {human_bytes(remote['bytes_pulled'])} pulled, "
             f"{human_bytes(remote['bytes_pushed'])} pushed",
             *(f"pulling:      {p['key'][:16]} {p['phase']} {_share(p)}, {len(p['waiters'])} waiting "
-              f"(pids {', '.join(str(w['pid']) for w in p['waiters']) or '-'})" for p in remote.get("pulls", ()))]
+              f"(pids {', '.join(str(w['pid']) for w in p['waiters']) or '-'})" for p in remote.get("pulls", ())),
+            *_peer_lines(remote.get("peers"))]
+
+
+def _peer_lines(peers: dict[str, Any] | None) -> list[str]:
+    """The peer tier's lines of ``hwrctl status`` (none when it is off)."""
+    if not peers:
+        return []
+    cap = f"capped at {human_bytes(peers['cap_bytes_per_s'])}/s" if peers["cap_bytes_per_s"] else "no cap"
+    serving = (f"serving at {peers['address']} ({cap}) to {len(peers['serving_peers'])} peers now "
+               f"({', '.join(peers['serving_peers']) or '-'})" if peers["serve"] else "not serving")
+    return [f"peers:        node {peers['node']}, {serving}, fetch {'on' if peers['fetch'] else 'off'}; "
+            f"{human_bytes(peers['served_bytes'])} served, {human_bytes(peers['fetched_bytes'])} pulled from peers "
+            f"({human_bytes(peers['fallback_bytes'])} from the remote instead); dropped {peers['lying_peers']} "
+            f"lying, {peers['failed_peers']} failing; {peers['refused']} refused; transfer process "
+            f"{human_bytes(peers['agent_rss_bytes'])}",
+            *(f"peer pull:    {p['key'][:16]} {_share(p)} from {', '.join(p['peers'])}, "
+              f"{_rate(p)}" for p in peers["pulls"])]
+
+
+def _rate(pull: dict[str, Any]) -> str:
+    elapsed = max(1e-3, time.time() - pull["started_at"])
+    return f"{human_bytes(int(pull['done_bytes'] / elapsed))}/s"
 
 
 def _share(pull: dict[str, Any]) -> str:

@@ -13,7 +13,11 @@ Order for one key (one fetch at a time per key; every concurrent caller awaits t
        LRU eviction exactly as for a client publication; a local publisher of the same key is
        joined instead), then each payload goes from the backend into a ``DownloadSink``
        (``hwr.daemon.fleet.sink``): written into its staging file, sizes checked before and
-       during the transfer, and hashed in the same pass (file and tensor SHA-256s)
+       during the transfer, and hashed in the same pass (file and tensor SHA-256s). With the
+       peer tier fetching (``hwr.daemon.fleet.peer_fill``), the payloads come from the fleet's
+       nodes that hold the key first, through the same sinks and digests, and each file is
+       verified against the manifest before this step ends (a peer's bad range is fetched again
+       from others or the remote); the remote serves what no peer does
     6. ``Publishing.commit_publication`` with the manifest's tensor digests as the expected
        ones and the digests computed in step 5 (``ProducerDigests``: this daemon's own code
        hashed the bytes it wrote, so the store does not re-read them): the store re-reads the
@@ -65,11 +69,12 @@ from hwr.client.errors import (
 )
 from hwr.client.manifest import MANIFEST_FILE, READY_FILE, Manifest, ReadyMarker
 from hwr.daemon.fleet.progress import PullProgress
-from hwr.daemon.fleet.remote import RemoteObjectInvalid, RemoteStore
+from hwr.daemon.fleet.remote import PayloadSink, RemoteObjectInvalid, RemoteStore
 from hwr.daemon.fleet.sink import DownloadSink
 from hwr.daemon.store.staging import ProducerDigests, StagedTensor, overlap_file_bytes, plan_payloads
 
 if TYPE_CHECKING:
+    from hwr.daemon.fleet.peer_fill import PeerFill
     from hwr.daemon.service.catalog import ArtifactRecord, Catalog
     from hwr.daemon.service.publishing import Publication, Publishing
 
@@ -153,6 +158,7 @@ class Puller:
         self.on_outcome = on_outcome  # (outcome word, bytes pulled) for the metrics
         self.in_flight: dict[str, PullProgress] = {}
         self.committing: set[str] = set()  # keys a pull commits now (the pusher skips them)
+        self.peer_fill: PeerFill | None = None  # set by the fleet when the peer tier fetches
         self._refused: dict[str, tuple[float, HwrError]] = {}
         self._missing: dict[str, float] = {}  # key -> when the remote last said it has no such key
         self._down_until = 0.0
@@ -337,6 +343,15 @@ class Puller:
                             progress: PullProgress) -> ProducerDigests | None:
         """Step 5: every payload into its staging file; the digests computed on the way, or
         None when some file could not be hashed in order (the commit then re-hashes)."""
+        if self.peer_fill is not None:  # the fleet's nodes first (hwr.daemon.fleet.peer_fill)
+            from hwr.daemon.fleet.peer_fill import NOT_SERVED
+
+            def store_copy(file: str, sink: PayloadSink) -> None:
+                self.remote.get_into(self.remote.location.object_name(progress.key, file), sink)
+
+            served = await self.peer_fill.download(progress, plan, pub, store_copy)
+            if served is not NOT_SERVED:
+                return served  # type: ignore[return-value]
         staging = pub.staging
         paths = {n: p for n, p, _s in staging.files}
         heads = {p.name: len(p.head) for p in staging.plans}

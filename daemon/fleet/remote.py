@@ -117,6 +117,15 @@ class RemoteStore(Protocol):
         """Every key under ``PREFIX/artifacts/``, complete or not."""
         ...
 
+    def list_names(self, directory: str) -> list[str]:
+        """The names of the objects directly under ``directory`` (an object name ending in ``/``;
+        the peer tier's holder records), [] when there is none."""
+        ...
+
+    def delete(self, name: str) -> None:
+        """Remove one object; nothing when it does not exist."""
+        ...
+
     def probe(self) -> None:
         """Raise ``RemoteUnavailable`` unless the remote answers (a cheap request)."""
         ...

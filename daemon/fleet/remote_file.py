@@ -257,6 +257,31 @@ class FileRemote:
         except OSError as exc:
             raise self._fail(exc) from None
 
+    def list_names(self, directory: str) -> list[str]:
+        parts = [p for p in directory.split("/") if p]
+
+        def names() -> list[str]:
+            try:
+                with self._directory(parts) as dfd:
+                    return sorted(n for n in os.listdir(dfd) if not n.startswith(".")
+                                  and stat.S_ISREG(os.stat(n, dir_fd=dfd, follow_symlinks=False).st_mode))
+            except (FileNotFoundError, _Refused):
+                return []
+
+        return self._guarded(directory, names)  # type: ignore[return-value]
+
+    def delete(self, name: str) -> None:
+        parents, file = self._split(name)
+
+        def remove() -> None:
+            try:
+                with self._directory(parents) as dfd:
+                    os.unlink(file, dir_fd=dfd)
+            except (FileNotFoundError, _Refused):
+                pass
+
+        self._guarded(name, remove)
+
     @staticmethod
     def _entry(base: int, key: str) -> RemoteEntry:
         ready, size = False, 0

@@ -256,6 +256,26 @@ class S3Remote:
             raise self._fail(exc) from None
         return [RemoteEntry(k, bool(v[0]), v[1]) for k, v in sorted(found.items())]
 
+    def list_names(self, directory: str) -> list[str]:
+        found = []
+        try:
+            for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=self._bucket,
+                                                                               Prefix=directory):
+                for obj in page.get("Contents", ()):
+                    rest = str(obj["Key"])[len(directory):]
+                    if rest and "/" not in rest:
+                        found.append(rest)
+        except Exception as exc:
+            raise self._fail(exc) from None
+        return sorted(found)
+
+    def delete(self, name: str) -> None:
+        try:
+            self._client.delete_object(Bucket=self._bucket, Key=name)
+        except Exception as exc:
+            if not self._missing(exc):
+                raise self._fail(exc) from None
+
     def probe(self) -> None:
         try:
             self._client.head_bucket(Bucket=self._bucket)

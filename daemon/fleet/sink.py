@@ -193,6 +193,21 @@ class DownloadSink:
         self._progress(n)
         self.digests.feed(offset, data)
 
+    def landed(self, offset: int, n: int) -> None:
+        """``n`` bytes at ``offset`` were written into the staging file by another process (the
+        peer tier's transfer process): counted and hashed exactly as ``write`` would, read back
+        from the page cache. ``RemoteObjectInvalid`` past ``size``."""
+        self.check()
+        if offset < 0 or offset + n > self.size:
+            raise RemoteObjectInvalid("a peer's chunk lies past the end of its file")
+        data = os.pread(self.fd, n, offset)
+        if len(data) != n:
+            raise RemoteObjectInvalid("a peer's chunk is missing from the staging file")
+        with self._lock:
+            self.written += n
+        self._progress(n)
+        self.digests.feed(offset, data)
+
     def finish(self) -> tuple[str, dict[str, str]] | None:
         """The digests computed on the way (``InOrderDigests.finish``), None to re-hash at commit."""
         if self.written != self.size:

@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hwr.client.errors import ArtifactNotFound, HwrError, PermissionDeniedError
+from hwr.daemon.fleet.peer_fill import PeerFill
+from hwr.daemon.fleet.peer_tier import Peers
 from hwr.daemon.fleet.progress import PullProgress
 from hwr.daemon.fleet.pull import Puller
 from hwr.daemon.fleet.push import Pusher
@@ -69,6 +71,7 @@ class Fleet:
         self._recording: set[asyncio.Task[None]] = set()  # to-push records being written
         # (monotonic time, "" or the error, "" or its code) of the last probe
         self._probe: tuple[float, str, str] | None = None
+        self.peers: Peers | None = None  # the peer tier (hwr.daemon.fleet.peer_tier), when enabled
 
     @classmethod
     def open(cls, config: DaemonConfig, catalog: Catalog, publications: Publishing) -> Fleet | None:
@@ -76,16 +79,25 @@ class Fleet:
         if location is None:
             return None
         remote = open_remote(location)
-        return cls(location, remote, catalog, publications, root=Path(config.root), push=config.remote_push,
-                   wait_timeout=config.publication_wait_timeout_s, stall_timeout=config.remote_stall_timeout_s)
+        fleet = cls(location, remote, catalog, publications, root=Path(config.root), push=config.remote_push,
+                    wait_timeout=config.publication_wait_timeout_s, stall_timeout=config.remote_stall_timeout_s)
+        if Peers.enabled(config):
+            fleet.peers = Peers(config, remote, catalog)
+            if config.fleet_peer_fetch:
+                fleet.puller.peer_fill = PeerFill(fleet.peers)
+        return fleet
 
     async def start(self) -> None:
+        if self.peers is not None:
+            await self.peers.start()
         await self.pusher.start()
         log.info("remote tier %s (push %s)", self.location.display, "on" if self.push_enabled else "off")
 
     async def stop(self) -> None:
         await self.pusher.stop()
         self.puller.close()
+        if self.peers is not None:
+            await self.peers.stop()
         await asyncio.to_thread(self.remote.close)
 
     # ------------------------------------------------------------------ hooks
@@ -120,7 +132,10 @@ class Fleet:
         return self.puller.in_flight.get(key)
 
     def committed(self, key: str) -> None:
-        """``Publishing``' commit hook (on the loop): queue the upload unless a pull committed it."""
+        """``Publishing``' commit hook (on the loop): announce it to the fleet's peers (when
+        serving) and queue the upload unless a pull committed it."""
+        if self.peers is not None:
+            self.peers.committed(key)
         if not self.push_enabled or key in self.puller.committing:
             return
         self.puller.forget_miss(key)  # it is on its way to the remote
@@ -184,4 +199,27 @@ def metric_blocks(fleet: Fleet | None) -> list[list[str]]:
         pushes.inc(outcome, count)
     return [pulls.lines(), pushes.lines(),
             counter_lines("hwr_remote_pulled_bytes_total", "Payload bytes pulled from the remote.", fleet.bytes_pulled),
-            counter_lines("hwr_remote_pushed_bytes_total", "Payload bytes pushed to the remote.", fleet.bytes_pushed)]
+            counter_lines("hwr_remote_pushed_bytes_total", "Payload bytes pushed to the remote.", fleet.bytes_pushed),
+            *peer_metric_blocks(fleet)]
+
+
+def peer_metric_blocks(fleet: Fleet) -> list[list[str]]:
+    """The peer tier's series (none when it is off)."""
+    if fleet.peers is None:
+        return []
+    from hwr.daemon.system.metrics import counter_lines
+
+    c = fleet.peers.counters
+    return [
+        counter_lines("hwr_peer_served_bytes_total", "Payload bytes granted to the fleet's other nodes.",
+                      c.served_bytes),
+        counter_lines("hwr_peer_fetched_bytes_total", "Payload bytes pulled from peers.", c.fetched_bytes),
+        counter_lines("hwr_peer_fallback_bytes_total", "Payload bytes a peer pull took from the remote instead.",
+                      c.fallback_bytes),
+        counter_lines("hwr_peer_pulls_total", "Pulls that read from at least one peer.", c.peer_pulls),
+        counter_lines("hwr_peer_dropped_lying_total", "Peers dropped from a pull: their bytes failed verification.",
+                      c.lying_peers),
+        counter_lines("hwr_peer_dropped_failed_total", "Peers dropped from a pull: they failed or stalled.",
+                      c.failed_peers),
+        counter_lines("hwr_peer_refused_total", "Peer connections refused: not a member of the fleet.", c.refused),
+    ]

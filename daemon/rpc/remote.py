@@ -50,7 +50,23 @@ async def remote_status(fleet: Fleet | None) -> pb.RemoteStatus | None:
     return pb.RemoteStatus(url=fleet.location.display, reachable=reachable, error=error, error_code=error_code,
                            push=fleet.push_enabled,
                            pending_pushes=len(fleet.pusher.pending()), pulls_in_flight=len(fleet.puller.in_flight),
-                           bytes_pulled=fleet.bytes_pulled, bytes_pushed=fleet.bytes_pushed, pulls=pulls)
+                           bytes_pulled=fleet.bytes_pulled, bytes_pushed=fleet.bytes_pushed, pulls=pulls,
+                           peers=peer_status(fleet))
+
+
+def peer_status(fleet: Fleet) -> pb.PeerTierStatus | None:
+    """The peer tier's part of ``remote`` (None when it is off)."""
+    if fleet.peers is None:
+        return None
+    s = fleet.peers.status()
+    pulls = [pb.PeerPull(key=p["key"], peers=p["peers"], done_bytes=p["done_bytes"], total_bytes=p["total_bytes"],
+                         started_at=p["started_at"], from_store_bytes=p["from_store_bytes"]) for p in s["pulls"]]
+    return pb.PeerTierStatus(
+        node=s["node"], address=s["address"], serve=s["serve"], fetch=s["fetch"], served_bytes=s["served_bytes"],
+        serving_peers=s["serving_peers"], fetched_bytes=s["fetched_bytes"], fallback_bytes=s["fallback_bytes"],
+        refused=s["refused"], lying_peers=s["lying_peers"], failed_peers=s["failed_peers"],
+        peer_pulls=s["peer_pulls"], cap_bytes_per_s=s["cap_bytes_per_s"], agent_rss_bytes=s["agent_rss_bytes"],
+        pulls=pulls)
 
 
 async def _remote_key(fleet: Fleet, text: str) -> str:

@@ -120,6 +120,20 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # A pull that receives no byte from the remote for this long is stopped and its waiters fail
     # (RemoteUnavailable, reason STALLED); a pull that advances is never cut short.
     remote_stall_timeout_s: float = 60.0
+    # Peer tier (hwr.daemon.fleet.peer_tier; README "Fleets"): nodes of a fleet pull artifacts from
+    # each other over NIXL, verified like every pull. Needs `remote` (discovery goes through it), the
+    # fleet's shared secret (a file, mode o-rwx, >= 16 bytes) and an interpreter with the `peers` extra.
+    fleet_peer_serve: bool = False  # serve this node's committed artifacts to the fleet's other nodes
+    fleet_peer_fetch: bool = False  # pull from peers before (and beside) the remote
+    fleet_peer_listen: str = ""  # HOST:PORT of the control connections when serving
+    fleet_peer_advertise: str = ""  # HOST:PORT the other nodes use ("": fleet_peer_listen)
+    fleet_peer_secret_file: str = ""
+    fleet_peer_node_id: str = ""  # this node's name in holder records ("": the host name)
+    fleet_peer_serve_max_bytes_per_s: int = 0  # cap on all serving together; 0: no cap
+    fleet_peer_holder_ttl_s: float = 30.0  # a holder record expires this long after its last refresh
+    fleet_peer_max_sources: int = 4  # peers one pull reads from at once
+    fleet_peer_python: str = ""  # the transfer process's interpreter ("": hwrd's own)
+    fleet_peer_ucx_tls: str = ""  # UCX_TLS for the transfer process ("": UCX's own choice)
 
     def __post_init__(self) -> None:
         if not 0 <= self.socket_mode <= 0o777:
@@ -151,6 +165,16 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             from hwr.daemon.policy.remote_location import parse_location
 
             parse_location(self.remote, endpoint_url=self.remote_endpoint_url, region=self.remote_region)
+        if self.fleet_peer_serve_max_bytes_per_s < 0:
+            raise ConfigError("fleet_peer_serve_max_bytes_per_s must not be negative",
+                              details={"key": "fleet_peer_serve_max_bytes_per_s"})
+        if self.fleet_peer_holder_ttl_s <= 0 or self.fleet_peer_max_sources < 1:
+            raise ConfigError("fleet_peer_holder_ttl_s and fleet_peer_max_sources must be positive",
+                              details={"key": "fleet_peer_holder_ttl_s"})
+        if self.fleet_peer_serve or self.fleet_peer_fetch:
+            from hwr.daemon.fleet.peer_tier import Peers
+
+            Peers.check_config(self)  # type: ignore[arg-type]
         if self.metrics_listen:
             from hwr.daemon.system.metrics import parse_listen
 

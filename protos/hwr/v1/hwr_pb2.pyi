@@ -687,7 +687,7 @@ class GetStoreUsageResponse(_message.Message):
     def __init__(self, store_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., store_limit_bytes: _Optional[int] = ..., artifact_limit_bytes: _Optional[int] = ..., min_free_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., locked_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., artifacts: _Optional[_Iterable[_Union[ArtifactUsage, _Mapping]]] = ...) -> None: ...
 
 class RemoteStatus(_message.Message):
-    __slots__ = ("url", "reachable", "error", "push", "pending_pushes", "pulls_in_flight", "bytes_pulled", "bytes_pushed", "pulls", "error_code")
+    __slots__ = ("url", "reachable", "error", "push", "pending_pushes", "pulls_in_flight", "bytes_pulled", "bytes_pushed", "pulls", "error_code", "peers")
     URL_FIELD_NUMBER: _ClassVar[int]
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -698,6 +698,7 @@ class RemoteStatus(_message.Message):
     BYTES_PUSHED_FIELD_NUMBER: _ClassVar[int]
     PULLS_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
     url: str
     reachable: bool
     error: str
@@ -708,7 +709,58 @@ class RemoteStatus(_message.Message):
     bytes_pushed: int
     pulls: _containers.RepeatedCompositeFieldContainer[RemotePull]
     error_code: str
-    def __init__(self, url: _Optional[str] = ..., reachable: _Optional[bool] = ..., error: _Optional[str] = ..., push: _Optional[bool] = ..., pending_pushes: _Optional[int] = ..., pulls_in_flight: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., pulls: _Optional[_Iterable[_Union[RemotePull, _Mapping]]] = ..., error_code: _Optional[str] = ...) -> None: ...
+    peers: PeerTierStatus
+    def __init__(self, url: _Optional[str] = ..., reachable: _Optional[bool] = ..., error: _Optional[str] = ..., push: _Optional[bool] = ..., pending_pushes: _Optional[int] = ..., pulls_in_flight: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., pulls: _Optional[_Iterable[_Union[RemotePull, _Mapping]]] = ..., error_code: _Optional[str] = ..., peers: _Optional[_Union[PeerTierStatus, _Mapping]] = ...) -> None: ...
+
+class PeerTierStatus(_message.Message):
+    __slots__ = ("node", "address", "serve", "fetch", "served_bytes", "serving_peers", "fetched_bytes", "fallback_bytes", "refused", "lying_peers", "failed_peers", "peer_pulls", "cap_bytes_per_s", "agent_rss_bytes", "pulls")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SERVE_FIELD_NUMBER: _ClassVar[int]
+    FETCH_FIELD_NUMBER: _ClassVar[int]
+    SERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SERVING_PEERS_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    LYING_PEERS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_PEERS_FIELD_NUMBER: _ClassVar[int]
+    PEER_PULLS_FIELD_NUMBER: _ClassVar[int]
+    CAP_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    AGENT_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PULLS_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    address: str
+    serve: bool
+    fetch: bool
+    served_bytes: int
+    serving_peers: _containers.RepeatedScalarFieldContainer[str]
+    fetched_bytes: int
+    fallback_bytes: int
+    refused: int
+    lying_peers: int
+    failed_peers: int
+    peer_pulls: int
+    cap_bytes_per_s: int
+    agent_rss_bytes: int
+    pulls: _containers.RepeatedCompositeFieldContainer[PeerPull]
+    def __init__(self, node: _Optional[str] = ..., address: _Optional[str] = ..., serve: _Optional[bool] = ..., fetch: _Optional[bool] = ..., served_bytes: _Optional[int] = ..., serving_peers: _Optional[_Iterable[str]] = ..., fetched_bytes: _Optional[int] = ..., fallback_bytes: _Optional[int] = ..., refused: _Optional[int] = ..., lying_peers: _Optional[int] = ..., failed_peers: _Optional[int] = ..., peer_pulls: _Optional[int] = ..., cap_bytes_per_s: _Optional[int] = ..., agent_rss_bytes: _Optional[int] = ..., pulls: _Optional[_Iterable[_Union[PeerPull, _Mapping]]] = ...) -> None: ...
+
+class PeerPull(_message.Message):
+    __slots__ = ("key", "peers", "done_bytes", "total_bytes", "started_at", "from_store_bytes")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    DONE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    FROM_STORE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    peers: _containers.RepeatedScalarFieldContainer[str]
+    done_bytes: int
+    total_bytes: int
+    started_at: float
+    from_store_bytes: int
+    def __init__(self, key: _Optional[str] = ..., peers: _Optional[_Iterable[str]] = ..., done_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., started_at: _Optional[float] = ..., from_store_bytes: _Optional[int] = ...) -> None: ...
 
 class RemotePull(_message.Message):
     __slots__ = ("key", "phase", "done_bytes", "total_bytes", "started_at", "waiters")

@@ -1,0 +1,418 @@
+"""Peer pull: a pull's payload bytes from the fleet's nodes that hold the artifact, over NIXL.
+
+Called by ``hwr.daemon.fleet.pull.Puller`` in its step 5 (the documents, the plan, admission and
+the staging are the object-store pull's, unchanged), when ``fleet_peer_fetch`` is on:
+
+1. ``Holders.find``: the live holders of the key recorded in the remote. None: ``NOT_SERVED``,
+   and the pull goes to the store as before.
+2. Up to ``fleet_peer_max_sources`` holders are connected at once: membership proofs both ways
+   (``peer_wire``), ``open`` the key (the peer's files must be the plan's names and sizes), and
+   the peer's NIXL metadata loaded into this node's transfer process.
+3. Chunks: every payload file is cut into ``units`` (its header, each tensor, any padding) and
+   the units into chunks of at most ``peer_agent.CHUNK`` bytes that never straddle a unit
+   boundary unless the units are whole (small tensors travel together). Each peer runs
+   ``DEPTH`` workers that take the next chunk, ask the peer for a grant (when it caps its
+   serving; else they report the chunk after), and have the transfer
+   process READ it from the peer into the staging file; the chunk is then hashed through the
+   file's ``DownloadSink.landed`` (the same in-order digests as an object-store pull). A peer
+   that fails, or does not deliver a chunk within the chunk timeout, is dropped and its chunk
+   goes back to the queue; chunks no live peer can take come from the store (a ranged copy of
+   the object through the same sink).
+4. Verification, per file, before anything is committed: the header must be the planned one
+   byte for byte, every tensor's SHA-256 and the file's must be the manifest's. Every peer that
+   served a chunk of a failing unit is dropped for this pull (counted as lying) and those units
+   are fetched again from the other peers or the store, then the file is re-hashed from disk.
+   After ``ROUNDS`` rounds a file that still fails ends the pull with ``ChecksumMismatch``.
+   The commit then checks the tensor digests against the manifest once more (``pull.py`` step 6).
+
+A lying or broken peer therefore costs the chunks it served, never a wrong byte installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from hwr.client.errors import ChecksumMismatch, HwrError
+from hwr.daemon.fleet import peer_wire
+from hwr.daemon.fleet.peer_agent import CHUNK
+from hwr.daemon.fleet.peer_tier import AgentError, Holder, parse_address
+from hwr.daemon.fleet.sink import DownloadSink, InOrderDigests
+from hwr.daemon.store.staging import ProducerDigests
+
+if TYPE_CHECKING:
+    from hwr.daemon.fleet.peer_tier import Peers
+    from hwr.daemon.fleet.progress import PullProgress
+    from hwr.daemon.fleet.pull import RemotePlan
+    from hwr.daemon.service.publishing import Publication
+
+__all__ = ["DEPTH", "NOT_SERVED", "ROUNDS", "PeerFill"]
+
+log = logging.getLogger("hwrd.peers")
+
+#: Chunks each peer has in flight at once (one waits for its grant while the other moves).
+DEPTH = 4
+#: Verification rounds per pull (the first transfer, then repairs of what failed).
+ROUNDS = 3
+NOT_SERVED = object()
+StoreCopy = Callable[[str, Any], None]  # (file name, sink) -> the store's bytes of that object
+
+
+class _Dropped(Exception):
+    """A peer could not be used (connection, proofs, wrong files)."""
+
+
+@dataclass
+class _File:
+    name: str
+    path: str
+    size: int
+    head: bytes
+    ranges: list[tuple[str, int, int]]  # (tensor, absolute start, absolute end)
+    fd: int = -1
+    sink: DownloadSink | None = None
+    units: list[tuple[int, int, str]] = field(default_factory=list)  # (start, end, tensor | "" header | "~" gap)
+    fresh: bool = True  # every byte landed once, in the sink's digests
+
+
+@dataclass
+class _Chunk:
+    file: _File
+    start: int
+    end: int
+    source: str = ""  # the node that served it, "store" for the store
+
+
+@dataclass(eq=False)
+class _Peer:
+    holder: Holder
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    agent: str
+    addrs: dict[str, int]
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    alive: bool = True
+    moved: int = 0
+    capped: bool = True  # the peer caps its serving: a grant before every chunk
+
+
+def units_of(head_len: int, size: int, ranges: Sequence[tuple[str, int, int]]) -> list[tuple[int, int, str]]:
+    """The file cut at the header's end and at every tensor's boundaries (gaps named ``~``)."""
+    units = [(0, head_len, "")] if head_len else []
+    at = head_len
+    for name, start, end in sorted(ranges, key=lambda r: r[1]):
+        if start > at:
+            units.append((at, start, "~"))
+        if end > start:
+            units.append((start, end, name))
+        at = max(at, end)
+    if at < size:
+        units.append((at, size, "~"))
+    return units
+
+
+def chunks_of(file: _File, limit: int = CHUNK) -> list[_Chunk]:
+    """Whole units packed up to ``limit`` bytes; a larger unit split in ``limit``-byte pieces."""
+    out: list[_Chunk] = []
+    start = end = 0
+    for u_start, u_end, _name in file.units:
+        if u_end - u_start > limit:
+            if end > start:
+                out.append(_Chunk(file, start, end))
+            out.extend(_Chunk(file, s, min(s + limit, u_end)) for s in range(u_start, u_end, limit))
+            start = end = u_end
+        elif u_end - start > limit:
+            out.append(_Chunk(file, start, end))
+            start, end = u_start, u_end
+        else:
+            end = u_end
+    if end > start:
+        out.append(_Chunk(file, start, end))
+    return out
+
+
+class _RangeSink:
+    """A ``PayloadSink`` over a whole store object that keeps only the ``wanted`` ranges."""
+
+    def __init__(self, sink: DownloadSink, wanted: list[tuple[int, int]], moved: Callable[[int], None]) -> None:
+        self.sink = sink
+        self.size = sink.size
+        self.written = 0
+        self.wanted = wanted
+        self.moved = moved
+
+    def write(self, offset: int, data: bytes | memoryview) -> None:
+        self.sink.check()
+        n = len(data)
+        self.written += n
+        view = memoryview(data)
+        for start, end in self.wanted:
+            lo, hi = max(start, offset), min(end, offset + n)
+            if lo < hi:
+                self.sink.write(lo, bytes(view[lo - offset:hi - offset]))
+                self.moved(hi - lo)
+
+    def check(self) -> None:
+        self.sink.check()
+
+
+def _hash_from_disk(file: _File) -> tuple[str, dict[str, str]] | None:
+    digests = InOrderDigests(file.fd, file.size, file.ranges)
+    offset = 0
+    while offset < file.size:
+        data = os.pread(file.fd, min(8 << 20, file.size - offset), offset)
+        if not data:
+            digests.close()
+            return None
+        digests.feed(offset, data)
+        offset += len(data)
+    return digests.finish()
+
+
+class PeerFill:
+    """One daemon's peer pulls (the module docstring gives the order)."""
+
+    def __init__(self, peers: Peers) -> None:
+        self.peers = peers
+        self.max_sources = peers.config.fleet_peer_max_sources
+
+    async def download(self, progress: PullProgress, plan: RemotePlan, pub: Publication,
+                       store_copy: StoreCopy) -> ProducerDigests | object | None:
+        """The verified digests of every file, or ``NOT_SERVED`` when no peer could serve."""
+        key = progress.key
+        try:
+            holders = await asyncio.to_thread(self.peers.holders.find, key)
+        except HwrError as exc:
+            log.warning("peer pull of %s: holders unknown (%s); from the store", key[:16], exc.message)
+            return NOT_SERVED
+        if not holders:
+            return NOT_SERVED
+        sizes = dict(plan.files)
+        connected = await asyncio.gather(*(self._connect(h, key, sizes) for h in holders[:self.max_sources]),
+                                         return_exceptions=True)
+        peers = [p for p in connected if isinstance(p, _Peer)]
+        for holder, result in zip(holders, connected, strict=False):
+            if isinstance(result, BaseException):
+                log.warning("peer pull of %s: %s (%s) not used: %s", key[:16], holder.node, holder.address, result)
+        if not peers:
+            return NOT_SERVED
+        self.peers.counters.peer_pulls += 1
+        state = {"key": key, "peers": [p.holder.node for p in peers], "done_bytes": 0,
+                 "total_bytes": plan.size_bytes, "started_at": time.time(), "from_store_bytes": 0}
+        self.peers.counters.active[key] = state
+        files = self._files(pub)
+        try:
+            return await self._pull(progress, plan, files, peers, state, store_copy)
+        finally:
+            self.peers.counters.active.pop(key, None)
+            for p in peers:
+                p.writer.close()
+            for f in files:
+                if f.sink is not None:
+                    f.sink.close()
+                if f.fd >= 0:
+                    os.close(f.fd)
+                with contextlib.suppress(HwrError):
+                    await self.peers.agent.request("close", path=f.path)
+
+    def _files(self, pub: Publication) -> list[_File]:
+        staging = pub.staging
+        heads = {p.name: p.head for p in staging.plans}
+        entries = {p.name: p.entries for p in staging.plans}
+        files = []
+        for name, path, size in staging.files:
+            head = heads[name]
+            ranges = [(e.name, len(head) + e.begin, len(head) + e.end) for e in entries[name]]
+            f = _File(name, str(path), size, head, ranges)
+            f.units = units_of(len(head), size, ranges)
+            files.append(f)
+        return files
+
+    async def _pull(self, progress: PullProgress, plan: RemotePlan, files: list[_File], peers: list[_Peer],
+                    state: dict[str, Any], store_copy: StoreCopy) -> ProducerDigests:
+        expected_tensors = {t.name: t.sha256 for t in plan.manifest.tensors}
+        expected_files = {f.name: f.sha256 for f in plan.manifest.files}
+
+        def moved(n: int) -> None:
+            state["done_bytes"] += n
+
+        for f in files:
+            f.fd = os.open(f.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            f.sink = DownloadSink(f.fd, f.size, f.ranges, progress=lambda n: (progress.add(n), moved(n)),
+                                  check=progress.check)
+        queue = collections.deque(c for f in files for c in chunks_of(f))
+        chunks = list(queue)
+        result_files: dict[str, str] = {}
+        result_tensors: dict[str, str] = {}
+        for round_no in range(ROUNDS):
+            await self._transfer(queue, peers, state, store_copy, progress)
+            bad_chunks: list[_Chunk] = []
+            for f in files:
+                if f.name in result_files:
+                    continue
+                digests = await asyncio.to_thread(self._digests, f)
+                bad = self._bad_units(f, digests, expected_tensors, expected_files)
+                if not bad:
+                    assert digests is not None
+                    result_files[f.name] = digests[0]
+                    result_tensors.update(digests[1])
+                    continue
+                for c in chunks:
+                    if c.file is f and any(c.start < e and s < c.end for s, e, _n in bad):
+                        bad_chunks.append(c)
+            if not bad_chunks:
+                return ProducerDigests(result_files, result_tensors)
+            liars = {c.source for c in bad_chunks}
+            for p in peers:
+                if p.alive and p.holder.node in liars:
+                    p.alive = False
+                    self.peers.counters.lying_peers += 1
+                    log.error("peer pull of %s: %s (%s) served bytes that fail the manifest's digests; dropped "
+                              "for this pull", progress.key[:16], p.holder.node, p.holder.address)
+            if "store" in liars and round_no == ROUNDS - 1:
+                break
+            for c in bad_chunks:
+                c.source = ""
+                c.file.fresh = False
+            queue.extend(bad_chunks)
+        raise ChecksumMismatch(f"peer pull of {progress.key[:16]}: bytes still fail the manifest after {ROUNDS} "
+                               "rounds (peers and the store)", details={"key": progress.key})
+
+    @staticmethod
+    def _digests(f: _File) -> tuple[str, dict[str, str]] | None:
+        assert f.sink is not None
+        if f.fresh:
+            f.fresh = False
+            digests = f.sink.finish()
+            if digests is not None:
+                return digests
+        return _hash_from_disk(f)
+
+    @staticmethod
+    def _bad_units(f: _File, digests: tuple[str, dict[str, str]] | None, tensors: dict[str, str],
+                   files: dict[str, str]) -> list[tuple[int, int, str]]:
+        if digests is None:
+            return list(f.units)
+        bad = [u for u in f.units if u[2] not in ("", "~") and digests[1].get(u[2]) != tensors.get(u[2])]
+        if f.head and os.pread(f.fd, len(f.head), 0) != f.head:
+            bad += [u for u in f.units if u[2] == ""]
+        if not bad and digests[0] != files.get(f.name):
+            bad = [u for u in f.units if u[2] == "~"] or list(f.units)
+        return bad
+
+    async def _transfer(self, queue: collections.deque[_Chunk], peers: list[_Peer], state: dict[str, Any],
+                        store_copy: StoreCopy, progress: PullProgress) -> None:
+        loop = asyncio.get_running_loop()
+        workers = [loop.create_task(self._worker(p, queue, state)) for p in peers if p.alive for _ in range(DEPTH)]
+        try:
+            if workers:
+                done, _ = await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
+                for task in done:
+                    task.result()  # the pull's own error (stopped, a refused chunk): raised here
+                await asyncio.gather(*workers)
+        finally:  # on any error no worker outlives this pull's staging
+            for task in workers:
+                task.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+        if queue:
+            await self._from_store(list(queue), state, store_copy)
+            queue.clear()
+
+    async def _worker(self, peer: _Peer, queue: collections.deque[_Chunk], state: dict[str, Any]) -> None:
+        agent = self.peers.agent
+        while peer.alive and queue:
+            chunk = queue.popleft()
+            n = chunk.end - chunk.start
+            try:
+                async with asyncio.timeout(self.peers.chunk_timeout):
+                    if peer.capped:
+                        async with peer.lock:  # one request-reply at a time on the control connection
+                            await peer_wire.write_frame(peer.writer, {"grant": n})
+                            reply = await peer_wire.read_frame(peer.reader)
+                        if reply.get("granted") != n:
+                            raise _Dropped(f"grant refused: {reply}")
+                    await agent.request("read", agent=peer.agent, addr=peer.addrs[chunk.file.name] + chunk.start,
+                                        length=n, path=chunk.file.path, offset=chunk.start)
+                    if not peer.capped:
+                        async with peer.lock:
+                            await peer_wire.write_frame(peer.writer, {"served": n})
+            except (AgentError, TimeoutError, ConnectionError, asyncio.IncompleteReadError, peer_wire.FrameError,
+                    _Dropped) as exc:
+                queue.appendleft(chunk)
+                if peer.alive:
+                    peer.alive = False
+                    self.peers.counters.failed_peers += 1
+                    self._forget_agent(peer.agent)
+                    log.warning("peer pull: %s (%s) dropped: %s", peer.holder.node, peer.holder.address,
+                                exc or type(exc).__name__)
+                return
+            assert chunk.file.sink is not None
+            await asyncio.to_thread(chunk.file.sink.landed, chunk.start, n)
+            chunk.source = peer.holder.node
+            peer.moved += n
+            self.peers.counters.fetched_bytes += n
+
+    async def _from_store(self, chunks: list[_Chunk], state: dict[str, Any], store_copy: StoreCopy) -> None:
+        by_file: dict[str, list[_Chunk]] = {}
+        for c in chunks:
+            by_file.setdefault(c.file.name, []).append(c)
+
+        def moved(n: int) -> None:
+            self.peers.counters.fallback_bytes += n
+            state["from_store_bytes"] += n
+
+        for name, group in by_file.items():
+            f = group[0].file
+            assert f.sink is not None
+            wanted = sorted((c.start, c.end) for c in group)
+            log.info("peer pull: %d bytes of %s from the store", sum(e - s for s, e in wanted), name)
+            await asyncio.to_thread(store_copy, name, _RangeSink(f.sink, wanted, moved))
+            for c in group:
+                c.source = "store"
+
+    def _forget_agent(self, agent: str) -> None:
+        task = asyncio.get_running_loop().create_task(self.peers.agent.request("disconnect", agent=agent))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def _connect(self, holder: Holder, key: str, sizes: dict[str, int]) -> _Peer:
+        host, port = parse_address(holder.address, "holder address")
+        timeout = self.peers.connect_timeout
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=peer_wire.MAX_FRAME + 8),
+                                                timeout)
+        try:
+            async with asyncio.timeout(timeout):
+                hello = await peer_wire.read_frame(reader)
+                challenge = str(hello.get("challenge", ""))
+                nonce = secrets.token_hex(16)
+                secret = self.peers.secret
+                await peer_wire.write_frame(writer, {"node": self.peers.node, "nonce": nonce,
+                                                     "proof": peer_wire.ask_proof(secret, challenge, nonce,
+                                                                                  self.peers.node)})
+                proof = await peer_wire.read_frame(reader)
+                if "error" in proof:
+                    raise _Dropped(f"it refused this node: {proof['error']}")
+                if len(challenge) < 32 or not peer_wire.same(proof.get("proof"),
+                                                             peer_wire.serve_proof(secret, challenge, nonce)):
+                    raise _Dropped("it is not a member of this fleet (its proof does not check)")
+                await peer_wire.write_frame(writer, {"open": key})
+                opened = await peer_wire.read_frame(reader)
+            if "error" in opened:
+                raise _Dropped(f"it does not serve the key: {opened['error']}")
+            files = {str(f["name"]): (int(f["size"]), int(f["addr"])) for f in opened["files"]}
+            if {n: s for n, (s, _a) in files.items()} != sizes:
+                raise _Dropped("its files are not the manifest's")
+            # Loaded every time: a peer's metadata grows with each file it exposes (a reload updates it).
+            agent = str((await self.peers.agent.request("connect", metadata=opened["metadata"]))["agent"])
+            return _Peer(holder, reader, writer, agent, {n: a for n, (_s, a) in files.items()},
+                         capped=opened.get("cap", 1) != 0)
+        except BaseException:
+            writer.close()
+            raise
