@@ -50,6 +50,7 @@ from hwr.client.errors import ConfigError, HwrError
 from hwr.client.identity import is_key
 from hwr.daemon.fleet import peer_wire
 from hwr.daemon.fleet.remote import RemoteStore
+from hwr.daemon.system.config import parse_address
 
 if TYPE_CHECKING:
     from hwr.daemon.service.catalog import Catalog
@@ -58,15 +59,6 @@ if TYPE_CHECKING:
 __all__ = ["AgentProcess", "Holder", "Holders", "PeerCounters", "PeerServer", "Peers", "parse_address"]
 
 log = logging.getLogger("hwrd.peers")
-
-
-def parse_address(text: str, key: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[V6]:PORT`` for IPv6) -> (host, port); ``ConfigError`` naming ``key``."""
-    host, sep, port = text.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"{key} must be HOST:PORT (got {text!r})", details={"key": key})
-    return host, int(port)
 
 
 class AgentError(HwrError):
@@ -391,21 +383,6 @@ class Peers:
     @staticmethod
     def enabled(config: DaemonConfig) -> bool:
         return bool(config.fleet_peer_serve or config.fleet_peer_fetch)
-
-    @staticmethod
-    def check_config(config: DaemonConfig) -> None:
-        if not Peers.enabled(config):
-            return
-        if not config.remote:
-            raise ConfigError("the peer tier (fleet_peer_serve/fleet_peer_fetch) needs a remote: discovery "
-                              "goes through it", details={"key": "remote"})
-        if not config.fleet_peer_secret_file:
-            raise ConfigError("the peer tier needs fleet_peer_secret_file (the fleet's shared secret)",
-                              details={"key": "fleet_peer_secret_file"})
-        if config.fleet_peer_serve:
-            parse_address(config.fleet_peer_listen, "fleet_peer_listen")
-            if config.fleet_peer_advertise:
-                parse_address(config.fleet_peer_advertise, "fleet_peer_advertise")
 
     async def start(self) -> None:
         await self.agent.start()

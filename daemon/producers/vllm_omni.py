@@ -40,8 +40,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from hwr.client.errors import InvalidRequest
+from hwr.client.omni_config import check_omni_config
 from hwr.daemon.checkpoints.registry import Checkpoint, Checkpoints
-from hwr.daemon.producers.omni_config import check_omni_config
 from hwr.daemon.producers.runner import run_job
 
 if TYPE_CHECKING:

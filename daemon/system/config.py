@@ -40,7 +40,7 @@ from hwr.client.paths import default_root, default_socket
 
 __all__ = [
     "ConfigSources", "DaemonConfig", "describe", "env_name", "flag_name", "load_config", "load_config_with_sources",
-    "runs_as_node_service",
+    "parse_address", "runs_as_node_service",
 ]
 
 SYSTEM_CONFIG = Path("/etc/hwrd/hwrd.toml")
@@ -172,9 +172,16 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             raise ConfigError("fleet_peer_holder_ttl_s and fleet_peer_max_sources must be positive",
                               details={"key": "fleet_peer_holder_ttl_s"})
         if self.fleet_peer_serve or self.fleet_peer_fetch:
-            from hwr.daemon.fleet.peer_tier import Peers
-
-            Peers.check_config(self)  # type: ignore[arg-type]
+            if not self.remote:
+                raise ConfigError("the peer tier (fleet_peer_serve/fleet_peer_fetch) needs a remote: discovery "
+                                  "goes through it", details={"key": "remote"})
+            if not self.fleet_peer_secret_file:
+                raise ConfigError("the peer tier needs fleet_peer_secret_file (the fleet's shared secret)",
+                                  details={"key": "fleet_peer_secret_file"})
+            if self.fleet_peer_serve:
+                parse_address(self.fleet_peer_listen, "fleet_peer_listen")
+                if self.fleet_peer_advertise:
+                    parse_address(self.fleet_peer_advertise, "fleet_peer_advertise")
         if self.metrics_listen:
             from hwr.daemon.system.metrics import parse_listen
 
@@ -426,3 +433,12 @@ def describe(config: DaemonConfig, sources: ConfigSources) -> str:
     for key in field_names():
         lines.append(f"{key} = {_toml_value(key, getattr(config, key))}  # {sources.by_key.get(key, 'default')}")
     return "\n".join(lines)
+
+
+def parse_address(text: str, key: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[V6]:PORT`` for IPv6) -> (host, port); ``ConfigError`` naming ``key``."""
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{key} must be HOST:PORT (got {text!r})", details={"key": key})
+    return host, int(port)

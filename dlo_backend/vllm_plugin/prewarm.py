@@ -20,7 +20,7 @@ layout with its own producer and ``format_metadata``:
 5. check the files again, then report ``{"event": "done", "key", "outcome", ...}``.
 
 The job's ``config`` holds the serving worker's vLLM-Omni config fields that select the pipeline
-and its layout (the daemon's allow-list, ``hwr.daemon.producers.omni_config``); ``model`` is always
+and its layout (the daemon's allow-list, ``hwr.client.omni_config``); ``model`` is always
 the registered checkpoint path, which must then be the path the server is given, and
 ``trust_remote_code`` is always off (``engine_fields``); the hub is offline in this process. Limits: the DiT is loaded
 whole into this process's memory (vLLM-Omni's loader does), so its peak RSS is about the
@@ -84,10 +84,10 @@ def _check_files(root: Path, files: list[list[Any]]) -> None:
 
 def engine_fields(root: Path, config: object, *, port: int, runtime_root: str) -> dict[str, Any]:
     """The vLLM-Omni config fields of the load: the job's ``config``, checked again against the
-    daemon's allow-list (``hwr.daemon.producers.omni_config``; ``InvalidRequest``), under the
+    daemon's allow-list (``hwr.client.omni_config``; ``InvalidRequest``), under the
     producer's own fields, which always win: ``model`` is the registered ``root`` and
     ``trust_remote_code`` is off whatever the config says (this process has hwrd's rights)."""
-    from hwr.daemon.producers.omni_config import check_omni_config
+    from hwr.client.omni_config import check_omni_config
 
     checked = check_omni_config(config)
     return {**checked, "model": str(root), "trust_remote_code": False, "num_gpus": 1, "enforce_eager": True,

@@ -1,5 +1,5 @@
 """The ``vllm-omni`` producer's config allow-list: what an operator's ``--omni-config`` may say
-to a process that runs with hwrd's rights (``hwr.daemon.producers.omni_config``)."""
+to a process that runs with hwrd's rights (``hwr.client.omni_config``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from hwr.client.errors import InvalidRequest
-from hwr.daemon.producers.omni_config import ALLOWED_KEYS, check_omni_config
+from hwr.client.omni_config import ALLOWED_KEYS, check_omni_config
 from hwr.daemon.producers.vllm_omni import parse_config
 
 SERVING = {"model_class_name": "Flux2KleinPipeline", "task_type": "t2va", "dtype": "bfloat16",
