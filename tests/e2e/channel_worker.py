@@ -23,7 +23,7 @@ import torch
 
 import hwr.client.channel_watch
 import hwr.client.lease
-import hwr.client.publisher  # noqa: F401
+import hwr.client.publisher
 import hwr.client.revision_diff  # noqa: F401 - publish imports it lazily, after the uid drop
 from hwr.client import ArtifactIdentity, connect
 from hwr.client.errors import HwrError
