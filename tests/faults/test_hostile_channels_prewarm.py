@@ -21,6 +21,7 @@ import pytest
 import torch
 from daemon_proc import NOBODY as NOBODY_USER
 from daemon_proc import STRANGER, RunAs, as_user
+from e2e.test_daemon_trust import VICTIM_CODE  # the same victim client as the trust rules' own test
 from safetensors.torch import save_file
 
 from hwr.client import connect
@@ -304,21 +305,6 @@ def test_hostile_state_files_at_start(artifact: Callable[..., tuple[DaemonProces
 # ------------------------------------------------------------------------------ another user's daemon
 #: The client's user in the trust test: a uid of its own (neither the daemon's nor an attacker's).
 VICTIM = RunAs(64304, 64304, umask=0o022)
-VICTIM_CODE = """
-import json, os
-from hwr.client import ArtifactIdentity, connect
-from hwr.client.errors import HwrError
-out = {"uid": os.getuid()}
-try:
-    with connect(timeout=10) as client:
-        out["daemon_pid"] = client.status()["pid"]
-        with client.acquire(ArtifactIdentity.simple("victim/model").key) as lease:
-            out["weights"] = lease.tensors["w"].tolist()
-except HwrError as exc:
-    out["error"] = exc.code
-    out["details"] = exc.details
-print(json.dumps(out))
-"""
 
 
 def run_client(user: RunAs, env: dict[str, str]) -> dict[str, Any]:
