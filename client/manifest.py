@@ -227,10 +227,6 @@ class Manifest:
     def identity(self) -> ArtifactIdentity:
         return ArtifactIdentity.from_canonical_bytes(self.identity_bytes)
 
-    @property
-    def total_tensor_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
-
     def tensors_in(self, file_name: str) -> tuple[TensorRecord, ...]:
         return tuple(t for t in self.tensors if t.file == file_name)
 

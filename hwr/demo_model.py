@@ -13,7 +13,6 @@ Names match ``state_dict``: ``x_embed.*``, ``blocks.{i}.{adaln,attn.qkv,attn.pro
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,7 +153,3 @@ def load_canonical(config: DemoConfig, checkpoint: Path) -> DemoDiT:
     model = build_skeleton(config)
     model.load_state_dict(final_layout(load_file(str(checkpoint))), assign=True, strict=True)
     return model
-
-
-def canonical_loader(config: DemoConfig, checkpoint: Path) -> Callable[[], DemoDiT]:
-    return lambda: load_canonical(config, checkpoint)
