@@ -41,7 +41,7 @@ from torch import nn
 
 from hwr.dlo_backend import apply_layerwise_offload
 from hwr.dlo_backend.file_lease import FileLease
-from hwr.dlo_backend.sharding import flat_span
+from hwr.dlo_backend.shards import flat_span
 
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 

@@ -57,11 +57,11 @@ if TYPE_CHECKING:  # the lease modules import torch: only the calls that build t
     from hwr.client.connection import Connection, ReattachReport
     from hwr.client.lease import Lease
 
-__all__ = ["Acquirer", "PullProgress"]
+__all__ = ["Acquirer", "PullReport"]
 
 
 @dataclass(frozen=True)
-class PullProgress:
+class PullReport:
     """hwrd's report on the pull an acquire waits for (``acquire(on_pull=...)``)."""
 
     key: str
@@ -71,7 +71,7 @@ class PullProgress:
     total_bytes: int
 
     @classmethod
-    def from_frame(cls, frame: dict[str, Any]) -> PullProgress:
+    def from_frame(cls, frame: dict[str, Any]) -> PullReport:
         def number(name: str) -> int:
             value = frame.get(name, 0)
             return value if isinstance(value, int) and value >= 0 else 0
@@ -113,7 +113,7 @@ class Acquirer:
 
     def peer_acquire(self, key: str, identity: bytes | None = None, deadline: float | None = None, *,
                      channel: str | None = None, wait_for_pull: bool = True,
-                     on_pull: Callable[[PullProgress], None] | None = None,
+                     on_pull: Callable[[PullReport], None] | None = None,
                      ) -> tuple[str, str, Manifest, list[int]]:
         """The peer channel's ``acquire`` of ``key`` (sent as ``identity``, its canonical bytes,
         when given; or of the key ``channel`` points to, then ``key`` is the one it pointed to
@@ -142,7 +142,7 @@ class Acquirer:
         def pending(frame: dict[str, Any]) -> None:
             if on_pull is not None:
                 with contextlib.suppress(Exception):  # the caller's report must not break the stream
-                    on_pull(PullProgress.from_frame(frame))
+                    on_pull(PullReport.from_frame(frame))
 
         reply, fds, tail = self._connection.exchange(request, want_fds=True, timeout=left, on_pending=pending)
         try:
@@ -178,7 +178,7 @@ class Acquirer:
 
     def acquire(self, artifact: ArtifactIdentity | str, *, copy_on_write: bool = False,
                 populate: bool = False, timeout: float | None = None, wait_for_pull: bool = True,
-                on_pull: Callable[[PullProgress], None] | None = None) -> Lease:
+                on_pull: Callable[[PullReport], None] | None = None) -> Lease:
         """Lease an artifact by identity or 64-hex key (``Client.acquire`` documents the contract)."""
         if isinstance(artifact, ArtifactIdentity):
             identity = artifact.canonical_bytes

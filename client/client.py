@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hwr.client.acquisition import Acquirer, PullProgress
+from hwr.client.acquisition import Acquirer, PullReport
 from hwr.client.admin import AdminCalls
 from hwr.client.channel_calls import ChannelCalls
 from hwr.client.connection import Connection, ReattachReport
@@ -127,7 +127,7 @@ class Client(ChannelCalls, AdminCalls):
     # leases ---------------------------------------------------------------------------------
     def acquire(self, artifact: ArtifactIdentity | str, *, copy_on_write: bool = False,
                 populate: bool = False, timeout: float | None = None, wait_for_pull: bool = True,
-                on_pull: Callable[[PullProgress], None] | None = None) -> Lease:
+                on_pull: Callable[[PullReport], None] | None = None) -> Lease:
         """Lease an artifact by identity or 64-hex key; raises ``ArtifactNotFound`` on a miss.
 
         ``timeout`` (seconds) bounds the exchanges with hwrd (None: the connection's timeout,
@@ -137,7 +137,7 @@ class Client(ChannelCalls, AdminCalls):
 
         With a remote tier, a key being pulled (or that this acquire starts pulling) is waited
         for while the pull advances: hwrd reports progress (passed to ``on_pull``, a
-        ``PullProgress``; it must be quick) and ``timeout`` then bounds each silence of the
+        ``PullReport``; it must be quick) and ``timeout`` then bounds each silence of the
         daemon, not the pull; a pull that stalls fails with ``RemoteUnavailable`` after hwrd's
         ``remote_stall_timeout_s``, a refused one with its typed error. ``wait_for_pull=False``:
         start the pull and raise ``ArtifactNotFound`` (``details["pulling"]``) at once."""

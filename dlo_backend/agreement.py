@@ -5,7 +5,7 @@ to a new revision at the same pass, or a gather would mix shards of two revision
 reach the ranks at different moments (each rank's watch, acquire and check run on their own),
 so at every pass boundary every rank states what it holds in one ``Proposal`` and all of them
 are gathered on DLO's own communicator (``encode``/``decode``: 33 bytes per rank). Every rank
-then applies ``decide`` to the same rows and reaches the same verdict:
+then applies ``decide`` to the same rows and reaches the same ``SwitchDecision``:
 
 - every rank is ``READY`` with the same revision digest, refused by none: all switch to it;
 - a digest some rank ``REFUSED`` (it failed that rank's contract check, or could not be
@@ -24,7 +24,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["PROPOSAL_BYTES", "Offer", "Proposal", "Verdict", "decide", "decode", "encode"]
+__all__ = ["PROPOSAL_BYTES", "Offer", "Proposal", "SwitchDecision", "decide", "decode", "encode"]
 
 _DIGEST = 32
 PROPOSAL_BYTES = 1 + _DIGEST
@@ -45,9 +45,9 @@ class Proposal:
 
 
 @dataclass(frozen=True)
-class Verdict:
-    """``switch``: the digest every rank switches to now (``None``: no switch). ``refused``:
-    digest -> the group ranks that refused it."""
+class SwitchDecision:
+    """What the group does at one boundary. ``switch``: the digest every rank switches to now
+    (``None``: no switch). ``refused``: digest -> the group ranks that refused it."""
 
     switch: bytes | None
     refused: dict[bytes, tuple[int, ...]]
@@ -70,7 +70,7 @@ def decode(rows: bytes, world: int) -> list[Proposal]:
     return out
 
 
-def decide(proposals: Sequence[Proposal]) -> Verdict:
+def decide(proposals: Sequence[Proposal]) -> SwitchDecision:
     """The verdict every rank reaches from the same gathered ``proposals`` (pure)."""
     refused: dict[bytes, list[int]] = {}
     for rank, proposal in enumerate(proposals):
@@ -79,4 +79,4 @@ def decide(proposals: Sequence[Proposal]) -> Verdict:
     ready = {p.digest for p in proposals if p.offer is Offer.READY}
     unanimous = len(ready) == 1 and all(p.offer is Offer.READY for p in proposals)
     switch = next(iter(ready)) if unanimous and not refused.keys() & ready else None
-    return Verdict(switch, {digest: tuple(ranks) for digest, ranks in refused.items()})
+    return SwitchDecision(switch, {digest: tuple(ranks) for digest, ranks in refused.items()})

@@ -40,8 +40,7 @@ from hwr.dlo_backend.contract import ModelTensor
 from hwr.dlo_backend.layout import BlockLayout
 from hwr.dlo_backend.paging import populate
 from hwr.dlo_backend.registration import HostRegistration, register_regions
-from hwr.dlo_backend.sharding import build_shard
-from hwr.dlo_backend.shards import LeaseShards, PrivateShards, ShardSource, input_nbytes
+from hwr.dlo_backend.shards import LeaseShards, PrivateShards, ShardSource, build_shard, input_nbytes
 from hwr.dlo_backend.sources import BlockSource
 
 __all__ = [

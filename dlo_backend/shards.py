@@ -1,10 +1,15 @@
-"""Where one rank's AllGather shard of a block comes from: private copies, or the lease itself.
+"""One rank's AllGather shard of a block: how it is built, and where it comes from.
+
+For each dtype group, rank ``r`` keeps elements ``[r * shard, (r + 1) * shard)`` of the group's
+flattened physical storage (see ``layout``); the pieces come straight from the host tensors'
+storage spans (``flat_span``), so a rank's host memory for streamed blocks is about ``1 / world``
+of the model plus at most ``world - 1`` padding elements per group. Gaps and padding are zero.
 
 A block's *gather input* holds this rank's shard of every dtype group, group ``g`` at byte
 ``shard_offsets(layout)[g]`` (each group's shard rounded up to ``GROUP_ALIGN_BYTES``). Two
 sources write it, both behind ``copy_into(block, target)``:
 
-- ``PrivateShards``: shards built once at ``enable()`` (``sharding.build_shard``, pinned on
+- ``PrivateShards``: shards built once at ``enable()`` (``build_shard``, pinned on
   CUDA) and kept in private host memory for the life of the backend. The path for module
   tensors as host source, and for a lease with ``allgather_host_copy=True`` (upstream's design:
   the page cache plus private pinned shards, i.e. a second host copy of the model per node).
@@ -31,19 +36,50 @@ from typing import Protocol
 import torch
 
 from hwr.client.carrier import MappedRegion
+from hwr.dlo_backend.arena import HostArena
 from hwr.dlo_backend.layout import GROUP_ALIGN_BYTES, BlockLayout, shard_pieces
 from hwr.dlo_backend.paging import page_range
-from hwr.dlo_backend.sharding import flat_span
 
 __all__ = [
     "LeaseShards",
     "Piece",
     "PrivateShards",
     "ShardSource",
+    "build_shard",
+    "flat_span",
     "input_nbytes",
     "merge_ranges",
     "shard_offsets",
 ]
+
+
+def flat_span(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s physical storage span as a 1-D tensor over the same memory (no copy)."""
+    span = 1 + sum((size - 1) * step for size, step in zip(tensor.shape, tensor.stride(), strict=True))
+    if tensor.numel() == 0:
+        span = 0
+    return torch.as_strided(tensor, (span,), (1,), tensor.storage_offset())
+
+
+def build_shard(
+    layout: BlockLayout, host: list[torch.Tensor], rank: int, *, pin: bool, arena: HostArena | None = None
+) -> list[torch.Tensor]:
+    """Rank ``rank``'s shard of every dtype group of one block.
+
+    Carved from ``arena`` when given (exact sizes; pinned if the arena is, see ``arena``), else
+    one tensor per group (pinned when ``pin``, which rounds each up to a power of two).
+    """
+    shards: list[torch.Tensor] = []
+    for index, group in enumerate(layout.groups):
+        if arena is not None:
+            shard = arena.take(group.shard_numel, group.dtype)  # fresh memory: zero
+        else:
+            shard = torch.zeros(group.shard_numel, dtype=group.dtype, pin_memory=pin)
+        for piece in shard_pieces(layout, index, rank):
+            source = flat_span(host[piece.tensor])[piece.source : piece.source + piece.length]
+            shard[piece.target : piece.target + piece.length].copy_(source)
+        shards.append(shard)
+    return shards
 
 
 def shard_offsets(layout: BlockLayout) -> list[int]:

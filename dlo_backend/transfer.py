@@ -41,8 +41,7 @@ from hwr.dlo_backend.group import all_gather_bytes
 from hwr.dlo_backend.lanes import Lane, Signal, completed_signal
 from hwr.dlo_backend.layout import BlockLayout
 from hwr.dlo_backend.paging import populate
-from hwr.dlo_backend.sharding import flat_span
-from hwr.dlo_backend.shards import ShardSource, input_nbytes, shard_offsets
+from hwr.dlo_backend.shards import ShardSource, flat_span, input_nbytes, shard_offsets
 from hwr.dlo_backend.slots import SlotPair
 
 __all__ = ["AllGatherTransfer", "DirectTransfer", "HostBindTransfer", "StagedTransfer", "Transfer"]

@@ -1,11 +1,11 @@
-"""Which path a DLO load takes when hwrd is configured: a pure verdict, and the loader gate over it.
+"""Which path a DLO load takes when hwrd is configured: a pure decision, and the loader gate over it.
 
 vLLM-Omni 0.30's ``HWRLoaderMixin._hwr_eligibility_mode`` returns before any lookup when DLO uses
 AllGather, even in ``required`` mode, and refuses (``required``) or skips (``preferred``) DiTs
 without a final-layout restore contract, which are the ones it loads by direct checkpoint mmap.
-With the plugin active and hwrd configured, ``verdict`` decides instead:
+With the plugin active and hwrd configured, ``decide_load`` decides instead:
 
-    inputs                                                   -> verdict
+    inputs                                                   -> decision
     mode disabled, or DLO off                                -> UPSTREAM (vLLM-Omni's gate, unchanged)
     load_format / HSDP / quantization / LoRA / no DiT        -> REFUSE (reasons): required fails the
                                                                 start naming them; preferred warns
@@ -47,7 +47,7 @@ from typing import Any
 from hwr.client.errors import ConfigError
 from hwr.dlo_backend.vllm_plugin.config import resolve_target
 
-__all__ = ["GateInputs", "LoadPath", "Verdict", "install_gate", "nested_dits", "uninstall_gate", "verdict"]
+__all__ = ["GateInputs", "LoadDecision", "LoadPath", "decide_load", "install_gate", "nested_dits", "uninstall_gate"]
 
 log = logging.getLogger("hwr.vllm_plugin")
 _MARK = "_hwr_vllm_gate"
@@ -80,15 +80,17 @@ class GateInputs:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class LoadDecision:
+    """The path one load takes, and why when it is refused."""
+
     path: LoadPath
     reason: str = ""
 
 
-def verdict(g: GateInputs) -> Verdict:
+def decide_load(g: GateInputs) -> LoadDecision:
     """The path of one load (see the module table); pure."""
     if g.mode == "disabled" or not g.dist_offload:
-        return Verdict(LoadPath.UPSTREAM)
+        return LoadDecision(LoadPath.UPSTREAM)
     reasons = []
     if g.load_format != "default":
         reasons.append(f"load_format {g.load_format!r} (only 'default')")
@@ -101,18 +103,18 @@ def verdict(g: GateInputs) -> Verdict:
     if not g.dits:
         reasons.append("a pipeline without DiT modules")
     if reasons:
-        return Verdict(LoadPath.REFUSE, ", ".join(reasons))
+        return LoadDecision(LoadPath.REFUSE, ", ".join(reasons))
     if g.contracts:
-        return Verdict(LoadPath.FINAL_LAYOUT if g.use_allgather else LoadPath.UPSTREAM)
+        return LoadDecision(LoadPath.FINAL_LAYOUT if g.use_allgather else LoadPath.UPSTREAM)
     if g.remaps_checkpoint:
-        return Verdict(LoadPath.CHECKPOINT)
-    return Verdict(LoadPath.REFUSE, "a DiT without a final-layout restore contract that is not loaded by "
+        return LoadDecision(LoadPath.CHECKPOINT)
+    return LoadDecision(LoadPath.REFUSE, "a DiT without a final-layout restore contract that is not loaded by "
                                  "direct checkpoint mmap")
 
 
 def inputs_of(loader: Any, model: Any, modules: Any, *, dist_offload: bool, use_allgather: bool,
               load_format: str) -> GateInputs:
-    """The verdict's inputs, read from vLLM-Omni's loader, pipeline and discovered modules."""
+    """The decision's inputs, read from vLLM-Omni's loader, pipeline and discovered modules."""
     dits = tuple(getattr(modules, "dits", ()))
     return GateInputs(
         mode=str(getattr(loader.od_config, "host_weight_runtime_mode", "disabled")),
@@ -139,7 +141,7 @@ def _gated(original: Any, loader: Any, model: Any, modules: Any, *, dist_offload
         target = None  # the runtime's construction reports a malformed marker (interception)
     if target is None:
         return upstream(use_allgather)
-    decision = verdict(inputs_of(loader, model, modules, dist_offload=dist_offload, use_allgather=use_allgather,
+    decision = decide_load(inputs_of(loader, model, modules, dist_offload=dist_offload, use_allgather=use_allgather,
                                  load_format=load_format))
     if decision.path is LoadPath.UPSTREAM:
         return upstream(use_allgather)

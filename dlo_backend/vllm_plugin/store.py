@@ -78,7 +78,7 @@ from vllm_omni.host_weight_runtime import (
 )
 
 from hwr.client import connect
-from hwr.client.acquisition import PullProgress
+from hwr.client.acquisition import PullReport
 from hwr.client.client import Client
 from hwr.client.errors import (
     ActiveBuildTimeout,
@@ -172,7 +172,7 @@ class PullLog:
         self._last = 0.0
         self.reports = 0
 
-    def __call__(self, progress: PullProgress) -> None:
+    def __call__(self, progress: PullReport) -> None:
         now = time.monotonic()
         if self.reports and now - self._last < self._every:
             return

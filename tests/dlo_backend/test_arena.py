@@ -14,7 +14,7 @@ from cuda_fake import PORTABLE, READ_ONLY, FakeCudaRuntime
 
 from hwr.dlo_backend.arena import HostArena, arena_bytes
 from hwr.dlo_backend.layout import TENSOR_ALIGN_BYTES, TensorMeta, plan_block
-from hwr.dlo_backend.sharding import build_shard
+from hwr.dlo_backend.shards import build_shard
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from hwr.dlo_backend.layout import TENSOR_ALIGN_BYTES, TensorMeta, manifest_digest, plan_block, shard_pieces
 from hwr.dlo_backend.ring import plan_step
-from hwr.dlo_backend.sharding import build_shard, flat_span
+from hwr.dlo_backend.shards import build_shard, flat_span
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int64]
 

@@ -11,8 +11,7 @@ from test_planning import _bytes, _metas, tensors
 
 from hwr.client.carrier import MappedRegion
 from hwr.dlo_backend.layout import BlockLayout, plan_block
-from hwr.dlo_backend.sharding import build_shard
-from hwr.dlo_backend.shards import LeaseShards, PrivateShards, input_nbytes, merge_ranges, shard_offsets
+from hwr.dlo_backend.shards import LeaseShards, PrivateShards, build_shard, input_nbytes, merge_ranges, shard_offsets
 
 
 def _gathered(layout: BlockLayout, inputs: list[torch.Tensor]) -> torch.Tensor:

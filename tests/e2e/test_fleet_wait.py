@@ -34,7 +34,7 @@ from .helpers import MIB, digests, wait_until
 from .test_fleet import PREFIX, publish_on, tensors_of, wait_ready
 
 if TYPE_CHECKING:
-    from hwr.client.acquisition import PullProgress
+    from hwr.client.acquisition import PullReport
 
 s3_server = fleet_fixtures.s3_server  # the session's S3 server process (a fixture)
 SIZE = 24 * MIB
@@ -85,7 +85,7 @@ def test_a_required_acquire_waits_for_a_slow_pull_with_progress(slow_fleet: dict
     env = slow_fleet
     key, expected = published(env, "wait/slow", 51)
     b = env["start_b"]()
-    reports: list[PullProgress] = []
+    reports: list[PullReport] = []
     seen: list[dict[str, Any]] = []
 
     def watch() -> None:  # what an operator sees meanwhile (hwrctl status --json, hwrctl leases)

@@ -1,6 +1,6 @@
 """The plugin's pure decisions for the AllGather and checkpoint paths, and its compat check of them.
 
-``gate.verdict`` (which path a load takes), ``factory.choose`` (which DLO backend a startup gets),
+``gate.decide_load`` (which path a load takes), ``factory.choose`` (which DLO backend a startup gets),
 ``offload.block_paths`` (which module lists a DiT ring is), ``checkpoints.relative_in`` (a plan
 file under a registered checkpoint), ``BorrowedLease`` (a lease view lent without ownership) and
 ``compat.dlo_problems`` (every vLLM-Omni symbol the new hooks touch).
@@ -23,7 +23,7 @@ from hwr.dlo_backend.vllm_plugin import compat
 from hwr.dlo_backend.vllm_plugin.borrowed import BorrowedLease, regions_of
 from hwr.dlo_backend.vllm_plugin.checkpoints import relative_in
 from hwr.dlo_backend.vllm_plugin.factory import Choice, choose
-from hwr.dlo_backend.vllm_plugin.gate import GateInputs, LoadPath, verdict
+from hwr.dlo_backend.vllm_plugin.gate import GateInputs, LoadPath, decide_load
 from hwr.dlo_backend.vllm_plugin.offload import block_paths
 
 BASE = GateInputs(mode="required", dist_offload=True, use_allgather=True, load_format="default", use_hsdp=False,
@@ -31,20 +31,20 @@ BASE = GateInputs(mode="required", dist_offload=True, use_allgather=True, load_f
 
 
 def test_allgather_restore_contract_dits_resolve_their_final_layout_through_hwrd() -> None:
-    assert verdict(BASE).path is LoadPath.FINAL_LAYOUT
+    assert decide_load(BASE).path is LoadPath.FINAL_LAYOUT
     # Rank-local is vLLM-Omni's own gate, unchanged (it already resolves through the runtime).
-    assert verdict(dataclasses.replace(BASE, use_allgather=False)).path is LoadPath.UPSTREAM
+    assert decide_load(dataclasses.replace(BASE, use_allgather=False)).path is LoadPath.UPSTREAM
 
 
 def test_disabled_mode_or_no_dlo_leaves_vllm_omni_untouched() -> None:
-    assert verdict(dataclasses.replace(BASE, mode="disabled")).path is LoadPath.UPSTREAM
-    assert verdict(dataclasses.replace(BASE, dist_offload=False)).path is LoadPath.UPSTREAM
+    assert decide_load(dataclasses.replace(BASE, mode="disabled")).path is LoadPath.UPSTREAM
+    assert decide_load(dataclasses.replace(BASE, dist_offload=False)).path is LoadPath.UPSTREAM
 
 
 def test_checkpoint_remapping_pipelines_take_the_checkpoint_path_on_both_transports() -> None:
     for allgather in (True, False):
         g = dataclasses.replace(BASE, contracts=False, remaps_checkpoint=True, use_allgather=allgather)
-        assert verdict(g).path is LoadPath.CHECKPOINT
+        assert decide_load(g).path is LoadPath.CHECKPOINT
 
 
 @pytest.mark.parametrize(("change", "named"), [
@@ -53,7 +53,7 @@ def test_checkpoint_remapping_pipelines_take_the_checkpoint_path_on_both_transpo
     ({"contracts": False}, "restore contract"),
 ])
 def test_what_hwrd_cannot_serve_is_refused_by_name(change: dict[str, object], named: str) -> None:
-    decision = verdict(dataclasses.replace(BASE, **change))  # type: ignore[arg-type]
+    decision = decide_load(dataclasses.replace(BASE, **change))  # type: ignore[arg-type]
     assert decision.path is LoadPath.REFUSE and named in decision.reason
 
 
