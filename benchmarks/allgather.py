@@ -171,7 +171,7 @@ def rank_worker(spec: dict[str, Any]) -> None:
     with torch.no_grad():
         model(x)
     first = time.time()
-    for lane in handle.backend._lanes:
+    for lane in handle.backend._runtime.lanes:
         lane.drain()  # probe: no gather in flight, so gloo's transient output copy is not counted
     dist.barrier()  # every rank has mapped what it maps: PSS shares are final
     after = _smaps()

@@ -102,7 +102,7 @@ def _reference_copy(handle: object, device: torch.device) -> tuple[Callable[[], 
         [flat_span(t).clone().pin_memory() if pin else flat_span(t).clone() for t in src.host]
         for src in backend._streamed
     ]
-    slots = backend._slots
+    slots = backend._runtime.slots
 
     def run() -> None:
         for block, tensors in enumerate(sources):
@@ -119,8 +119,8 @@ def _transfer_only(handle: object) -> Callable[[], None]:
 
     def run() -> None:
         for block in range(count):
-            backend._stream.fill(block, block % 2)
-        for lane in backend._lanes:
+            backend._runtime.stream.fill(block, block % 2)
+        for lane in backend._runtime.lanes:
             lane.drain()
 
     return run

@@ -8,17 +8,24 @@ of copied (``cpu_zero_copy``). It returns an ``OffloadHandle`` whose ``close()``
 hook, leaves the model usable and closes the lease. See ``backend`` for the transaction's state
 table.
 
-Modules, one concept each: ``discovery`` (block stacks), ``sources`` (host bytes), ``layout``
-(slot byte plan, shards, manifest digest), ``sharding`` (one rank's shard), ``ring`` (prefetch
-policy), ``hooks`` (hook registry), ``slots`` (device slots), ``lanes`` (streams and events),
-``transfer`` (direct, staged, AllGather copies; CPU zero-copy binding), ``paging`` (page-table
-population ahead of compute), ``registration`` (``cudaHostRegister``; ``cudart``, the CUDA
-runtime calls behind it), ``arena`` (exact-size pinned host memory), ``watchdog`` (stuck gathers),
-``group`` (AllGather group and manifest agreement), ``backend`` (transaction and runtime),
-``offload`` (public entry), ``errors``. Live updates: ``contract`` (what a revision must hold),
-``revision`` (one revision's host side), ``agreement`` (the ranks' per-pass verdict),
-``switch`` (pending updates and the pass boundary), ``live`` (the backend's switch),
-``follow`` (an hwrd channel as the source of updates).
+Modules, one concept each. Streaming: ``discovery`` (block stacks), ``sources`` (host bytes),
+``layout`` (slot byte plan, shard pieces, manifest digest), ``shards`` (one rank's AllGather
+shard: built privately or read from the lease), ``ring`` (prefetch policy), ``hooks`` (hook
+registry), ``slots`` (device slots), ``lanes`` (streams and events), ``transfer`` (direct,
+staged, AllGather copies; CPU zero-copy binding), ``stream`` (the ring at run time: what a
+block's hooks do), ``paging`` (page-table population ahead of compute), ``registration``
+(``cudaHostRegister``; ``cudart``, the CUDA runtime calls behind it), ``arena`` (exact-size
+pinned host memory), ``watchdog`` (stuck gathers), ``communicator`` (DLO's own AllGather
+group), ``group`` (group choice and manifest agreement), ``errors``. The backend and its parts:
+``backend`` (the transaction, composing the parts), ``runtime`` (the device side: lanes, slots,
+transfer, ring, watchdog), ``installation`` (hooks and the rollback target on the model),
+``held`` (the revisions the backend holds), ``teardown`` (the order the parts are released
+in), ``offload`` (public entry). Live updates: ``contract`` (what a revision must hold),
+``revision`` (one revision's host side), ``agreement`` (the ranks' per-pass decision),
+``switch`` (pending updates and the pass boundary), ``live`` (the backend's part the switch
+drives), ``follow`` (an hwrd channel as the source of updates). Around it: ``file_lease`` (a
+local safetensors file as a host source), ``loader`` (a worker's startup transaction, from an
+artifact identity to a model serving with offload), ``vllm_plugin`` (the vLLM-Omni plugin).
 """
 
 from hwr.dlo_backend.backend import EnableStep, LayerwiseOffloadBackend, OffloadStats, State

@@ -25,7 +25,12 @@ failure at PREFETCH or COMMIT (after the first gather was issued) cannot be agre
 failing rank raises ``CollectiveStateError`` and its peers fail at their next gather, within the
 group's timeout.
 
-Teardown (failure rollback and ``disable``) runs in the order ``teardown`` documents.
+The backend is the transaction; it composes parts that own their state, each behind its own
+interface: ``held.HeldRevisions`` (the running revision and those not released yet),
+``runtime.StreamingRuntime`` (lanes, slots, transfer, the ring, the watchdog),
+``installation.Installation`` (hooks and the rollback target), and with ``live_updates``
+``live.LiveUpdates`` (the revision switch). Teardown (failure rollback and ``disable``) runs
+the parts' releases in the order ``teardown`` documents.
 
 A failed collective leaves the group in an unknown state: the backend becomes POISONED and
 every further use raises ``CollectiveStateError`` (recreate the backend, reload the pipeline).
@@ -42,7 +47,7 @@ import hashlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,17 +57,16 @@ from hwr.client.errors import HwrError, InvalidRequest, LeaseClosed, Unsupported
 from hwr.dlo_backend import group as groups
 from hwr.dlo_backend import revision as revisions
 from hwr.dlo_backend.communicator import DloCommunicator, open_dlo_group
-from hwr.dlo_backend.contract import TensorContract, collect_rest
+from hwr.dlo_backend.contract import ModelTensor, TensorContract, collect_rest
 from hwr.dlo_backend.discovery import find_block_stacks
 from hwr.dlo_backend.errors import CollectiveStateError, OffloadError
-from hwr.dlo_backend.hooks import HookRegistry
-from hwr.dlo_backend.lanes import CudaLane, CurrentStreamLane, InlineLane, Lane, ThreadLane
+from hwr.dlo_backend.held import HeldRevisions
+from hwr.dlo_backend.installation import Installation
 from hwr.dlo_backend.layout import BlockLayout, manifest_digest, plan_block
 from hwr.dlo_backend.live import LiveUpdates
-from hwr.dlo_backend.registration import HostRegistration
-from hwr.dlo_backend.revision import Revision, RevisionContext, TransferKind
-from hwr.dlo_backend.shards import ShardSource
-from hwr.dlo_backend.slots import SlotPair, SlotState
+from hwr.dlo_backend.revision import Revision, RevisionContext
+from hwr.dlo_backend.runtime import StreamingRuntime
+from hwr.dlo_backend.slots import SlotState
 from hwr.dlo_backend.sources import (
     SUPPORTED_QUANTIZATION,
     BlockSource,
@@ -71,15 +75,8 @@ from hwr.dlo_backend.sources import (
     require_host_memory,
     unsupported_reason,
 )
-from hwr.dlo_backend.stream import BlockStream
-from hwr.dlo_backend.switch import RevisionSwitch
-from hwr.dlo_backend.teardown import Teardown
-from hwr.dlo_backend.transfer import AllGatherTransfer, DirectTransfer, HostBindTransfer, StagedTransfer, Transfer
-from hwr.dlo_backend.watchdog import CollectiveWatchdog, abort_group, watchdog_timeout_s
-
-if TYPE_CHECKING:
-    from hwr.dlo_backend.arena import HostArena
-    from hwr.dlo_backend.contract import ModelTensor
+from hwr.dlo_backend.switch import RevisionStatus
+from hwr.dlo_backend.teardown import teardown
 
 __all__ = ["EnableStep", "LayerwiseOffloadBackend", "OffloadOptions", "OffloadStats", "State"]
 
@@ -144,7 +141,7 @@ class OffloadStats:
     shard_source: str = "none"
 
 
-class LayerwiseOffloadBackend(LiveUpdates, Teardown):
+class LayerwiseOffloadBackend:
     """Streams a model's blocks through two device slots; ``enable`` once, ``disable`` once.
 
     With ``live_updates``, ``update(lease)`` switches the host source between two passes
@@ -159,8 +156,6 @@ class LayerwiseOffloadBackend(LiveUpdates, Teardown):
         self._host_source = host_source
         self._state = State.NEW
         self._step: EnableStep | None = None
-        self._revision: Revision | None = None  # the host source passes run on
-        self._retired: list[Revision] = []  # revisions closed but not released yet (registered)
         self._group: DloCommunicator | None = None
         self._world = 1
         self._streamed: list[BlockSource] = []
@@ -169,50 +164,22 @@ class LayerwiseOffloadBackend(LiveUpdates, Teardown):
         self._layouts: list[BlockLayout] = []
         self._context: RevisionContext | None = None
         self._contract: TensorContract | None = None
-        self._switch: RevisionSwitch | None = None
-        self._packer: ThreadLane | None = None
-        self._lanes: list[Lane] = []
-        self._compute: Lane = InlineLane()
-        self._slots: SlotPair | None = None
-        self._transfer: Transfer | None = None
-        self._hooks = HookRegistry()
-        self._installed: list[BlockSource] = []
-        self._committed = False
-        self._stream: BlockStream | None = None
-        self._watchdog: CollectiveWatchdog | None = None
+        # The parts, each the owner of its state (see the module docstring).
+        self._revisions = HeldRevisions()
+        self._runtime = StreamingRuntime(options.device, self._poison_error)
+        self._installation = Installation(model)
+        self._live: LiveUpdates | None = None
 
     # ----------------------------------------------------------------- observation
     @property
-    def _lease(self) -> HostLease | None:
-        return None if self._revision is None else self._revision.lease
-
-    @property
-    def _registration(self) -> HostRegistration | None:
-        return None if self._revision is None else self._revision.registration
-
-    @property
-    def _shard_source(self) -> ShardSource | None:
-        return None if self._revision is None else self._revision.shards
-
-    @property
-    def _arenas(self) -> list[HostArena]:
-        """Host arenas (shards, staging) of the running revision and of those not released yet."""
-        held = ([] if self._revision is None else [self._revision]) + self._retired
-        return [arena for revision in held for arena in revision.arenas]
-
-    @property
     def state(self) -> State:
-        if self._state is State.READY and self._stream is not None and self._stream.poisoned:
+        if self._state is State.READY and self._runtime.poisoned:
             return State.POISONED
         return self._state
 
-    @property
-    def _gathered(self) -> bool:
-        return self._stream is not None and self._stream.gathered
-
     def slot_state(self) -> SlotState:
         """Probe: which streamed block each slot holds and which one is bound for compute."""
-        return SlotState((None, None), None) if self._stream is None else self._stream.slot_state()
+        return self._runtime.slot_state()
 
     def materialized_blocks(self) -> list[int]:
         """Probe: streamed blocks whose weights are currently materialized on the device."""
@@ -224,19 +191,48 @@ class LayerwiseOffloadBackend(LiveUpdates, Teardown):
 
     @property
     def stats(self) -> OffloadStats:
-        world = self._world
-        source = self._shard_source
+        source, registration = self._revisions.shards, self._revisions.registration
+        transfer, slots = self._runtime.transfer, self._runtime.slots
         return OffloadStats(
-            mode=self._transfer.mode if self._transfer is not None else "none",
-            world=world,
+            mode=transfer.mode if transfer is not None else "none",
+            world=self._world,
             streamed_blocks=len(self._streamed),
             resident_blocks=len(self._resident),
-            slot_bytes=self._slots.nbytes if self._slots is not None else 0,
+            slot_bytes=slots.nbytes if slots is not None else 0,
             block_bytes=sum(layout.nbytes for layout in self._layouts),
             host_shard_bytes=source.host_bytes if source is not None else 0,
-            registered_bytes=self._registration.nbytes if self._registration is not None else 0,
+            registered_bytes=registration.nbytes if registration is not None else 0,
             shard_source=source.kind if source is not None else "none",
         )
+
+    # ------------------------------------------------------------------ live updates
+    def update(self, lease: HostLease | LeaseCarrier) -> None:
+        """Run ``lease``'s revision from the next pass boundary on; the backend owns the lease.
+
+        Raises ``RevisionMismatch`` (the lease closed, nothing changed) when the revision does
+        not match the model's tensor contract; ``InvalidRequest`` without ``live_updates`` or
+        once closed. With AllGather the switch waits until every rank holds the revision; a
+        peer's refusal shows in ``revision_status().last_error``.
+        """
+        if isinstance(lease, LeaseCarrier):
+            lease = lease.take()
+        if not isinstance(lease, HostLease):
+            raise InvalidRequest("update() takes a lease (a HostLease or a LeaseCarrier)")
+        if self._live is None:
+            lease.close()
+            if not self.options.live_updates:
+                raise InvalidRequest(
+                    "live updates need apply_layerwise_offload(..., live_updates=True)",
+                    details={"field": "live_updates"},
+                )
+            raise InvalidRequest("update() needs an enabled offload")
+        self._live.update(lease)
+
+    def revision_status(self) -> RevisionStatus:
+        """The revision passes run on, switches so far, a pending update, the last refusal."""
+        if self._live is None:
+            return RevisionStatus(self._revisions.key, 0, None, None)
+        return self._live.status
 
     # ------------------------------------------------------------------ transaction
     def _enter(self, step: EnableStep) -> None:
@@ -260,7 +256,7 @@ class LayerwiseOffloadBackend(LiveUpdates, Teardown):
     def _enable(self) -> None:
         opts = self.options
         self._enter(EnableStep.TAKE_LEASE)
-        self._revision = Revision(self._take_lease())
+        self._revisions.running = Revision(self._take_lease())
         chosen = groups.select_group(
             use_allgather=opts.use_allgather, group=opts.group, dp_group=opts.dp_group, sp_group=opts.sp_group
         )
@@ -272,8 +268,8 @@ class LayerwiseOffloadBackend(LiveUpdates, Teardown):
         self._agreed(EnableStep.EXCHANGE_MANIFEST, self._prepare)
         self._agreed(EnableStep.AGREE_READY, self._build)
         self._enter(EnableStep.PREFETCH)
-        assert self._stream is not None
-        self._stream.fill(0, 0)
+        assert self._runtime.stream is not None
+        self._runtime.stream.fill(0, 0)
         self._enter(EnableStep.COMMIT)
         self._commit()
 
@@ -308,7 +304,7 @@ class LayerwiseOffloadBackend(LiveUpdates, Teardown):
         blocks = [block for stack in stacks for block in stack.blocks]
         self._enter(EnableStep.BIND_SOURCES)
         sources = collect_blocks(self.model, blocks)
-        lease = self._lease
+        lease = self._revisions.lease
         if lease is not None:
             bind_lease(sources, lease.tensors)
         require_host_memory(sources)
@@ -324,7 +320,7 @@ class LayerwiseOffloadBackend(LiveUpdates, Teardown):
     def _build(self) -> None:
         """Local: shards, host registration, slots and lanes, hooks."""
         opts = self.options
-        revision = self._revision
+        revision = self._revisions.running
         assert revision is not None
         self._context = RevisionContext(
             device=opts.device,
@@ -345,9 +341,24 @@ class LayerwiseOffloadBackend(LiveUpdates, Teardown):
             revisions.register_host(revision, self._context, _device_index(opts.device))
         self._enter(EnableStep.ALLOCATE)
         revisions.stage(revision, self._context)
-        self._allocate()
+        stream = self._runtime.allocate(self._context, revision, self._streamed, self._layouts, self._group)
         self._enter(EnableStep.INSTALL_HOOKS)
-        self._install()
+        self._installation.install(self._resident, self._streamed, stream, opts.device)
+        if opts.live_updates:
+            assert self._contract is not None
+            self._live = LiveUpdates(
+                streamed=self._streamed,
+                resident=self._resident,
+                rest=self._rest,
+                contract=self._contract,
+                context=self._context,
+                group=self._group,
+                revisions=self._revisions,
+                runtime=self._runtime,
+                poison_error=self._poison_error,
+            )
+            # First of the model's pre-hooks: nothing of the pass has run when the revision changes.
+            self._installation.attach_boundary(self._live.boundary)
 
     def _take_lease(self) -> HostLease | None:
         source = self._host_source
@@ -384,133 +395,8 @@ class LayerwiseOffloadBackend(LiveUpdates, Teardown):
                 if reason is not None:
                     raise Unsupported(f"{ref.name}: {reason}", details={"tensor": ref.name})
 
-    def _allocate(self) -> None:
-        device = self.options.device
-        if device.type == "cuda":
-            self._lanes = [CudaLane(device), CudaLane(device)]
-            self._compute = CurrentStreamLane(device)
-        else:
-            self._lanes = [ThreadLane("copy"), ThreadLane("comm")]
-            self._compute = InlineLane()
-        assert self._context is not None and self._revision is not None
-        kind, _ = revisions.transfer_kind(self._context, self._revision)
-        # Bound host tensors need no slot bytes; every other transfer writes the largest block.
-        nbytes = 0 if kind is TransferKind.BIND else max(layout.nbytes for layout in self._layouts)
-        self._slots = SlotPair(nbytes, device)
-        self._transfer = self._make_transfer(self._revision)
-        # The caching allocator handed the slot (and shard) buffers out on the current stream,
-        # where blocks freed earlier may still be read by queued kernels: reuse is ordered only
-        # on that stream. The lanes write these buffers first, so they start after it.
-        allocated = self._compute.record()
-        for lane in self._lanes:
-            lane.wait(allocated)
-        self._stream = BlockStream(
-            self._streamed,
-            self._layouts,
-            self._slots,
-            self._transfer,
-            self._compute,
-            device,
-            collective=self._group is not None,
-            poison_error=self._poison_error,
-            watchdog=self._start_watchdog(),
-        )
-
-    def _make_transfer(self, revision: Revision, reuse: Transfer | None = None) -> Transfer:
-        """The transfer that streams ``revision`` (``revision.transfer_kind``) over this backend's
-        lanes and slots; ``reuse``: the transfer it replaces, whose device buffers it keeps."""
-        assert self._context is not None and self._slots is not None
-        device = self.options.device
-        copy_lane, comm_lane = self._lanes[-2:]
-        kind, _ = revisions.transfer_kind(self._context, revision)
-        arena = revision.staging
-        if kind is TransferKind.BIND:
-            # The "device" is the host: copying a block into a slot would only duplicate bytes
-            # compute can read where they are. The ring, prefetch order and slot ownership stay.
-            return HostBindTransfer(revision.hosts, self._slots, copy_lane)
-        if kind is TransferKind.ALLGATHER:
-            # Each rank holds only a shard, so even on a CPU device the block must be gathered.
-            assert revision.shards is not None and self._group is not None
-            return AllGatherTransfer(
-                revision.shards,
-                self._layouts,
-                self._slots,
-                copy_lane,
-                comm_lane,
-                self._group,
-                device,
-                inputs=2 if device.type == "cuda" else 1,
-                staging=arena is not None,
-                arena=arena,
-                buffers=reuse.inputs if isinstance(reuse, AllGatherTransfer) else None,
-            )
-        if kind is TransferKind.DIRECT:
-            return DirectTransfer(revision.hosts, self._layouts, self._slots, copy_lane)
-        # Host memory the device cannot read asynchronously goes through pinned staging.
-        packer = self._packer_lane()
-        return StagedTransfer(
-            revision.hosts, self._layouts, self._slots, copy_lane, pin=True, packer=packer, arena=arena
-        )
-
-    def _packer_lane(self) -> ThreadLane:
-        """The staged transfer's packing thread; drained first at teardown (it feeds the copy lane)."""
-        if self._packer is None:
-            self._packer = ThreadLane("pack")
-            self._lanes.insert(0, self._packer)
-        return self._packer
-
-    def _start_watchdog(self) -> CollectiveWatchdog | None:
-        """With a group: the watchdog that turns a gather no peer joins into a typed error."""
-        if self._group is None:
-            return None
-        self._watchdog = CollectiveWatchdog(watchdog_timeout_s(self._group, self.options.device), self._stuck)
-        return self._watchdog
-
-    def _stuck(self, reason: str) -> None:
-        """Watchdog thread: a gather is stuck; poison the stream and abort the group (NCCL)."""
-        if self._stream is not None:
-            self._stream.poison(f"{reason}; a peer died, hung or skipped a forward")
-        failure = abort_group(self._group, self.options.device)
-        if failure is not None:
-            _log.warning("AllGather group not aborted: %s", failure)
-
-    def _set(self, ref: Any, value: torch.Tensor) -> None:
-        current = ref.current()
-        if current.is_meta:
-            # ``.data`` cannot move a meta tensor to a real device: register a new object instead.
-            # A fresh object per tensor (``detach`` aliases): placeholders are shared per dtype.
-            fresh = (
-                nn.Parameter(value.detach(), requires_grad=current.requires_grad) if ref.is_param else value.detach()
-            )
-            ref.replace_object(fresh)
-        else:
-            current.data = value
-
-    def _install(self) -> None:
-        device = self.options.device
-        for source in self._resident:
-            self._installed.append(source)
-            for ref, host in zip(source.refs, source.host, strict=True):
-                resident = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
-                resident.copy_(host)
-                self._set(ref, resident)
-        stream = self._stream
-        assert stream is not None
-        for index, source in enumerate(self._streamed):
-            self._installed.append(source)
-            for ref in source.refs:
-                self._set(ref, stream.placeholder(ref.original.dtype))
-            self._hooks.attach(source.module, lambda i=index: stream.before(i), lambda i=index: stream.after(i))
-        if self.options.live_updates:
-            self._install_switch()
-
     def _commit(self) -> None:
-        # From here on the original host tensors are no longer a rollback target; drop the ones
-        # the backend does not stream from, so AllGather ranks keep only their shards.
-        if self._group is not None:
-            for source in self._streamed:
-                source.host = []
-        self._committed = True
+        self._installation.commit(self._streamed, allgather=self._group is not None)
 
     def _poison_error(self, message: str) -> HwrError:
         if self._world > 1:
@@ -528,7 +414,8 @@ class LayerwiseOffloadBackend(LiveUpdates, Teardown):
         if self._state in (State.CLOSED, State.FAILED):
             return
         if self._state is State.NEW:
-            self._close_lease()
+            if isinstance(self._host_source, LeaseCarrier):
+                self._host_source.close()
             self._state = State.CLOSED
             return
         errors = self._teardown(restore=restore)
@@ -542,7 +429,7 @@ class LayerwiseOffloadBackend(LiveUpdates, Teardown):
         self._state = State.FAILED
         after_agreement = self._step in (EnableStep.PREFETCH, EnableStep.COMMIT)
         collective = self._world > 1  # the communicator itself is already shut down by the teardown
-        if self._gathered or isinstance(exc, CollectiveStateError) or (collective and after_agreement):
+        if self._runtime.gathered or isinstance(exc, CollectiveStateError) or (collective and after_agreement):
             return CollectiveStateError(
                 f"enable failed at step {step!r} after collectives were issued ({exc}); the group is in an "
                 "unknown state: recreate the backend and reload the pipeline on every rank",
@@ -552,6 +439,21 @@ class LayerwiseOffloadBackend(LiveUpdates, Teardown):
             exc.details.setdefault("step", step)
             return exc
         return OffloadError(f"enable failed at step {step!r}: {exc}", details={"step": step})
+
+    def _teardown(self, *, restore: bool = True) -> list[str]:
+        """Every part released, in ``teardown``'s order; DLO's communicator is shut down."""
+        group, self._group = self._group, None
+        return teardown(
+            installation=self._installation,
+            runtime=self._runtime,
+            live=self._live,
+            revisions=self._revisions,
+            resident=self._resident,
+            streamed=self._streamed,
+            group=group,
+            host_source=self._host_source,
+            restore=restore,
+        )
 
 def _device_index(device: torch.device) -> int:
     """The CUDA ordinal of ``device`` (``cuda`` alone means the current device)."""

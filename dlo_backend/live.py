@@ -1,7 +1,10 @@
 """Live updates of a running backend: the host source switches to a new lease between passes.
 
-``LiveUpdates`` is the part of ``LayerwiseOffloadBackend`` that a ``switch.RevisionSwitch``
-drives when the offload was enabled with ``live_updates=True``:
+``LiveUpdates`` is the part of ``LayerwiseOffloadBackend`` that exists when the offload was
+enabled with ``live_updates=True``. It owns the ``switch.RevisionSwitch`` and is the switch's
+``switch.RevisionTarget``; it works through the backend's other parts, each by its interface:
+the revisions it holds (``held.HeldRevisions``), the device side (``runtime.StreamingRuntime``)
+and the model's tensors (``installation.bind``).
 
 - ``update(lease)`` (any thread) hands the lease to the switch, which checks it against the
   model's ``contract.TensorContract`` and builds its host side with the functions ``enable()``
@@ -10,13 +13,13 @@ drives when the offload was enabled with ``live_updates=True``:
   rank will read (``revision.prefault``), so the first pass on it takes no page faults. Nothing
   the running passes use is touched.
 - A forward pre-hook on the model (installed at INSTALL_HOOKS, before every block hook) is the
-  pass boundary. With AllGather it first runs ``_agree``: one all-gather of 33 bytes per rank
+  pass boundary. With AllGather it first runs ``agree``: one all-gather of 33 bytes per rank
   on DLO's own communicator, submitted to the communication lane so that it is ordered with the
   block gathers identically on every rank (never on the model's group), and waited for by the
   host. That is the cost of live updates with AllGather: one small collective per pass and, on
   CUDA, the host waits for the communication stream at each pass start (the prefetch of the
   first block, issued at the end of the previous pass).
-- ``_apply_revision`` (compute thread, at the boundary): unbind a block a failed forward left
+- ``apply`` (compute thread, at the boundary): unbind a block a failed forward left
   bound; drain every lane (the previous pass's prefetch of the first block may still read the
   old mapping); build the new transfer (no device allocation: an AllGather transfer keeps the
   gather inputs of the one it replaces); point every tensor at the new revision: streamed
@@ -36,33 +39,24 @@ be small next to the blocks.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
 
 import torch
 
-from hwr.client.carrier import HostLease, LeaseCarrier, MappedRegion
-from hwr.client.errors import HwrError, InvalidRequest, LeaseClosed
+from hwr.client.carrier import HostLease, MappedRegion
+from hwr.client.errors import HwrError, LeaseClosed
 from hwr.dlo_backend import revision as revisions
 from hwr.dlo_backend.agreement import PROPOSAL_BYTES, Proposal, decode, encode
+from hwr.dlo_backend.communicator import DloCommunicator
+from hwr.dlo_backend.contract import ModelTensor, TensorContract
 from hwr.dlo_backend.group import all_gather_bytes
+from hwr.dlo_backend.held import HeldRevisions
+from hwr.dlo_backend.installation import bind
 from hwr.dlo_backend.lanes import LaneError
-from hwr.dlo_backend.revision import Revision
+from hwr.dlo_backend.revision import Revision, RevisionContext
+from hwr.dlo_backend.runtime import StreamingRuntime
+from hwr.dlo_backend.sources import BlockSource
 from hwr.dlo_backend.switch import RevisionStatus, RevisionSwitch
-
-if TYPE_CHECKING:
-    from torch import nn
-
-    from hwr.dlo_backend.communicator import DloCommunicator
-    from hwr.dlo_backend.contract import ModelTensor, TensorContract
-    from hwr.dlo_backend.hooks import HookRegistry
-    from hwr.dlo_backend.lanes import Lane
-    from hwr.dlo_backend.revision import RevisionContext
-    from hwr.dlo_backend.sources import BlockSource
-    from hwr.dlo_backend.stream import BlockStream
-    from hwr.dlo_backend.transfer import Transfer
-    from hwr.dlo_backend.watchdog import CollectiveWatchdog
 
 __all__ = ["LiveUpdates"]
 
@@ -79,84 +73,60 @@ def _empty(dtype: torch.dtype) -> torch.Tensor:
 
 
 class LiveUpdates:
-    """``update`` and the pass boundary of ``LayerwiseOffloadBackend`` (see the module docstring)."""
+    """``update`` and the pass boundary of a running backend (see the module docstring).
 
-    # Owned by ``LayerwiseOffloadBackend`` (set in ``__init__`` and ``enable``).
-    model: nn.Module
-    options: Any
-    _revision: Revision | None
-    _retired: list[Revision]
-    _streamed: list[BlockSource]
-    _resident: list[BlockSource]
-    _rest: list[ModelTensor]
-    _context: RevisionContext | None
-    _contract: TensorContract | None
-    _switch: RevisionSwitch | None
-    _stream: BlockStream | None
-    _transfer: Transfer | None
-    _lanes: list[Lane]
-    _group: DloCommunicator | None
-    _hooks: HookRegistry
-    _watchdog: CollectiveWatchdog | None
+    Made at INSTALL_HOOKS from what ``enable`` established: the streamed and resident blocks,
+    the model's other tensors (``rest``) and the ``contract`` every revision must match, the
+    ``context`` revisions are built in, and DLO's communicator (``group``; ``None``: rank-local).
+    ``poison_error`` is the backend's error for a poisoned stream. The caller attaches
+    ``boundary`` to the model and calls ``close`` in its teardown.
+    """
 
-    if TYPE_CHECKING:  # the backend's (or ``Teardown``'s); never defined here, so never shadowed
+    def __init__(
+        self,
+        *,
+        streamed: Sequence[BlockSource],
+        resident: Sequence[BlockSource],
+        rest: Sequence[ModelTensor],
+        contract: TensorContract,
+        context: RevisionContext,
+        group: DloCommunicator | None,
+        revisions: HeldRevisions,
+        runtime: StreamingRuntime,
+        poison_error: Callable[[str], HwrError],
+    ) -> None:
+        self._streamed, self._resident, self._rest = streamed, resident, rest
+        self._contract, self._context, self._group = contract, context, group
+        self._revisions, self._runtime, self._poison_error = revisions, runtime, poison_error
+        self._switch = RevisionSwitch(self, current=revisions.key)
 
-        def _make_transfer(self, revision: Revision, reuse: Transfer | None = None) -> Transfer: ...
-        def _poison_error(self, message: str) -> HwrError: ...
-        def _release(self, revision: Revision, errors: list[str]) -> None: ...
-        def _set(self, ref: Any, value: torch.Tensor) -> None: ...
-
-    # ------------------------------------------------------------------ public
-    def update(self, lease: HostLease | LeaseCarrier) -> None:
-        """Run ``lease``'s revision from the next pass boundary on; the backend owns the lease.
-
-        Raises ``RevisionMismatch`` (the lease closed, nothing changed) when the revision does
-        not match the model's tensor contract; ``InvalidRequest`` without ``live_updates`` or
-        once closed. With AllGather the switch waits until every rank holds the revision; a
-        peer's refusal shows in ``revision_status().last_error``.
-        """
-        if isinstance(lease, LeaseCarrier):
-            lease = lease.take()
-        if not isinstance(lease, HostLease):
-            raise InvalidRequest("update() takes a lease (a HostLease or a LeaseCarrier)")
-        switch = self._switch
-        if switch is None:
-            lease.close()
-            if not self.options.live_updates:
-                raise InvalidRequest(
-                    "live updates need apply_layerwise_offload(..., live_updates=True)",
-                    details={"field": "live_updates"},
-                )
-            raise InvalidRequest("update() needs an enabled offload")
-        if self._stream is not None and self._stream.poisoned:
+    # ------------------------------------------------------------------ the backend's
+    def update(self, lease: HostLease) -> None:
+        """Stage ``lease`` for the next pass boundary (``LayerwiseOffloadBackend.update``)."""
+        if self._runtime.poisoned:
             lease.close()
             raise self._poison_error("the offload backend is poisoned; it takes no update")
-        switch.update(lease)
+        self._switch.update(lease)
 
-    def revision_status(self) -> RevisionStatus:
-        """The revision passes run on, switches so far, a pending update, the last refusal."""
-        if self._switch is None:
-            key = None if self._revision is None else self._revision.key
-            return RevisionStatus(key, 0, None, None)
+    @property
+    def status(self) -> RevisionStatus:
         return self._switch.status
 
-    # ------------------------------------------------------------------ enable
-    def _install_switch(self) -> None:
-        self._retire_lock = threading.Lock()
-        self._switch = RevisionSwitch(
-            current=None if self._revision is None else self._revision.key,
-            prepare=self._prepare_revision,
-            apply=self._apply_revision,
-            discard=self._discard_revision,
-            agree=self._agree if self._group is not None else None,
-        )
-        # First of the model's pre-hooks: nothing of the pass has run when the revision changes.
-        self._hooks.attach_pre(self.model, self._switch.boundary)
+    def boundary(self) -> None:
+        """The model's forward pre-hook: a pass starts (compute thread)."""
+        self._switch.boundary()
 
-    # ------------------------------------------------------------------ any thread
-    def _prepare_revision(self, lease: HostLease) -> Revision:
+    def close(self) -> list[Revision]:
+        """No more updates; returns the revision still pending, for the teardown to release."""
+        return self._switch.close()
+
+    # ------------------------------------------------------------------ switch.RevisionTarget
+    @property
+    def collective(self) -> bool:
+        return self._group is not None
+
+    def prepare(self, lease: HostLease) -> Revision:
         """Check ``lease`` and build its host side (enable's steps); closes it on failure."""
-        assert self._contract is not None and self._context is not None
         tensors = None
         try:
             if lease.closed:
@@ -183,19 +153,17 @@ class LiveUpdates:
             revisions.stage(revision, ctx)
             revisions.prefault(revision)
         except BaseException:
-            self._discard_revision(revision)
+            self.discard(revision)
             raise
         return revision
 
-    def _discard_revision(self, revision: Revision) -> None:
-        """Close a revision no pass uses (any more); keep it for a retry if it stays registered."""
-        with self._retire_lock:
-            self._release(revision, [])
+    def discard(self, revision: Revision) -> None:
+        """Close a revision no pass uses (any more); kept for a retry if it stays registered."""
+        self._revisions.release(revision, [])
 
-    # ------------------------------------------------------------------ compute thread
-    def _agree(self, proposal: Proposal) -> list[Proposal]:
+    def agree(self, proposal: Proposal) -> list[Proposal]:
         """Every rank's proposal, gathered on DLO's communicator through the communication lane."""
-        group, device, comm = self._group, self.options.device, self._lanes[-1]
+        group, device = self._group, self._context.device
         assert group is not None
         world = group.size
         gathered: list[bytes] = []
@@ -209,30 +177,21 @@ class LiveUpdates:
             gathered.append(bytes(everyone.cpu().tolist()))
 
         try:
-            comm.submit(exchange)
-            done = comm.record()
-            if self._watchdog is not None:
-                self._watchdog.watch(done, "the revision agreement")
-            done.wait_host()
+            self._runtime.exchange(exchange, "the revision agreement")
         except (LaneError, RuntimeError) as exc:
-            assert self._stream is not None
-            self._stream.poisoned = True
+            self._runtime.poison()
             # With a group this is a ``CollectiveStateError``: the group's state is unknown.
             raise self._poison_error(f"the revision agreement at a pass boundary failed ({exc})") from exc
         return decode(gathered[0], world)
 
-    def _apply_revision(self, revision: Revision) -> None:
+    def apply(self, revision: Revision) -> None:
         """Switch every tensor to ``revision`` (a pass boundary; see the module docstring)."""
-        stream, old = self._stream, self._revision
-        assert stream is not None and self._transfer is not None
+        runtime, old = self._runtime, self._revisions.running
         try:
-            stream.unbind()  # a forward that raised left its block bound
-            for lane in self._lanes:  # the old revision's last reads (the first block's prefetch) end
-                lane.drain()
-            transfer = self._make_transfer(revision, reuse=self._transfer)
+            transfer = runtime.begin_switch(revision)
         except Exception as exc:
-            self._discard_revision(revision)
-            stream.poisoned = True
+            self.discard(revision)
+            runtime.poison()
             raise self._poison_error(f"switching to revision {revision.key} failed ({exc})") from exc
         try:
             with torch.no_grad():
@@ -244,20 +203,20 @@ class LiveUpdates:
             allgather = self._group is not None
             for source, hosts in zip(self._streamed, revision.hosts, strict=True):
                 source.host = [] if allgather else hosts  # AllGather ranks read their shards only
-            for source in self._resident + self._streamed:
+            for source in list(self._resident) + list(self._streamed):
                 for ref in source.refs:
                     if ref.persistent:  # the bytes from before enable: no rollback target any more
                         ref.backing = _empty(ref.backing.dtype)
-            replaced, self._transfer, self._revision = self._transfer, transfer, revision
-            stream.restart(transfer)
+            self._revisions.running = revision
+            replaced = runtime.restart(transfer)
         except Exception as exc:
-            stream.poisoned = True
-            if self._revision is not revision:
-                self._discard_revision(revision)
+            runtime.poison()
+            if self._revisions.running is not revision:
+                self.discard(revision)
             raise self._poison_error(f"switching to revision {revision.key} failed ({exc})") from exc
         replaced.close()
         if old is not None:
-            self._discard_revision(old)
+            self.discard(old)
 
     def _switch_rest(self, revision: Revision, old: Revision | None) -> None:
         """The model's non-block tensors: views of the old lease are rebound to the new lease's,
@@ -267,7 +226,7 @@ class LiveUpdates:
             view = revision.rest[ref.name]
             current = ref.current()
             if current.is_meta or _inside(current, regions):
-                self._set(ref, view)
+                bind(ref, view)
             else:
                 current.copy_(view)
 

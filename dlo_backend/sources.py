@@ -33,6 +33,7 @@ __all__ = [
     "TensorRef",
     "bind_lease",
     "collect_blocks",
+    "host_copy",
     "require_host_memory",
     "unsupported_reason",
 ]
@@ -187,3 +188,11 @@ def bind_lease(sources: Sequence[BlockSource], tensors: Mapping[str, torch.Tenso
                     details={"tensor": ref.name},
                 )
             source.host[index] = view
+
+
+def host_copy(value: torch.Tensor) -> torch.Tensor:
+    """A private CPU tensor with ``value``'s shape, stride and bytes (what a restored block holds
+    once the lease, or the device slot, it was read from is gone)."""
+    copy = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cpu")
+    copy.copy_(value)
+    return copy

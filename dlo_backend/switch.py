@@ -20,9 +20,10 @@ to (the compute thread, before the model's first layer runs):
   rank first gathers every rank's ``agreement.Proposal`` and applies ``agreement.decide``:
   all ranks switch at the same pass, or none does. A pass therefore runs entirely on one
   revision on every rank.
-- Applying (the backend's ``apply``) drains the copy and communication lanes (the previous
-  pass's prefetch may still read the old mapping), rebinds every tensor to the new revision,
-  and closes the old revision: its lease is released as soon as no pass can use it.
+- Applying (``RevisionTarget.apply``: the backend's ``live.LiveUpdates``) drains the copy and
+  communication lanes (the previous pass's prefetch may still read the old mapping), rebinds
+  every tensor to the new revision, and closes the old revision: its lease is released as soon
+  as no pass can use it.
 
 A pending revision being agreed on is never closed under the boundary: ``update`` leaves that
 one to the boundary, which closes it if it was not taken. ``close`` closes what is pending.
@@ -33,8 +34,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from hwr.client.carrier import HostLease
 from hwr.client.errors import HwrError, InvalidRequest
@@ -42,7 +44,7 @@ from hwr.dlo_backend.agreement import Offer, Proposal, decide
 from hwr.dlo_backend.errors import OffloadError, RevisionMismatch
 from hwr.dlo_backend.revision import Revision, key_digest
 
-__all__ = ["RevisionStatus", "RevisionSwitch", "detached"]
+__all__ = ["RevisionStatus", "RevisionSwitch", "RevisionTarget", "detached"]
 
 _log = logging.getLogger(__name__)
 
@@ -73,19 +75,47 @@ class RevisionStatus:
     last_error: HwrError | None
 
 
-class RevisionSwitch:
-    """Pending updates and the pass-boundary decision (see the module docstring)."""
+class RevisionTarget(Protocol):
+    """What a ``RevisionSwitch`` switches: the revisions of one running backend.
 
-    def __init__(
-        self,
-        *,
-        current: str | None,
-        prepare: Callable[[HostLease], Revision],
-        apply: Callable[[Revision], None],
-        discard: Callable[[Revision], None],
-        agree: Callable[[Proposal], Sequence[Proposal]] | None,
-    ) -> None:
-        self._prepare, self._apply, self._discard, self._agree = prepare, apply, discard, agree
+    The switch calls, in this order for one revision: ``prepare`` (the updating thread),
+    ``agree`` (the compute thread, at every boundary, only when ``collective``), then either
+    ``apply`` (the boundary took it) or ``discard`` (it never ran, or was replaced). A revision
+    the switch hands to ``apply`` or ``discard`` belongs to the target from then on.
+    """
+
+    @property
+    def collective(self) -> bool:
+        """Whether the ranks of a group must agree on every switch (AllGather: ``agree`` runs)."""
+        ...
+
+    def prepare(self, lease: HostLease) -> Revision:
+        """Check ``lease`` against the model and build its revision's host side. Closes the lease
+        when it raises (``RevisionMismatch``: the lease does not fit the model)."""
+        ...
+
+    def agree(self, proposal: Proposal) -> Sequence[Proposal]:
+        """Every rank's proposal, in rank order (a collective; raises when it fails)."""
+        ...
+
+    def apply(self, revision: Revision) -> None:
+        """Run ``revision`` from this pass on, closing the old one; raises only when the backend
+        is poisoned by the failure."""
+        ...
+
+    def discard(self, revision: Revision) -> None:
+        """Close ``revision``, which no pass runs on (any more)."""
+        ...
+
+
+class RevisionSwitch:
+    """Pending updates and the pass-boundary decision for ``target`` (see the module docstring).
+
+    ``current``: the key of the revision passes run on when the switch is made.
+    """
+
+    def __init__(self, target: RevisionTarget, *, current: str | None) -> None:
+        self._target = target
         self._lock = threading.Lock()
         self._current = current
         self._switches = 0
@@ -119,7 +149,7 @@ class RevisionSwitch:
                     self._proposal = Proposal()
             known_bad = key_digest(key) in self._refused
         if cancelled is not None:
-            self._discard(cancelled)
+            self._target.discard(cancelled)
         if closed or same or known_bad:
             lease.close()
             if closed:
@@ -133,7 +163,7 @@ class RevisionSwitch:
             return
         refused: HwrError | None = None
         try:
-            revision = self._prepare(lease)  # closes the lease when it raises
+            revision = self._target.prepare(lease)  # closes the lease when it raises
         except RevisionMismatch as exc:
             refused = detached(exc)
         except Exception as exc:
@@ -156,7 +186,7 @@ class RevisionSwitch:
             if replaced is self._offered:
                 replaced = None  # the boundary agreeing on it closes it if it is not taken
         if replaced is not None:
-            self._discard(replaced)
+            self._target.discard(replaced)
         if replaced is revision:
             raise InvalidRequest("the offload handle was closed during the update")
 
@@ -170,7 +200,7 @@ class RevisionSwitch:
             if dropped is self._offered:
                 dropped = None
         if dropped is not None:
-            self._discard(dropped)
+            self._target.discard(dropped)
 
     # ------------------------------------------------------------------ compute thread
     def boundary(self) -> None:
@@ -180,15 +210,15 @@ class RevisionSwitch:
             proposal = self._proposal
         taken = False  # once True, ``offer`` belongs to the backend (applied, or closed at teardown)
         try:
-            if self._agree is None:
+            if not self._target.collective:
                 taken = offer is not None
             else:
-                verdict = decide(self._agree(proposal))  # a collective: raises when it fails
-                taken = offer is not None and verdict.switch == offer.digest
-                self._remember(verdict.refused, offer)
+                decision = decide(self._target.agree(proposal))  # a collective: raises when it fails
+                taken = offer is not None and decision.switch == offer.digest
+                self._remember(decision.refused, offer)
             if taken:
                 assert offer is not None
-                self._apply(offer)  # raises only when the backend is poisoned
+                self._target.apply(offer)  # raises only when the backend is poisoned
                 with self._lock:
                     self._current, self._switches = offer.key, self._switches + 1
         finally:
@@ -201,7 +231,7 @@ class RevisionSwitch:
                 stale = offer is not None and not taken and self._pending is not offer
             if stale:  # replaced by a newer update, or refused by a peer: never ran
                 assert offer is not None
-                self._discard(offer)
+                self._target.discard(offer)
 
     def _remember(self, refused: dict[bytes, tuple[int, ...]], offer: Revision | None) -> None:
         """Every rank learns the group's refusals; a pending revision some rank refused is dropped."""

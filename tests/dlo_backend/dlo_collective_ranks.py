@@ -174,19 +174,19 @@ def lease_private_memory(
     with torch.no_grad():
         outs = [model(x) for _ in range(2)]
     seconds = time.monotonic() - start
-    for lane in handle.backend._lanes:
+    for lane in handle.backend._runtime.lanes:
         lane.drain()  # the next pass's prefetch has finished: no gather temporary is alive
     grown = _anonymous_kib() - before
     rss = _mapping_rss_kib(lease.base, lease.base + lease.size)
     backend = handle.backend
-    source = backend._transfer.source
+    source = backend._runtime.transfer.source
     pieces = getattr(source, "pieces", [])
     stats = handle.stats
     block_bytes = max(layout.nbytes for layout in backend._layouts)
     result = {
         "private_growth_bytes": grown * 1024,
         "slot_bytes": 2 * stats.slot_bytes,
-        "gather_input_bytes": backend._transfer.input_bytes,
+        "gather_input_bytes": backend._runtime.transfer.input_bytes,
         "block_bytes": block_bytes,
         "lease_bytes": lease.size,
         "lease_rss_bytes": rss * 1024,

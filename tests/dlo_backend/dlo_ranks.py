@@ -89,7 +89,7 @@ def parity(rank: int, world: int, rdzv: str, outdir: str, lease_path: str | None
 
     def slot_bound(block: torch.nn.Module) -> bool:
         """Even on a CPU device each rank holds a shard: weights must be gathered into a slot."""
-        slots = handle.backend._slots.buffers
+        slots = handle.backend._runtime.slots.buffers
         ranges = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in slots]
         return all(any(lo <= p.data_ptr() < hi for lo, hi in ranges) for p in block.parameters())
 

@@ -191,7 +191,7 @@ def test_the_old_lease_is_closed_only_after_the_prefetch_that_reads_it(
             log.append("read done")
         real(self, block, *rest)
 
-    for lane in handle.backend._lanes:  # enable's own fetch of block 0 is not the one to hold
+    for lane in handle.backend._runtime.lanes:  # enable's own fetch of block 0 is not the one to hold
         lane.drain()
     monkeypatch.setattr(cls, name, held)
     assert torch.equal(_run(model), _want(0))  # its tail prefetch of block 0 is now held on the lane

@@ -20,8 +20,8 @@ from dlo_fixtures import TinyDiT
 
 from hwr.client.errors import HwrError
 from hwr.dlo_backend import apply_layerwise_offload
-from hwr.dlo_backend import backend as backend_module
 from hwr.dlo_backend import group as groups
+from hwr.dlo_backend import runtime as runtime_module
 from hwr.dlo_backend.lanes import ThreadLane, completed_signal
 from hwr.dlo_backend.transfer import AllGatherTransfer
 from hwr.dlo_backend.watchdog import CollectiveWatchdog, abort_group, watchdog_timeout_s
@@ -86,7 +86,7 @@ def one_rank_gloo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 def test_a_stuck_gather_poisons_the_backend_with_a_typed_error(one_rank_gloo, monkeypatch) -> None:
     assert watchdog_timeout_s(one_rank_gloo, torch.device("cpu")) > 1  # 90% of the group's timeout
     assert "not aborted" in (abort_group(one_rank_gloo, torch.device("cpu")) or "")  # gloo raises by itself
-    monkeypatch.setattr(backend_module, "watchdog_timeout_s", lambda group, device: 0.3)
+    monkeypatch.setattr(runtime_module, "watchdog_timeout_s", lambda group, device: 0.3)
     stall, stalled = threading.Event(), threading.Event()
     gather = AllGatherTransfer._gather
 
@@ -100,7 +100,7 @@ def test_a_stuck_gather_poisons_the_backend_with_a_typed_error(one_rank_gloo, mo
     model = TinyDiT(3, 2)
     x = torch.randn(4, 16)
     handle = apply_layerwise_offload(model, device="cpu", use_allgather=True, group=one_rank_gloo)
-    stream = handle.backend._stream
+    stream = handle.backend._runtime.stream
     releaser = threading.Thread(target=lambda: _wait_for(lambda: stream.poisoned, 20) and stall.set())
     releaser.start()
     try:

@@ -70,7 +70,7 @@ def test_cold_then_warm_is_bit_identical_and_warm_loads_nothing(hwrd, checkpoint
     assert canonical.calls == 1, "a warm start must not materialize canonical tensors"
     assert warm.publication is None
     # On a CPU device the running block computes on the hwrd lease's mapped pages (zero copy).
-    regions = warm.offload.backend._lease.mapped_regions
+    regions = warm.offload.backend._revisions.lease.mapped_regions
     assert warm.offload.stats.mode == "bind" and warm.offload.stats.slot_bytes == 0
     bound: list[bool] = []
     for block in warm.model.blocks:

@@ -200,7 +200,7 @@ def allgather_from_lease(rank: int, world: int, rdzv: str, outdir: str, socket: 
         outs = [pipeline.transformer(x) for _ in range(2)]
     handles = getattr(backend, "_hwr_handles", [])
     for handle in handles:
-        for lane in handle.backend._lanes:
+        for lane in handle.backend._runtime.lanes:
             lane.drain()  # the next pass's prefetch finished: no gather temporary is alive
     grown = (anonymous_kib() - before) * 1024
     with hwr.client.connect(socket) as c:
@@ -330,7 +330,7 @@ def checkpoint_plan(rank: int, world: int, rdzv: str, outdir: str, socket: str, 
         outs = [pipeline.transformer(x) for _ in range(2)]
     handles = getattr(backend, "_hwr_handles", [])
     for handle in handles:
-        for lane in handle.backend._lanes:
+        for lane in handle.backend._runtime.lanes:
             lane.drain()
     grown = (anonymous_kib() - before) * 1024
     stats = handles[0].stats if handles else None
