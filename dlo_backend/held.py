@@ -22,6 +22,7 @@ from hwr.dlo_backend.shards import ShardSource
 
 __all__ = ["HeldRevisions"]
 
+# The backend's logger: an operator filters one name for everything the offload backend reports.
 _log = logging.getLogger("hwr.dlo_backend.backend")
 
 

@@ -39,6 +39,7 @@ from hwr.dlo_backend.watchdog import CollectiveWatchdog, abort_group, watchdog_t
 
 __all__ = ["StreamingRuntime"]
 
+# The backend's logger: an operator filters one name for everything the offload backend reports.
 _log = logging.getLogger("hwr.dlo_backend.backend")
 
 

@@ -1,4 +1,6 @@
-"""The runtime of the ring: what a block's forward hooks do (bind, prefetch, release).
+"""The ring at run time: what a block's forward hooks do (bind, prefetch, release).
+
+One ``BlockStream`` per backend, made and owned by ``runtime.StreamingRuntime``.
 
 ``BlockStream.before(i)`` runs in block ``i``'s forward pre-hook: it asks the policy
 (``ring.plan_step``) where ``i`` is, fetches it on demand if it is not in a slot, makes the
