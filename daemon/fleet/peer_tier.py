@@ -6,11 +6,19 @@ Pieces, all on hwrd's event loop except the data plane:
   daemon start when ``fleet_peer_serve`` or ``fleet_peer_fetch`` is on; hwrd itself never
   imports NIXL. A request is one frame on its stdin, the reply one frame on its stdout.
 - ``Holders`` (discovery): a node that serves records each committed key it holds in the
-  fleet's remote as ``PREFIX/holders/<key>/<node>.json`` (``{"node", "address", "expires_at"}``,
+  fleet's remote as ``PREFIX/holders/<key>/<node>.json`` (``{"node", "address", "recorded_at",
+  "expires_at"}``,
   rewritten every ``fleet_peer_holder_ttl_s / 3`` seconds, removed at a clean stop); readers
   ignore a record past its ``expires_at``, so a dead node stops being asked within one TTL (its
   stale record may stay in the remote: it is skipped, and overwritten if the node comes back).
-  Wall clocks of the nodes must agree within the TTL.
+  Wall clocks of the nodes must agree within the TTL. ``hwrctl peers`` lists the records.
+- Restarts: when the transfer process dies, hwrd logs it and starts a new one after a backoff
+  (``RESTART_MIN_S`` doubling to ``RESTART_MAX_S``; back to the minimum once one ran
+  ``RESTART_RESET_S``). Meanwhile every request to it fails at once (``AgentError``): a pull
+  drops the peers it was reading from and takes their chunks from the store (the pull itself
+  goes on, verified as always), new pulls go to the store, and the control connections that
+  were serving are closed (their exposures died with the process; their peers fall back the
+  same way). ``hwrctl status`` counts the restarts.
 - ``PeerServer``: the control connections (TCP on ``fleet_peer_listen``). After the membership
   proofs (``hwr.daemon.fleet.peer_wire``) a peer may ``open`` a key: only a committed, not
   denied artifact of this node's store; its payload files are exposed read-only by the
@@ -56,9 +64,16 @@ if TYPE_CHECKING:
     from hwr.daemon.service.catalog import Catalog
     from hwr.daemon.system.config import DaemonConfig
 
-__all__ = ["AgentProcess", "Holder", "Holders", "PeerCounters", "PeerServer", "Peers", "parse_address"]
+__all__ = ["RESTART_MAX_S", "RESTART_MIN_S", "RESTART_RESET_S", "AgentProcess", "Holder", "Holders", "PeerCounters",
+           "PeerServer", "Peers", "parse_address"]
 
 log = logging.getLogger("hwrd.peers")
+
+#: The first restart of a dead transfer process waits this long; each further one twice the last.
+RESTART_MIN_S = 0.5
+RESTART_MAX_S = 30.0
+#: A transfer process that ran this long before it died is restarted after ``RESTART_MIN_S`` again.
+RESTART_RESET_S = 60.0
 
 
 class AgentError(HwrError):
@@ -140,12 +155,19 @@ class AgentProcess:
             raise AgentError(f"peer transfer process: {reply['error']}")
         return reply
 
+    @property
+    def pid(self) -> int:
+        """The transfer process's pid while it runs, else 0."""
+        if self.proc is None or self.proc.returncode is not None:
+            return 0
+        return self.proc.pid
+
     def memory(self) -> int:
-        """The transfer process's resident bytes (0 when unknown)."""
-        if self.proc is None:
+        """The transfer process's resident bytes (0 when unknown or not running)."""
+        if not self.pid:
             return 0
         try:
-            with open(f"/proc/{self.proc.pid}/status") as f:
+            with open(f"/proc/{self.pid}/status") as f:
                 for line in f:
                     if line.startswith("VmRSS:"):
                         self.rss_bytes = int(line.split()[1]) * 1024
@@ -182,6 +204,7 @@ class PeerCounters:
     peer_pulls: int = 0
     lying_peers: int = 0  # peers dropped from a pull because their bytes failed verification
     failed_peers: int = 0  # peers dropped from a pull because they failed or stalled
+    agent_restarts: int = 0  # the transfer process died and was started again
     active: dict[str, dict[str, Any]] = field(default_factory=dict)  # key -> live pull state (status)
 
 
@@ -210,9 +233,12 @@ class TokenBucket:
 
 @dataclass(frozen=True)
 class Holder:
+    """One holder record (``recorded_at`` is 0 for a record whose writer did not say)."""
+
     node: str
     address: str
     expires_at: float
+    recorded_at: float = 0.0
 
 
 class Holders:
@@ -231,7 +257,8 @@ class Holders:
         return f"{head}holders/{key}/" + (f"{node}.json" if node else "")
 
     def record(self, key: str) -> None:
-        body = {"node": self.node, "address": self.address, "expires_at": time.time() + self.ttl}
+        now = time.time()
+        body = {"node": self.node, "address": self.address, "recorded_at": now, "expires_at": now + self.ttl}
         self.remote.put_bytes(self._name(key, self.node), json.dumps(body).encode())
         self.recorded.add(key)
 
@@ -239,20 +266,28 @@ class Holders:
         self.remote.delete(self._name(key, self.node))
         self.recorded.discard(key)
 
-    def find(self, key: str) -> list[Holder]:
-        """Live holders of ``key`` other than this node, soonest-expiring last."""
+    def records(self, key: str) -> list[Holder]:
+        """Every well-formed holder record of ``key``, expired ones and this node's included,
+        in the order of the node names. A malformed record, or one whose ``node`` is not its
+        object's name, is skipped (never trusted); ``HwrError`` when the remote fails."""
         found = []
-        now = time.time()
         for name in self.remote.list_names(self._name(key)):
             if not name.endswith(".json"):
                 continue
             try:
                 doc = json.loads(self.remote.get_bytes(self._name(key) + name, 4096) or b"")
-                holder = Holder(str(doc["node"]), str(doc["address"]), float(doc["expires_at"]))
-            except (ValueError, KeyError, TypeError, HwrError):
-                continue  # a malformed record is skipped, never trusted
-            if holder.node != self.node and holder.expires_at > now and holder.node + ".json" == name:
+                holder = Holder(str(doc["node"]), str(doc["address"]), float(doc["expires_at"]),
+                                float(doc.get("recorded_at", 0.0)))
+            except (ValueError, KeyError, TypeError, AttributeError, HwrError):
+                continue
+            if holder.node + ".json" == name:
                 found.append(holder)
+        return found
+
+    def find(self, key: str) -> list[Holder]:
+        """Live holders of ``key`` other than this node, soonest-expiring last."""
+        now = time.time()
+        found = [h for h in self.records(key) if h.node != self.node and h.expires_at > now]
         return sorted(found, key=lambda h: -h.expires_at)
 
 
@@ -280,6 +315,11 @@ class PeerServer:
     async def stop(self) -> None:
         if self.server is not None:
             self.server.close()
+        await self.drop_connections()
+
+    async def drop_connections(self) -> None:
+        """Close every control connection (at stop, and when the transfer process died: what
+        they exposed died with it, so their peers must reconnect or fall back)."""
         for task in list(self._conns):
             task.cancel()
         for task in list(self._conns):
@@ -377,6 +417,7 @@ class Peers:
         self.catalog = catalog
         self.server: PeerServer | None = None
         self._refresh: asyncio.Task[None] | None = None
+        self._supervisor: asyncio.Task[None] | None = None
         self.connect_timeout = 5.0
         self.chunk_timeout = max(5.0, config.remote_stall_timeout_s / 4)
 
@@ -391,11 +432,16 @@ class Peers:
                                      self.config.fleet_peer_serve_max_bytes_per_s, self.node)
             await self.server.start(*self.listen)
             self._refresh = asyncio.get_running_loop().create_task(self._refresher())
+        self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
         log.info("peer tier: node %s, serving %s, fetching %s, transfer process %d KiB",
                  self.node, self.address if self.serve else "off", "on" if self.fetch else "off",
                  self.agent.memory() // 1024)
 
     async def stop(self) -> None:
+        if self._supervisor is not None:  # first: a transfer process ended by the stop is not restarted
+            self._supervisor.cancel()
+            with contextlib.suppress(BaseException):
+                await self._supervisor
         if self._refresh is not None:
             self._refresh.cancel()
             with contextlib.suppress(BaseException):
@@ -406,6 +452,36 @@ class Peers:
         if self.server is not None:
             await self.server.stop()
         await self.agent.stop()
+
+    async def _supervise(self) -> None:
+        """Restart the transfer process whenever it dies (the module docstring: restarts)."""
+        delay = RESTART_MIN_S
+        while True:
+            proc = self.agent.proc
+            assert proc is not None
+            pid, since = proc.pid, time.monotonic()
+            status = await proc.wait()
+            if time.monotonic() - since >= RESTART_RESET_S:
+                delay = RESTART_MIN_S
+            log.error("peer tier: the transfer process (pid %d) exited with status %d; its reads fall back to "
+                      "other peers and the remote, its serving connections are closed; restarting it in %.1f s",
+                      pid, status, delay)
+            await self.agent.stop()  # its reader ends: every request waiting on it fails now
+            if self.server is not None:
+                await self.server.drop_connections()
+            while True:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RESTART_MAX_S)
+                try:
+                    await self.agent.start()
+                except (ConfigError, OSError) as exc:
+                    log.error("peer tier: the transfer process did not start again (%s); next try in %.1f s",
+                              getattr(exc, "message", exc), delay)
+                    continue
+                break
+            self.counters.agent_restarts += 1
+            log.warning("peer tier: transfer process restarted (pid %d, %d restarts so far)", self.agent.pid,
+                        self.counters.agent_restarts)
 
     def committed(self, key: str) -> None:
         """A key became committed here (published or pulled): announce it now."""
@@ -442,4 +518,5 @@ class Peers:
                 "fetched_bytes": c.fetched_bytes, "fallback_bytes": c.fallback_bytes, "refused": c.refused,
                 "lying_peers": c.lying_peers, "failed_peers": c.failed_peers, "peer_pulls": c.peer_pulls,
                 "cap_bytes_per_s": self.config.fleet_peer_serve_max_bytes_per_s,
-                "agent_rss_bytes": self.agent.memory(), "pulls": list(c.active.values())}
+                "agent_rss_bytes": self.agent.memory(), "pulls": list(c.active.values()),
+                "agent_restarts": c.agent_restarts, "agent_pid": self.agent.pid}
