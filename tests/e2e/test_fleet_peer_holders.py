@@ -86,7 +86,7 @@ def test_hwrctl_peers_lists_live_and_expired_holders_per_key(lister: tuple[Any, 
     assert code == 0 and "gpu-01" in text and "expired 1m ago" in text and re.search(r" in 2\ds ", text)
     # A prefix resolves among the remote's and this node's artifacts: records alone name none.
     code, _, err = hwrctl(capsys, proc, "peers", KEY_A[:8])
-    assert code == 1 and "LOCAL_MISS" in err and "\n" == err[-1] and err.count("\n") == 1
+    assert code == 1 and "LOCAL_MISS" in err and err[-1] == "\n" and err.count("\n") == 1
 
 
 def test_hwrctl_peers_covers_the_remotes_and_this_nodes_artifacts(lister: tuple[Any, Path],
