@@ -35,6 +35,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 import tomllib
 from importlib import resources
 from pathlib import Path
@@ -129,12 +130,12 @@ def _peer_lines(config: dict[str, object]) -> list[str]:
     interpreter = python or "hwrd's own Python"
     listen = str(config.get("fleet_peer_listen") or "")
     port = listen.rpartition(":")[2] if config.get("fleet_peer_serve") and listen else ""
-    return ["# The peer tier: " + (f"TCP port {port} inbound (fleet_peer_listen, control connections), "
-                                   if port else "")
-            + "TCP outbound to the peers' control ports, and the NIXL transfer process's UCX",
-            "# connections over TCP both ways (ports UCX picks); AF_NETLINK: UCX lists the network",
-            f"# interfaces through netlink. The transfer process runs {interpreter} under",
-            "# this unit: everything else of the sandbox applies to it as to hwrd."]
+    text = ("The peer tier: " + (f"TCP port {port} inbound (fleet_peer_listen, control connections), " if port else "")
+            + "TCP outbound to the peers' control ports, and the NIXL transfer process's UCX connections over TCP "
+            "both ways (ports UCX picks, or UCX_TCP_PORT_RANGE in its environment); AF_NETLINK: without it UCX "
+            f"finds no network interface and the transfer process does not start. It runs {interpreter} under "
+            "this unit: everything else of the sandbox applies to it as to hwrd.")
+    return ["# " + line for line in textwrap.wrap(text, 98)]
 
 
 def sandbox_dropin(config: dict[str, object]) -> str | None:
