@@ -135,7 +135,7 @@ def _agent(peers: dict[str, Any]) -> str:
     restarts = peers.get("agent_restarts", 0)
     state = (f"{human_bytes(peers['agent_rss_bytes'])} (pid {peers['agent_pid']})" if peers.get("agent_pid")
              else "DOWN (restarting)")
-    return state + (f", restarted {restarts} times" if restarts else "")
+    return state + (f", {restarts} restart{'s' if restarts != 1 else ''}" if restarts else "")
 
 
 def _rate(pull: dict[str, Any]) -> str:

@@ -35,7 +35,8 @@ def hwrctl_json(capsys: pytest.CaptureFixture[str], node: Any, *argv: str) -> An
 
 
 @pytest.mark.timeout(300)
-def test_a_killed_transfer_process_is_restarted_and_the_pull_in_flight_completes(fleet: dict[str, Any]) -> None:
+def test_a_killed_transfer_process_is_restarted_and_the_pull_in_flight_completes(
+        fleet: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
     a = fleet["make"]("a", rate="40mbit")
     b = fleet["make"]("b")
     tensors = tensors_of(21, 32 * MIB)
@@ -62,6 +63,8 @@ def test_a_killed_transfer_process_is_restarted_and_the_pull_in_flight_completes
     assert got["agent_pid"] != old and got["agent_rss_bytes"] > 0, got
     assert got["fallback_bytes"] > 0, got  # what the dead process did not deliver came from the store
     assert f"transfer process (pid {old}) exited" in b.log.read_text()
+    assert ctl.main(["--socket", str(b.socket), "status"]) == 0
+    assert f"(pid {got['agent_pid']}), 1 restart" in capsys.readouterr().out
 
     # The new process serves the next pull from the peer, as the first one would have been.
     more = tensors_of(22, 8 * MIB)
