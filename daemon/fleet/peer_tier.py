@@ -64,8 +64,8 @@ if TYPE_CHECKING:
     from hwr.daemon.service.catalog import Catalog
     from hwr.daemon.system.config import DaemonConfig
 
-__all__ = ["RESTART_MAX_S", "RESTART_MIN_S", "RESTART_RESET_S", "AgentProcess", "Holder", "Holders", "PeerCounters",
-           "PeerServer", "Peers", "parse_address"]
+__all__ = ["RESTART_MAX_S", "RESTART_MIN_S", "RESTART_RESET_S", "AgentGone", "AgentProcess", "Holder", "Holders",
+           "PeerCounters", "PeerServer", "Peers", "parse_address"]
 
 log = logging.getLogger("hwrd.peers")
 
@@ -80,6 +80,11 @@ class AgentError(HwrError):
     """The transfer process failed a request or is gone."""
 
     code = "REMOTE_UNAVAILABLE"
+
+
+class AgentGone(AgentError):
+    """The transfer process is not running (it died, or has not been started again yet): no
+    peer is to blame for a request that fails with it."""
 
 
 class AgentProcess:
@@ -127,13 +132,13 @@ class AgentProcess:
             pass
         for future in self._waiting.values():
             if not future.done():
-                future.set_exception(AgentError(f"peer transfer process: {error}"))
+                future.set_exception(AgentGone(f"peer transfer process: {error}"))
         self._waiting.clear()
 
     async def request(self, op: str, **fields: Any) -> dict[str, Any]:
         """The reply to one request; ``AgentError`` when it failed or the process is gone."""
         if self.proc is None or self.proc.stdin is None or self._reader is None or self._reader.done():
-            raise AgentError("peer transfer process is not running")
+            raise AgentGone("peer transfer process is not running")
         self._next += 1
         rid = self._next
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
@@ -150,7 +155,7 @@ class AgentProcess:
             raise
         except (ConnectionError, BrokenPipeError) as exc:
             self._waiting.pop(rid, None)
-            raise AgentError(f"peer transfer process: {exc}") from None
+            raise AgentGone(f"peer transfer process: {exc}") from None
         if "error" in reply:
             raise AgentError(f"peer transfer process: {reply['error']}")
         return reply

@@ -62,6 +62,7 @@ def test_a_killed_transfer_process_is_restarted_and_the_pull_in_flight_completes
                      lambda: (s := peers_of(b))["agent_restarts"] == 1 and s["agent_pid"] and s)
     assert got["agent_pid"] != old and got["agent_rss_bytes"] > 0, got
     assert got["fallback_bytes"] > 0, got  # what the dead process did not deliver came from the store
+    assert got["failed_peers"] == 0, got  # the peer is not blamed for this node's own process
     assert f"transfer process (pid {old}) exited" in b.log.read_text()
     assert ctl.main(["--socket", str(b.socket), "status"]) == 0
     assert f"(pid {got['agent_pid']}), 1 restart" in capsys.readouterr().out
