@@ -14,7 +14,9 @@ created 0755, files replaced atomically, mode 0644):
   a remote, a TCP metrics port or the peer tier: the narrowest widening of the unit's sandbox
   that lets it work (``PrivateNetwork=no`` and ``AF_INET``/``AF_INET6`` for ``s3://``, TCP
   metrics and the peer tier, plus ``AF_NETLINK`` for the peer tier's UCX; ``ReadWritePaths=`` for
-  a ``file://`` directory). Without any, a stale one is removed. A ``fleet_peer_python`` under
+  a ``file://`` directory; ``IPAddressDeny=any`` and ``IPAddressAllow=`` localhost and
+  ``fleet_peer_networks`` when the peer tier is all that uses the network). Without any, a stale
+  one is removed. A ``fleet_peer_python`` under
   ``/tmp`` or ``/var/tmp`` is refused (the unit's ``PrivateTmp=yes`` hides it from the service).
 
 With the prefix ``/`` it also creates the user and directories (``systemd-sysusers``,
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import grp
+import ipaddress
 import os
 import shutil
 import subprocess
@@ -138,6 +141,25 @@ def _peer_lines(config: dict[str, object]) -> list[str]:
     return ["# " + line for line in textwrap.wrap(text, 98)]
 
 
+def _peer_addresses(config: dict[str, object], others: list[str]) -> list[str]:
+    """``IPAddressAllow=`` for ``fleet_peer_networks`` (and localhost) with ``IPAddressDeny=any``,
+    when the peer tier is all that needs the network (``others`` is what else does: then hwrd
+    alone enforces the networks, and a comment says so)."""
+    items = config.get("fleet_peer_networks") or []
+    if isinstance(items, str):
+        items = [part for part in items.split(",") if part.strip()]
+    if not isinstance(items, list) or not items:
+        return []
+    try:
+        networks = [str(ipaddress.ip_network(str(item).strip(), strict=False)) for item in items]
+    except ValueError as exc:
+        raise InstallError(f"fleet_peer_networks: {exc}") from None
+    if others:
+        return [f"# fleet_peer_networks is enforced by hwrd only: {' and '.join(others)} needs other addresses."]
+    return ["# Only the fleet's networks (fleet_peer_networks) and this host.",
+            "IPAddressDeny=any", f"IPAddressAllow=localhost {' '.join(networks)}"]
+
+
 def sandbox_dropin(config: dict[str, object]) -> str | None:
     """The ``[Service]`` drop-in that the configuration's remote, metrics port and peer tier
     need, or None.
@@ -164,6 +186,8 @@ def sandbox_dropin(config: dict[str, object]) -> str | None:
         families = "AF_UNIX AF_INET AF_INET6" + (" AF_NETLINK" if peers else "")
         lines += [f"# Network for {' and '.join(network_for)}.",
                   "PrivateNetwork=no", f"RestrictAddressFamilies={families}"]
+    if peers:
+        lines += _peer_addresses(config, network_for[:-1])
     if remote.startswith("file://"):
         directory = unquote(urlsplit(remote).path)
         if any(c.isspace() for c in directory):

@@ -58,7 +58,7 @@ from hwr.client.errors import ConfigError, HwrError
 from hwr.client.identity import is_key
 from hwr.daemon.fleet import peer_wire
 from hwr.daemon.fleet.remote import RemoteStore
-from hwr.daemon.system.config import parse_address
+from hwr.daemon.system.config import in_networks, parse_address, peer_networks
 
 if TYPE_CHECKING:
     from hwr.daemon.service.catalog import Catalog
@@ -203,7 +203,7 @@ class PeerCounters:
     served_bytes: int = 0
     served_chunks: int = 0
     serving_peers: dict[str, float] = field(default_factory=dict)  # node -> when its connection opened
-    refused: int = 0  # control connections that failed the membership proof
+    refused: int = 0  # control connections that failed the membership proof or came from outside fleet_peer_networks
     fetched_bytes: int = 0  # payload bytes a pull got from peers
     fallback_bytes: int = 0  # payload bytes a pull with peers got from the store instead
     peer_pulls: int = 0
@@ -249,11 +249,13 @@ class Holder:
 class Holders:
     """Discovery through the fleet's remote (see the module docstring)."""
 
-    def __init__(self, remote: RemoteStore, node: str, address: str, ttl: float) -> None:
+    def __init__(self, remote: RemoteStore, node: str, address: str, ttl: float,
+                 networks: tuple[Any, ...] = ()) -> None:
         self.remote = remote
         self.node = node
         self.address = address
         self.ttl = ttl
+        self.networks = networks  # fleet_peer_networks: holders at an address outside are not asked
         self.recorded: set[str] = set()
 
     def _name(self, key: str, node: str | None = None) -> str:
@@ -290,9 +292,11 @@ class Holders:
         return found
 
     def find(self, key: str) -> list[Holder]:
-        """Live holders of ``key`` other than this node, soonest-expiring last."""
+        """Live holders of ``key`` other than this node, soonest-expiring last (with
+        ``networks``, only those whose address is a name or lies in one of them)."""
         now = time.time()
-        found = [h for h in self.records(key) if h.node != self.node and h.expires_at > now]
+        found = [h for h in self.records(key) if h.node != self.node and h.expires_at > now
+                 and (not self.networks or in_networks(h.address.rpartition(":")[0], self.networks) is not False)]
         return sorted(found, key=lambda h: -h.expires_at)
 
 
@@ -300,7 +304,8 @@ class PeerServer:
     """The control connections of this node's serving (see the module docstring)."""
 
     def __init__(self, agent: AgentProcess, catalog: Catalog, secret: bytes, counters: PeerCounters,
-                 cap_bytes_per_s: int, node: str) -> None:
+                 cap_bytes_per_s: int, node: str, networks: tuple[Any, ...] = ()) -> None:
+        self.networks = networks  # fleet_peer_networks: connections from elsewhere are closed unanswered
         self.agent = agent
         self.catalog = catalog
         self.secret = secret
@@ -337,6 +342,13 @@ class PeerServer:
         if len(self._conns) >= self.max_connections:  # before any proof: a flood costs a close each
             writer.close()
             return
+        if self.networks:
+            address = writer.get_extra_info("peername")
+            if not address or not in_networks(str(address[0]), self.networks):
+                self.counters.refused += 1
+                log.warning("peer connection from %s refused: outside fleet_peer_networks", address)
+                writer.close()
+                return
         self._conns.add(task)
         exposed: list[str] = []
         peer = "?"
@@ -418,7 +430,8 @@ class Peers:
         self.counters = PeerCounters()
         env = {"UCX_TLS": config.fleet_peer_ucx_tls} if config.fleet_peer_ucx_tls else {}
         self.agent = AgentProcess(config.fleet_peer_python, f"hwr-{self.node}-{os.getpid()}", env)
-        self.holders = Holders(remote, self.node, self.address, config.fleet_peer_holder_ttl_s)
+        self.networks = peer_networks(config.fleet_peer_networks)
+        self.holders = Holders(remote, self.node, self.address, config.fleet_peer_holder_ttl_s, self.networks)
         self.catalog = catalog
         self.server: PeerServer | None = None
         self._refresh: asyncio.Task[None] | None = None
@@ -434,7 +447,7 @@ class Peers:
         await self.agent.start()
         if self.listen is not None:
             self.server = PeerServer(self.agent, self.catalog, self.secret, self.counters,
-                                     self.config.fleet_peer_serve_max_bytes_per_s, self.node)
+                                     self.config.fleet_peer_serve_max_bytes_per_s, self.node, self.networks)
             await self.server.start(*self.listen)
             self._refresh = asyncio.get_running_loop().create_task(self._refresher())
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise())

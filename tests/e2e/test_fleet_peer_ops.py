@@ -100,3 +100,26 @@ def test_hwrctl_peers_shows_the_records_nodes_write_and_their_expiry(fleet: dict
     listing = hwrctl_json(capsys, b, "peers")
     records = {h["node"]: h for h in listing["holders"] if h["key"] == key}
     assert records["a"]["live"] is False and records["b"]["live"] is True, listing
+
+
+@pytest.mark.timeout(300)
+def test_fleet_peer_networks_refuse_and_skip_peers_outside(fleet: dict[str, Any],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    net = fleet["fabric"].net
+    monkeypatch.setenv("HWR_FLEET_PEER_NETWORKS", f"10.251.{net}.1/32")  # a admits only itself
+    a = fleet["make"]("a")
+    monkeypatch.delenv("HWR_FLEET_PEER_NETWORKS")
+    b = fleet["make"]("b")
+    monkeypatch.setenv("HWR_FLEET_PEER_NETWORKS", "192.0.2.0/24")  # c asks no one on this fabric
+    c = fleet["make"]("c", serve=False)
+    tensors = tensors_of(24, 4 * MIB)
+    key = publish(a, tensors)
+    wait_until("a's upload and holder record", lambda: held(fleet["remote"], key, "a"))
+
+    pull_and_check(b, key, tensors)  # a closes b's connection before any proof: from the store
+    assert peers_of(a)["refused"] == 1 and peers_of(a)["served_bytes"] == 0
+    assert peers_of(b)["peer_pulls"] == 0 and peers_of(b)["fetched_bytes"] == 0
+    assert "outside fleet_peer_networks" in a.log.read_text()
+
+    pull_and_check(c, key, tensors)  # a's and b's records name addresses outside c's networks
+    assert peers_of(c)["peer_pulls"] == 0 and peers_of(a)["refused"] == 1 and peers_of(b)["refused"] == 0

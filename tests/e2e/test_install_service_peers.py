@@ -68,6 +68,23 @@ def test_the_peer_tier_gets_the_network_and_netlink_and_nothing_else(tmp_path: P
         "[Service]", "PrivateNetwork=no", "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6"]
 
 
+def test_the_fleets_networks_become_ip_address_allow_when_only_peers_use_the_network(tmp_path: Path) -> None:
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    networks = 'fleet_peer_networks = ["10.0.3.17/24", "fd00::/64"]\n'
+    assert install(tmp_path, f'remote = "file://{remote}"\n{SERVING}{networks}').returncode == 0
+    lines = service_lines((tmp_path / DROPIN).read_text())
+    assert lines[3:5] == ["IPAddressDeny=any", "IPAddressAllow=localhost 10.0.3.0/24 fd00::/64"], lines
+
+    # An s3:// remote (or a TCP metrics port) needs addresses outside them: hwrd alone enforces them.
+    assert install(tmp_path, f'remote = "s3://bucket/fleet"\n{SERVING}{networks}').returncode == 0
+    text = (tmp_path / DROPIN).read_text()
+    assert "IPAddress" not in "".join(service_lines(text)) and "enforced by hwrd only" in text
+
+    refused = install(tmp_path, f'remote = "s3://bucket/fleet"\n{SERVING}fleet_peer_networks = ["10.0.3/24"]\n')
+    assert refused.returncode == 1 and "fleet_peer_networks" in refused.stderr
+
+
 @pytest.mark.parametrize("python", ["/tmp/peers/bin/python", "/var/tmp/venv/bin/python3"])
 def test_an_interpreter_the_unit_hides_is_refused(tmp_path: Path, python: str) -> None:
     result = install(tmp_path, f'remote = "s3://bucket/fleet"\n{SERVING}fleet_peer_python = "{python}"\n')
@@ -89,7 +106,11 @@ def test_an_interpreter_linked_into_tmp_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze missing")
 def test_the_unit_with_the_peer_dropin_passes_systemd_analyze_verify(tmp_path: Path) -> None:
-    assert install(tmp_path, f'remote = "s3://bucket/fleet"\n{SERVING}').returncode == 0
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    assert install(tmp_path, f'remote = "file://{remote}"\n{SERVING}fleet_peer_networks = ["10.0.3.0/24"]\n'
+                   ).returncode == 0
+    assert "IPAddressAllow=" in (tmp_path / DROPIN).read_text()
     units = tmp_path / UNIT_DIR
     result = subprocess.run(["systemd-analyze", "verify", "--man=no", str(units / "hwrd.service"),
                              str(units / "hwrd.socket")], capture_output=True, text=True, timeout=120)
