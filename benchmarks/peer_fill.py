@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from common import json_line, md_table
 from e2e import netns
 from e2e.fleet_fixtures import S3_ENV
+from e2e.test_fleet_peers import NodeProcess  # hwrd inside a node's namespace, as the tests run it
 from s3_servers import find_weed
 
 from hwr.client import ArtifactIdentity, connect
@@ -47,17 +48,6 @@ from hwr.daemon.app.launcher import DaemonProcess
 MiB = 1 << 20
 PORT = 7461
 S3_PORT = 8333
-
-
-class NodeProcess(DaemonProcess):
-    """hwrd inside a node's namespace."""
-
-    def __init__(self, prefix: list[str], *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.prefix = prefix
-
-    def command(self) -> list[str]:
-        return [*self.prefix, *super().command()]
 
 
 def _tensors(nbytes: int) -> dict[str, Any]:

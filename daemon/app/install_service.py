@@ -11,14 +11,19 @@ created 0755, files replaced atomically, mode 0644):
   replaced: one whose ``allow_gids`` lacks the group's gid is reported on stderr), with
   ``allow_gids`` set to the gid of the group ``hwr``;
 - ``etc/systemd/system/hwrd.service.d/remote.conf`` when the configuration (the file above) names
-  a remote or a TCP metrics port: the narrowest widening of the unit's sandbox that lets it work
-  (``PrivateNetwork=no`` and ``AF_INET``/``AF_INET6`` for ``s3://`` and TCP metrics;
-  ``ReadWritePaths=`` for a ``file://`` directory). Without either, a stale one is removed.
+  a remote, a TCP metrics port or the peer tier: the narrowest widening of the unit's sandbox
+  that lets it work (``PrivateNetwork=no`` and ``AF_INET``/``AF_INET6`` for ``s3://``, TCP
+  metrics and the peer tier, plus ``AF_NETLINK`` for the peer tier's UCX; ``ReadWritePaths=`` for
+  a ``file://`` directory; ``IPAddressDeny=any`` and ``IPAddressAllow=`` localhost and
+  ``fleet_peer_networks`` when the peer tier is all that uses the network). Without any, a stale
+  one is removed. A ``fleet_peer_python`` under
+  ``/tmp`` or ``/var/tmp`` is refused (the unit's ``PrivateTmp=yes`` hides it from the service).
 
 With the prefix ``/`` it also creates the user and directories (``systemd-sysusers``,
 ``systemd-tmpfiles --create``: before the configuration, whose gid comes from the group they
 create) and runs ``systemctl daemon-reload`` when systemd is running. It never enables or starts
-anything. Rerun it after changing ``remote`` (then ``systemctl restart hwrd``); it is idempotent.
+anything. Rerun it after changing ``remote``, ``metrics_listen`` or the ``fleet_peer_*`` keys (then
+``systemctl restart hwrd``); it is idempotent.
 
 Exit status: 0 done, 1 a step failed (one line on stderr naming it), 2 usage.
 """
@@ -27,11 +32,13 @@ from __future__ import annotations
 
 import argparse
 import grp
+import ipaddress
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 import tomllib
 from importlib import resources
 from pathlib import Path
@@ -110,24 +117,77 @@ def config_text(gid: int | None) -> str:
     return text
 
 
+#: Directories the unit's ``PrivateTmp=yes`` replaces with empty ones of its own.
+_PRIVATE_TMP = (Path("/tmp"), Path("/var/tmp"))
+
+
+def _peer_lines(config: dict[str, object]) -> list[str]:
+    """The comment that says what the peer tier uses of the network (the lines themselves are
+    the network ones of ``sandbox_dropin``), after checking that its interpreter is visible."""
+    python = str(config.get("fleet_peer_python") or "")
+    if python:
+        for path in {Path(python), Path(os.path.realpath(python))}:
+            if any(path.is_relative_to(d) for d in _PRIVATE_TMP):
+                raise InstallError(f"fleet_peer_python {python} is under /tmp or /var/tmp, which the unit's "
+                                   "PrivateTmp=yes hides from hwrd: install that interpreter elsewhere")
+    interpreter = python or "hwrd's own Python"
+    listen = str(config.get("fleet_peer_listen") or "")
+    port = listen.rpartition(":")[2] if config.get("fleet_peer_serve") and listen else ""
+    text = ("The peer tier: " + (f"TCP port {port} inbound (fleet_peer_listen, control connections), " if port else "")
+            + "TCP outbound to the peers' control ports, and the NIXL transfer process's UCX connections over TCP "
+            "both ways (ports UCX picks, or UCX_TCP_PORT_RANGE in its environment); AF_NETLINK: without it UCX "
+            f"finds no network interface and the transfer process does not start. It runs {interpreter} under "
+            "this unit: everything else of the sandbox applies to it as to hwrd.")
+    return ["# " + line for line in textwrap.wrap(text, 98)]
+
+
+def _peer_addresses(config: dict[str, object], others: list[str]) -> list[str]:
+    """``IPAddressAllow=`` for ``fleet_peer_networks`` (and localhost) with ``IPAddressDeny=any``,
+    when the peer tier is all that needs the network (``others`` is what else does: then hwrd
+    alone enforces the networks, and a comment says so)."""
+    items = config.get("fleet_peer_networks") or []
+    if isinstance(items, str):
+        items = [part for part in items.split(",") if part.strip()]
+    if not isinstance(items, list) or not items:
+        return []
+    try:
+        networks = [str(ipaddress.ip_network(str(item).strip(), strict=False)) for item in items]
+    except ValueError as exc:
+        raise InstallError(f"fleet_peer_networks: {exc}") from None
+    if others:
+        return [f"# fleet_peer_networks is enforced by hwrd only: {' and '.join(others)} needs other addresses."]
+    return ["# Only the fleet's networks (fleet_peer_networks) and this host.",
+            "IPAddressDeny=any", f"IPAddressAllow=localhost {' '.join(networks)}"]
+
+
 def sandbox_dropin(config: dict[str, object]) -> str | None:
-    """The ``[Service]`` drop-in that the configuration's remote and metrics port need, or None.
+    """The ``[Service]`` drop-in that the configuration's remote, metrics port and peer tier
+    need, or None.
 
     ``s3://`` (and a TCP ``metrics_listen``): the network namespace of the host and the IP address
-    families; ``file:///DIR``: ``DIR`` writable (pulls read it, pushes write it). Nothing else of
-    the sandbox changes.
+    families; the peer tier (``fleet_peer_serve`` or ``fleet_peer_fetch``): the same and
+    ``AF_NETLINK`` (its transfer process's UCX enumerates interfaces over netlink);
+    ``file:///DIR``: ``DIR`` writable (pulls read it, pushes write it). Nothing else of the
+    sandbox changes. ``InstallError`` when ``fleet_peer_python`` lies where the unit hides it.
     """
     lines: list[str] = []
     remote = str(config.get("remote") or "")
     metrics = str(config.get("metrics_listen") or "")
+    peers = bool(config.get("fleet_peer_serve") or config.get("fleet_peer_fetch"))
     network_for: list[str] = []
     if remote.startswith("s3://"):
         network_for.append(f"the remote {remote}")
     if metrics and not metrics.startswith("unix:"):
         network_for.append(f"metrics_listen {metrics}")
+    if peers:
+        network_for.append("the peer tier")
+        lines += _peer_lines(config)
     if network_for:
+        families = "AF_UNIX AF_INET AF_INET6" + (" AF_NETLINK" if peers else "")
         lines += [f"# Network for {' and '.join(network_for)}.",
-                  "PrivateNetwork=no", "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6"]
+                  "PrivateNetwork=no", f"RestrictAddressFamilies={families}"]
+    if peers:
+        lines += _peer_addresses(config, network_for[:-1])
     if remote.startswith("file://"):
         directory = unquote(urlsplit(remote).path)
         if any(c.isspace() for c in directory):
@@ -136,8 +196,8 @@ def sandbox_dropin(config: dict[str, object]) -> str | None:
                   f"ReadWritePaths={directory}"]
     if not lines:
         return None
-    header = ("# Written by `hwrd install-service` from /etc/hwrd/hwrd.toml; rerun it after changing `remote`\n"
-              "# or `metrics_listen` (then `systemctl daemon-reload` is done for you; restart hwrd).\n")
+    header = ("# Written by `hwrd install-service` from /etc/hwrd/hwrd.toml; rerun it after changing `remote`,\n"
+              "# `metrics_listen` or `fleet_peer_*` (then `systemctl daemon-reload` is done for you; restart hwrd).\n")
     return header + "[Service]\n" + "\n".join(lines) + "\n"
 
 
@@ -198,7 +258,7 @@ def install(prefix: Path, hwrd: Path, allow_gid: int | None) -> None:
                   "before starting hwrd, or the unit fails to set up its sandbox", file=sys.stderr)
     elif dropin.exists():
         dropin.unlink()
-        print(f"hwrd install-service: removed {dropin} (no remote configured)")
+        print(f"hwrd install-service: removed {dropin} (no remote, TCP metrics or peer tier configured)")
     if live and Path("/run/systemd/system").is_dir():
         _run(["systemctl", "daemon-reload"])
 

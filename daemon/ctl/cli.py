@@ -62,8 +62,9 @@ def _is_num(text: str) -> bool:
     return text.replace(".", "", 1).replace(" ", "").rstrip("KMGTiB").isdigit()
 
 
-def ago(ts: float) -> str:
-    delta = max(0.0, time.time() - ts)
+def ago(ts: float, now: float | None = None) -> str:
+    """How long before ``now`` (default: this clock's time) ``ts`` was, as ``5m ago``."""
+    delta = max(0.0, (time.time() if now is None else now) - ts)
     for unit, seconds in (("d", 86400), ("h", 3600), ("m", 60)):
         if delta >= seconds:
             return f"{delta / seconds:.0f}{unit} ago"
@@ -124,9 +125,17 @@ def _peer_lines(peers: dict[str, Any] | None) -> list[str]:
             f"{human_bytes(peers['served_bytes'])} served, {human_bytes(peers['fetched_bytes'])} pulled from peers "
             f"({human_bytes(peers['fallback_bytes'])} from the remote instead); dropped {peers['lying_peers']} "
             f"lying, {peers['failed_peers']} failing; {peers['refused']} refused; transfer process "
-            f"{human_bytes(peers['agent_rss_bytes'])}",
+            f"{_agent(peers)}",
             *(f"peer pull:    {p['key'][:16]} {_share(p)} from {', '.join(p['peers'])}, "
               f"{_rate(p)}" for p in peers["pulls"])]
+
+
+def _agent(peers: dict[str, Any]) -> str:
+    """The transfer process: its memory and pid, or that it is down; its restarts when any."""
+    restarts = peers.get("agent_restarts", 0)
+    state = (f"{human_bytes(peers['agent_rss_bytes'])} (pid {peers['agent_pid']})" if peers.get("agent_pid")
+             else "DOWN (restarting)")
+    return state + (f", {restarts} restart{'s' if restarts != 1 else ''}" if restarts else "")
 
 
 def _rate(pull: dict[str, Any]) -> str:

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from hwr.client.errors import ChecksumMismatch, HwrError
 from hwr.daemon.fleet import peer_wire
 from hwr.daemon.fleet.peer_agent import CHUNK
-from hwr.daemon.fleet.peer_tier import AgentError, Holder, parse_address
+from hwr.daemon.fleet.peer_tier import AgentError, AgentGone, Holder, parse_address
 from hwr.daemon.fleet.sink import DownloadSink, InOrderDigests
 from hwr.daemon.store.staging import ProducerDigests
 
@@ -349,7 +349,8 @@ class PeerFill:
                 queue.appendleft(chunk)
                 if peer.alive:
                     peer.alive = False
-                    self.peers.counters.failed_peers += 1
+                    if not isinstance(exc, AgentGone):  # this node's transfer process died: not the peer's fault
+                        self.peers.counters.failed_peers += 1
                     self._forget_agent(peer.agent)
                     log.warning("peer pull: %s (%s) dropped: %s", peer.holder.node, peer.holder.address,
                                 exc or type(exc).__name__)

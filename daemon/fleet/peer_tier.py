@@ -6,11 +6,19 @@ Pieces, all on hwrd's event loop except the data plane:
   daemon start when ``fleet_peer_serve`` or ``fleet_peer_fetch`` is on; hwrd itself never
   imports NIXL. A request is one frame on its stdin, the reply one frame on its stdout.
 - ``Holders`` (discovery): a node that serves records each committed key it holds in the
-  fleet's remote as ``PREFIX/holders/<key>/<node>.json`` (``{"node", "address", "expires_at"}``,
+  fleet's remote as ``PREFIX/holders/<key>/<node>.json`` (``{"node", "address", "recorded_at",
+  "expires_at"}``,
   rewritten every ``fleet_peer_holder_ttl_s / 3`` seconds, removed at a clean stop); readers
   ignore a record past its ``expires_at``, so a dead node stops being asked within one TTL (its
   stale record may stay in the remote: it is skipped, and overwritten if the node comes back).
-  Wall clocks of the nodes must agree within the TTL.
+  Wall clocks of the nodes must agree within the TTL. ``hwrctl peers`` lists the records.
+- Restarts: when the transfer process dies, hwrd logs it and starts a new one after a backoff
+  (``RESTART_MIN_S`` doubling to ``RESTART_MAX_S``; back to the minimum once one ran
+  ``RESTART_RESET_S``). Meanwhile every request to it fails at once (``AgentError``): a pull
+  drops the peers it was reading from and takes their chunks from the store (the pull itself
+  goes on, verified as always), new pulls go to the store, and the control connections that
+  were serving are closed (their exposures died with the process; their peers fall back the
+  same way). ``hwrctl status`` counts the restarts.
 - ``PeerServer``: the control connections (TCP on ``fleet_peer_listen``). After the membership
   proofs (``hwr.daemon.fleet.peer_wire``) a peer may ``open`` a key: only a committed, not
   denied artifact of this node's store; its payload files are exposed read-only by the
@@ -50,21 +58,33 @@ from hwr.client.errors import ConfigError, HwrError
 from hwr.client.identity import is_key
 from hwr.daemon.fleet import peer_wire
 from hwr.daemon.fleet.remote import RemoteStore
-from hwr.daemon.system.config import parse_address
+from hwr.daemon.system.config import in_networks, parse_address, peer_networks
 
 if TYPE_CHECKING:
     from hwr.daemon.service.catalog import Catalog
     from hwr.daemon.system.config import DaemonConfig
 
-__all__ = ["AgentProcess", "Holder", "Holders", "PeerCounters", "PeerServer", "Peers", "parse_address"]
+__all__ = ["RESTART_MAX_S", "RESTART_MIN_S", "RESTART_RESET_S", "AgentGone", "AgentProcess", "Holder", "Holders",
+           "PeerCounters", "PeerServer", "Peers", "parse_address"]
 
 log = logging.getLogger("hwrd.peers")
+
+#: The first restart of a dead transfer process waits this long; each further one twice the last.
+RESTART_MIN_S = 0.5
+RESTART_MAX_S = 30.0
+#: A transfer process that ran this long before it died is restarted after ``RESTART_MIN_S`` again.
+RESTART_RESET_S = 60.0
 
 
 class AgentError(HwrError):
     """The transfer process failed a request or is gone."""
 
     code = "REMOTE_UNAVAILABLE"
+
+
+class AgentGone(AgentError):
+    """The transfer process is not running (it died, or has not been started again yet): no
+    peer is to blame for a request that fails with it."""
 
 
 class AgentProcess:
@@ -112,13 +132,13 @@ class AgentProcess:
             pass
         for future in self._waiting.values():
             if not future.done():
-                future.set_exception(AgentError(f"peer transfer process: {error}"))
+                future.set_exception(AgentGone(f"peer transfer process: {error}"))
         self._waiting.clear()
 
     async def request(self, op: str, **fields: Any) -> dict[str, Any]:
         """The reply to one request; ``AgentError`` when it failed or the process is gone."""
         if self.proc is None or self.proc.stdin is None or self._reader is None or self._reader.done():
-            raise AgentError("peer transfer process is not running")
+            raise AgentGone("peer transfer process is not running")
         self._next += 1
         rid = self._next
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
@@ -135,17 +155,24 @@ class AgentProcess:
             raise
         except (ConnectionError, BrokenPipeError) as exc:
             self._waiting.pop(rid, None)
-            raise AgentError(f"peer transfer process: {exc}") from None
+            raise AgentGone(f"peer transfer process: {exc}") from None
         if "error" in reply:
             raise AgentError(f"peer transfer process: {reply['error']}")
         return reply
 
+    @property
+    def pid(self) -> int:
+        """The transfer process's pid while it runs, else 0."""
+        if self.proc is None or self.proc.returncode is not None:
+            return 0
+        return self.proc.pid
+
     def memory(self) -> int:
-        """The transfer process's resident bytes (0 when unknown)."""
-        if self.proc is None:
+        """The transfer process's resident bytes (0 when unknown or not running)."""
+        if not self.pid:
             return 0
         try:
-            with open(f"/proc/{self.proc.pid}/status") as f:
+            with open(f"/proc/{self.pid}/status") as f:
                 for line in f:
                     if line.startswith("VmRSS:"):
                         self.rss_bytes = int(line.split()[1]) * 1024
@@ -176,12 +203,13 @@ class PeerCounters:
     served_bytes: int = 0
     served_chunks: int = 0
     serving_peers: dict[str, float] = field(default_factory=dict)  # node -> when its connection opened
-    refused: int = 0  # control connections that failed the membership proof
+    refused: int = 0  # control connections that failed the membership proof or came from outside fleet_peer_networks
     fetched_bytes: int = 0  # payload bytes a pull got from peers
     fallback_bytes: int = 0  # payload bytes a pull with peers got from the store instead
     peer_pulls: int = 0
     lying_peers: int = 0  # peers dropped from a pull because their bytes failed verification
     failed_peers: int = 0  # peers dropped from a pull because they failed or stalled
+    agent_restarts: int = 0  # the transfer process died and was started again
     active: dict[str, dict[str, Any]] = field(default_factory=dict)  # key -> live pull state (status)
 
 
@@ -210,19 +238,24 @@ class TokenBucket:
 
 @dataclass(frozen=True)
 class Holder:
+    """One holder record (``recorded_at`` is 0 for a record whose writer did not say)."""
+
     node: str
     address: str
     expires_at: float
+    recorded_at: float = 0.0
 
 
 class Holders:
     """Discovery through the fleet's remote (see the module docstring)."""
 
-    def __init__(self, remote: RemoteStore, node: str, address: str, ttl: float) -> None:
+    def __init__(self, remote: RemoteStore, node: str, address: str, ttl: float,
+                 networks: tuple[Any, ...] = ()) -> None:
         self.remote = remote
         self.node = node
         self.address = address
         self.ttl = ttl
+        self.networks = networks  # fleet_peer_networks: holders at an address outside are not asked
         self.recorded: set[str] = set()
 
     def _name(self, key: str, node: str | None = None) -> str:
@@ -231,7 +264,8 @@ class Holders:
         return f"{head}holders/{key}/" + (f"{node}.json" if node else "")
 
     def record(self, key: str) -> None:
-        body = {"node": self.node, "address": self.address, "expires_at": time.time() + self.ttl}
+        now = time.time()
+        body = {"node": self.node, "address": self.address, "recorded_at": now, "expires_at": now + self.ttl}
         self.remote.put_bytes(self._name(key, self.node), json.dumps(body).encode())
         self.recorded.add(key)
 
@@ -239,20 +273,30 @@ class Holders:
         self.remote.delete(self._name(key, self.node))
         self.recorded.discard(key)
 
-    def find(self, key: str) -> list[Holder]:
-        """Live holders of ``key`` other than this node, soonest-expiring last."""
+    def records(self, key: str) -> list[Holder]:
+        """Every well-formed holder record of ``key``, expired ones and this node's included,
+        in the order of the node names. A malformed record, or one whose ``node`` is not its
+        object's name, is skipped (never trusted); ``HwrError`` when the remote fails."""
         found = []
-        now = time.time()
         for name in self.remote.list_names(self._name(key)):
             if not name.endswith(".json"):
                 continue
             try:
                 doc = json.loads(self.remote.get_bytes(self._name(key) + name, 4096) or b"")
-                holder = Holder(str(doc["node"]), str(doc["address"]), float(doc["expires_at"]))
-            except (ValueError, KeyError, TypeError, HwrError):
-                continue  # a malformed record is skipped, never trusted
-            if holder.node != self.node and holder.expires_at > now and holder.node + ".json" == name:
+                holder = Holder(str(doc["node"]), str(doc["address"]), float(doc["expires_at"]),
+                                float(doc.get("recorded_at", 0.0)))
+            except (ValueError, KeyError, TypeError, AttributeError, HwrError):
+                continue
+            if holder.node + ".json" == name:
                 found.append(holder)
+        return found
+
+    def find(self, key: str) -> list[Holder]:
+        """Live holders of ``key`` other than this node, soonest-expiring last (with
+        ``networks``, only those whose address is a name or lies in one of them)."""
+        now = time.time()
+        found = [h for h in self.records(key) if h.node != self.node and h.expires_at > now
+                 and (not self.networks or in_networks(h.address.rpartition(":")[0], self.networks) is not False)]
         return sorted(found, key=lambda h: -h.expires_at)
 
 
@@ -260,7 +304,8 @@ class PeerServer:
     """The control connections of this node's serving (see the module docstring)."""
 
     def __init__(self, agent: AgentProcess, catalog: Catalog, secret: bytes, counters: PeerCounters,
-                 cap_bytes_per_s: int, node: str) -> None:
+                 cap_bytes_per_s: int, node: str, networks: tuple[Any, ...] = ()) -> None:
+        self.networks = networks  # fleet_peer_networks: connections from elsewhere are closed unanswered
         self.agent = agent
         self.catalog = catalog
         self.secret = secret
@@ -280,6 +325,11 @@ class PeerServer:
     async def stop(self) -> None:
         if self.server is not None:
             self.server.close()
+        await self.drop_connections()
+
+    async def drop_connections(self) -> None:
+        """Close every control connection (at stop, and when the transfer process died: what
+        they exposed died with it, so their peers must reconnect or fall back)."""
         for task in list(self._conns):
             task.cancel()
         for task in list(self._conns):
@@ -292,6 +342,13 @@ class PeerServer:
         if len(self._conns) >= self.max_connections:  # before any proof: a flood costs a close each
             writer.close()
             return
+        if self.networks:
+            address = writer.get_extra_info("peername")
+            if not address or not in_networks(str(address[0]), self.networks):
+                self.counters.refused += 1
+                log.warning("peer connection from %s refused: outside fleet_peer_networks", address)
+                writer.close()
+                return
         self._conns.add(task)
         exposed: list[str] = []
         peer = "?"
@@ -373,10 +430,12 @@ class Peers:
         self.counters = PeerCounters()
         env = {"UCX_TLS": config.fleet_peer_ucx_tls} if config.fleet_peer_ucx_tls else {}
         self.agent = AgentProcess(config.fleet_peer_python, f"hwr-{self.node}-{os.getpid()}", env)
-        self.holders = Holders(remote, self.node, self.address, config.fleet_peer_holder_ttl_s)
+        self.networks = peer_networks(config.fleet_peer_networks)
+        self.holders = Holders(remote, self.node, self.address, config.fleet_peer_holder_ttl_s, self.networks)
         self.catalog = catalog
         self.server: PeerServer | None = None
         self._refresh: asyncio.Task[None] | None = None
+        self._supervisor: asyncio.Task[None] | None = None
         self.connect_timeout = 5.0
         self.chunk_timeout = max(5.0, config.remote_stall_timeout_s / 4)
 
@@ -388,14 +447,19 @@ class Peers:
         await self.agent.start()
         if self.listen is not None:
             self.server = PeerServer(self.agent, self.catalog, self.secret, self.counters,
-                                     self.config.fleet_peer_serve_max_bytes_per_s, self.node)
+                                     self.config.fleet_peer_serve_max_bytes_per_s, self.node, self.networks)
             await self.server.start(*self.listen)
             self._refresh = asyncio.get_running_loop().create_task(self._refresher())
+        self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
         log.info("peer tier: node %s, serving %s, fetching %s, transfer process %d KiB",
                  self.node, self.address if self.serve else "off", "on" if self.fetch else "off",
                  self.agent.memory() // 1024)
 
     async def stop(self) -> None:
+        if self._supervisor is not None:  # first: a transfer process ended by the stop is not restarted
+            self._supervisor.cancel()
+            with contextlib.suppress(BaseException):
+                await self._supervisor
         if self._refresh is not None:
             self._refresh.cancel()
             with contextlib.suppress(BaseException):
@@ -406,6 +470,36 @@ class Peers:
         if self.server is not None:
             await self.server.stop()
         await self.agent.stop()
+
+    async def _supervise(self) -> None:
+        """Restart the transfer process whenever it dies (the module docstring: restarts)."""
+        delay = RESTART_MIN_S
+        while True:
+            proc = self.agent.proc
+            assert proc is not None
+            pid, since = proc.pid, time.monotonic()
+            status = await proc.wait()
+            if time.monotonic() - since >= RESTART_RESET_S:
+                delay = RESTART_MIN_S
+            log.error("peer tier: the transfer process (pid %d) exited with status %d; its reads fall back to "
+                      "other peers and the remote, its serving connections are closed; restarting it in %.1f s",
+                      pid, status, delay)
+            await self.agent.stop()  # its reader ends: every request waiting on it fails now
+            if self.server is not None:
+                await self.server.drop_connections()
+            while True:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RESTART_MAX_S)
+                try:
+                    await self.agent.start()
+                except (ConfigError, OSError) as exc:
+                    log.error("peer tier: the transfer process did not start again (%s); next try in %.1f s",
+                              getattr(exc, "message", exc), delay)
+                    continue
+                break
+            self.counters.agent_restarts += 1
+            log.warning("peer tier: transfer process restarted (pid %d, %d restarts so far)", self.agent.pid,
+                        self.counters.agent_restarts)
 
     def committed(self, key: str) -> None:
         """A key became committed here (published or pulled): announce it now."""
@@ -442,4 +536,5 @@ class Peers:
                 "fetched_bytes": c.fetched_bytes, "fallback_bytes": c.fallback_bytes, "refused": c.refused,
                 "lying_peers": c.lying_peers, "failed_peers": c.failed_peers, "peer_pulls": c.peer_pulls,
                 "cap_bytes_per_s": self.config.fleet_peer_serve_max_bytes_per_s,
-                "agent_rss_bytes": self.agent.memory(), "pulls": list(c.active.values())}
+                "agent_rss_bytes": self.agent.memory(), "pulls": list(c.active.values()),
+                "agent_restarts": c.agent_restarts, "agent_pid": self.agent.pid}

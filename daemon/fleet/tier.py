@@ -221,5 +221,8 @@ def peer_metric_blocks(fleet: Fleet) -> list[list[str]]:
                       c.lying_peers),
         counter_lines("hwr_peer_dropped_failed_total", "Peers dropped from a pull: they failed or stalled.",
                       c.failed_peers),
-        counter_lines("hwr_peer_refused_total", "Peer connections refused: not a member of the fleet.", c.refused),
+        counter_lines("hwr_peer_refused_total",
+                      "Peer connections refused: not a member of the fleet, or outside its networks.", c.refused),
+        counter_lines("hwr_peer_agent_restarts_total", "Times the peer transfer process died and was restarted.",
+                      c.agent_restarts),
     ]

@@ -1,18 +1,22 @@
-"""gRPC handlers of the fleet tier: ListRemote, PullArtifact (streamed progress), PushArtifact.
+"""gRPC handlers of the fleet tier: ListRemote, PullArtifact (streamed progress), PushArtifact,
+ListPeerHolders.
 
 Thin adapters over ``hwr.daemon.fleet.tier.Fleet``; errors map through ``STATUS_BY_CODE`` like every
 handler's (``hwr.daemon.rpc.support``). Pull and push need the ``operator`` role
-(``hwr.daemon.service.roles``); listing needs a session.
+(``hwr.daemon.service.roles``); listing (the remote's artifacts, the peer tier's holder records)
+needs a session.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from hwr.client.errors import ArtifactNotFound, HwrError, Unsupported
 from hwr.client.identity import is_key
+from hwr.daemon.fleet.peer_tier import Holder, Holders
 from hwr.daemon.policy.cursor_pages import cursor_page
 from hwr.daemon.policy.key_prefix import is_prefix, unique_prefix
 from hwr.daemon.rpc.collaborators import Ctx, Handlers
@@ -66,7 +70,7 @@ def peer_status(fleet: Fleet) -> pb.PeerTierStatus | None:
         serving_peers=s["serving_peers"], fetched_bytes=s["fetched_bytes"], fallback_bytes=s["fallback_bytes"],
         refused=s["refused"], lying_peers=s["lying_peers"], failed_peers=s["failed_peers"],
         peer_pulls=s["peer_pulls"], cap_bytes_per_s=s["cap_bytes_per_s"], agent_rss_bytes=s["agent_rss_bytes"],
-        pulls=pulls)
+        pulls=pulls, agent_restarts=s["agent_restarts"], agent_pid=s["agent_pid"])
 
 
 async def _remote_key(fleet: Fleet, text: str) -> str:
@@ -126,3 +130,29 @@ class RemoteRpc(Handlers):
         record = await self.c.catalog.lookup(key, pull=False)  # ArtifactNotFound / ArtifactDenied first
         outcome = await fleet.pusher.push(key)
         return pb.PushArtifactResponse(key=key, outcome=outcome, size_bytes=record.size_bytes)
+
+    @rpc
+    async def ListPeerHolders(self, request: pb.ListPeerHoldersRequest, context: Ctx) -> pb.ListPeerHoldersResponse:
+        self._session(context)
+        fleet = _fleet(self.c.fleet)
+        if is_key(request.key):  # records may name a key that neither lists (yet)
+            keys = [request.key]
+        else:
+            keys = sorted({e.key for e in await fleet.entries()} | await self.c.catalog.known_keys())
+        if request.key and not is_key(request.key):
+            where = fleet.location.display
+            keys = [unique_prefix(request.key, keys, missing=lambda p: ArtifactNotFound(
+                f"no artifact in remote {where} or on this node matches that key",
+                details={"key": p, "remote": where}))]
+        # A reader of its own: the listing works whether or not this node's peer tier is on.
+        holders = fleet.peers.holders if fleet.peers is not None else Holders(fleet.remote, "", "", 0.0)
+
+        def read() -> list[tuple[str, list[Holder]]]:
+            return [(key, holders.records(key)) for key in keys]
+
+        found = await asyncio.to_thread(read)
+        now = time.time()
+        return pb.ListPeerHoldersResponse(node=fleet.peers.node if fleet.peers is not None else "", now=now, holders=[
+            pb.PeerHolder(key=key, node=h.node, address=h.address, recorded_at=h.recorded_at,
+                          expires_at=h.expires_at, live=h.expires_at > now)
+            for key, records in found for h in records])

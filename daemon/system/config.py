@@ -22,13 +22,14 @@ file for ``key =`` since ``tomllib`` does not report positions, which is exact f
 from __future__ import annotations
 
 import grp
+import ipaddress
 import os
 import pwd
 import re
 import tomllib
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -134,6 +135,10 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     fleet_peer_max_sources: int = 4  # peers one pull reads from at once
     fleet_peer_python: str = ""  # the transfer process's interpreter ("": hwrd's own)
     fleet_peer_ucx_tls: str = ""  # UCX_TLS for the transfer process ("": UCX's own choice)
+    # The networks (CIDR) the fleet's nodes are on: control connections from elsewhere are refused,
+    # holders recorded at other addresses are not asked, and `hwrd install-service` writes them as
+    # the unit's IPAddressAllow= when nothing else needs the network (empty: not restricted).
+    fleet_peer_networks: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.socket_mode <= 0o777:
@@ -171,6 +176,7 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         if self.fleet_peer_holder_ttl_s <= 0 or self.fleet_peer_max_sources < 1:
             raise ConfigError("fleet_peer_holder_ttl_s and fleet_peer_max_sources must be positive",
                               details={"key": "fleet_peer_holder_ttl_s"})
+        peer_networks(self.fleet_peer_networks)
         if self.fleet_peer_serve or self.fleet_peer_fetch:
             if not self.remote:
                 raise ConfigError("the peer tier (fleet_peer_serve/fleet_peer_fetch) needs a remote: discovery "
@@ -433,6 +439,28 @@ def describe(config: DaemonConfig, sources: ConfigSources) -> str:
     for key in field_names():
         lines.append(f"{key} = {_toml_value(key, getattr(config, key))}  # {sources.by_key.get(key, 'default')}")
     return "\n".join(lines)
+
+
+def peer_networks(items: Sequence[str]) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    """``fleet_peer_networks`` parsed (host bits allowed: ``10.0.3.17/24`` is ``10.0.3.0/24``);
+    ``ConfigError`` naming the key and the item otherwise."""
+    try:
+        return tuple(ipaddress.ip_network(item.strip(), strict=False) for item in items)
+    except ValueError as exc:
+        raise ConfigError(f"fleet_peer_networks: {exc} (each item is a network like 10.0.3.0/24 or fd00::/64)",
+                          details={"key": "fleet_peer_networks"}) from None
+
+
+def in_networks(host: str, networks: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network]) -> bool | None:
+    """Whether the address ``host`` lies in one of ``networks`` (an IPv4-mapped IPv6 address
+    counts as its IPv4 one); None when ``host`` is a name, not an address."""
+    try:
+        address = ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return any(address in network for network in networks)
 
 
 def parse_address(text: str, key: str) -> tuple[str, int]:

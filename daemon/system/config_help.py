@@ -38,6 +38,8 @@ HELP: dict[str, str] = {
     "fleet_peer_max_sources": "peers one pull reads from at once",
     "fleet_peer_python": "the interpreter of the peer tier's transfer process, one with nixl-cu12 ('' hwrd's own)",
     "fleet_peer_ucx_tls": "UCX_TLS for the transfer process, e.g. tcp ('' UCX's own choice)",
+    "fleet_peer_networks": "networks (CIDR, comma-separated) the fleet's nodes are on: peers elsewhere are refused "
+                           "and not asked; install-service's IPAddressAllow= (empty: not restricted)",
     "producer_python": "the interpreter prewarm producers run in, one with torch and hwr[worker] (and vLLM-Omni for "
                        "--producer vllm-omni), e.g. the serving venv's python ('' hwrd's own)",
     "metrics_listen": "serve Prometheus metrics on 127.0.0.1:PORT or unix:/PATH ('' off)",

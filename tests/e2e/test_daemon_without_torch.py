@@ -7,7 +7,8 @@ hwrd under ``import_recorder.py`` (an audit hook that writes every module the pr
 file, which nothing in the process can take back) and drives every operation that exists against it:
 
 - adoption of a vLLM-Omni root at start (``--adopt true``) and the fleet tier on a ``file://``
-  remote (push after each publication, ``push``, ``pull``, a pull on a miss, ``remote ls``);
+  remote (push after each publication, ``push``, ``pull``, a pull on a miss, ``remote ls``,
+  ``peers``);
 - every hwrctl subcommand (discovered from ``hwr.daemon.ctl.cli``: a new one fails this test until
   it is driven here), checkpoint registration, prewarm with every producer (``PRODUCERS``), a
   lease of a checkpoint's files;
@@ -268,6 +269,7 @@ def test_no_operation_of_hwrd_loads_torch(short_tmp: Path, spawn_daemon: Callabl
             wait_for(lambda key=key: (shared / "artifacts" / key / "READY.json").exists(), f"the push of {key}")
         hwrctl("push", built[2])
         assert {key_small, key_many} <= {a["key"] for a in hwrctl("remote", "ls")}
+        assert hwrctl("peers")["holders"] == []  # the peer tier's records (none: it is off here)
         hwrctl("evict", key_many)
         hwrctl("pull", key_many)
         hwrctl("evict", key_small)

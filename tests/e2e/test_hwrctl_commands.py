@@ -45,10 +45,12 @@ CASES: dict[str, Case] = {
     "remote": lambda c: (["ls"], 1),
     "pull": lambda c: ([c["key"]], 1),
     "push": lambda c: ([c["key"]], 1),
+    "peers": lambda c: ([], 1),  # tests/e2e/test_fleet_peer_holders.py runs it on a remote
     "channel": lambda c: (["ls"], 0),  # tests/e2e/test_channels.py runs every channel action
 }
 ORDER = ["status", "ls", "show", "leases", "completion", "verify", "pin", "unpin", "deny", "allow",
-         "checkpoints", "prewarm", "usage", "gc", "evict", "remote", "pull", "push", "channel"]
+         "checkpoints", "prewarm", "usage", "gc", "evict", "remote", "pull", "push", "peers",
+         "channel"]
 
 
 def registered() -> list[str]:

@@ -713,7 +713,7 @@ class RemoteStatus(_message.Message):
     def __init__(self, url: _Optional[str] = ..., reachable: _Optional[bool] = ..., error: _Optional[str] = ..., push: _Optional[bool] = ..., pending_pushes: _Optional[int] = ..., pulls_in_flight: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., pulls: _Optional[_Iterable[_Union[RemotePull, _Mapping]]] = ..., error_code: _Optional[str] = ..., peers: _Optional[_Union[PeerTierStatus, _Mapping]] = ...) -> None: ...
 
 class PeerTierStatus(_message.Message):
-    __slots__ = ("node", "address", "serve", "fetch", "served_bytes", "serving_peers", "fetched_bytes", "fallback_bytes", "refused", "lying_peers", "failed_peers", "peer_pulls", "cap_bytes_per_s", "agent_rss_bytes", "pulls")
+    __slots__ = ("node", "address", "serve", "fetch", "served_bytes", "serving_peers", "fetched_bytes", "fallback_bytes", "refused", "lying_peers", "failed_peers", "peer_pulls", "cap_bytes_per_s", "agent_rss_bytes", "pulls", "agent_restarts", "agent_pid")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SERVE_FIELD_NUMBER: _ClassVar[int]
@@ -729,6 +729,8 @@ class PeerTierStatus(_message.Message):
     CAP_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     AGENT_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
     PULLS_FIELD_NUMBER: _ClassVar[int]
+    AGENT_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    AGENT_PID_FIELD_NUMBER: _ClassVar[int]
     node: str
     address: str
     serve: bool
@@ -744,7 +746,41 @@ class PeerTierStatus(_message.Message):
     cap_bytes_per_s: int
     agent_rss_bytes: int
     pulls: _containers.RepeatedCompositeFieldContainer[PeerPull]
-    def __init__(self, node: _Optional[str] = ..., address: _Optional[str] = ..., serve: _Optional[bool] = ..., fetch: _Optional[bool] = ..., served_bytes: _Optional[int] = ..., serving_peers: _Optional[_Iterable[str]] = ..., fetched_bytes: _Optional[int] = ..., fallback_bytes: _Optional[int] = ..., refused: _Optional[int] = ..., lying_peers: _Optional[int] = ..., failed_peers: _Optional[int] = ..., peer_pulls: _Optional[int] = ..., cap_bytes_per_s: _Optional[int] = ..., agent_rss_bytes: _Optional[int] = ..., pulls: _Optional[_Iterable[_Union[PeerPull, _Mapping]]] = ...) -> None: ...
+    agent_restarts: int
+    agent_pid: int
+    def __init__(self, node: _Optional[str] = ..., address: _Optional[str] = ..., serve: _Optional[bool] = ..., fetch: _Optional[bool] = ..., served_bytes: _Optional[int] = ..., serving_peers: _Optional[_Iterable[str]] = ..., fetched_bytes: _Optional[int] = ..., fallback_bytes: _Optional[int] = ..., refused: _Optional[int] = ..., lying_peers: _Optional[int] = ..., failed_peers: _Optional[int] = ..., peer_pulls: _Optional[int] = ..., cap_bytes_per_s: _Optional[int] = ..., agent_rss_bytes: _Optional[int] = ..., pulls: _Optional[_Iterable[_Union[PeerPull, _Mapping]]] = ..., agent_restarts: _Optional[int] = ..., agent_pid: _Optional[int] = ...) -> None: ...
+
+class ListPeerHoldersRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    def __init__(self, key: _Optional[str] = ...) -> None: ...
+
+class ListPeerHoldersResponse(_message.Message):
+    __slots__ = ("holders", "node", "now")
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    NOW_FIELD_NUMBER: _ClassVar[int]
+    holders: _containers.RepeatedCompositeFieldContainer[PeerHolder]
+    node: str
+    now: float
+    def __init__(self, holders: _Optional[_Iterable[_Union[PeerHolder, _Mapping]]] = ..., node: _Optional[str] = ..., now: _Optional[float] = ...) -> None: ...
+
+class PeerHolder(_message.Message):
+    __slots__ = ("key", "node", "address", "recorded_at", "expires_at", "live")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RECORDED_AT_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    node: str
+    address: str
+    recorded_at: float
+    expires_at: float
+    live: bool
+    def __init__(self, key: _Optional[str] = ..., node: _Optional[str] = ..., address: _Optional[str] = ..., recorded_at: _Optional[float] = ..., expires_at: _Optional[float] = ..., live: _Optional[bool] = ...) -> None: ...
 
 class PeerPull(_message.Message):
     __slots__ = ("key", "peers", "done_bytes", "total_bytes", "started_at", "from_store_bytes")

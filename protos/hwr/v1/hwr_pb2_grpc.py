@@ -160,6 +160,11 @@ class HostWeightRuntimeStub:
                 request_serializer=hwr_dot_v1_dot_hwr__pb2.PushArtifactRequest.SerializeToString,
                 response_deserializer=hwr_dot_v1_dot_hwr__pb2.PushArtifactResponse.FromString,
                 _registered_method=True)
+        self.ListPeerHolders = channel.unary_unary(
+                '/hwr.v1.HostWeightRuntime/ListPeerHolders',
+                request_serializer=hwr_dot_v1_dot_hwr__pb2.ListPeerHoldersRequest.SerializeToString,
+                response_deserializer=hwr_dot_v1_dot_hwr__pb2.ListPeerHoldersResponse.FromString,
+                _registered_method=True)
         self.SetChannel = channel.unary_unary(
                 '/hwr.v1.HostWeightRuntime/SetChannel',
                 request_serializer=hwr_dot_v1_dot_hwr__pb2.SetChannelRequest.SerializeToString,
@@ -443,6 +448,17 @@ class HostWeightRuntimeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListPeerHolders(self, request, context):
+        """The peer tier's holder records in the remote (PREFIX/holders/<key>/<node>.json), expired ones
+        included (live=false): for one key (a full key, or a unique prefix among the remote's and
+        this node's artifacts), or for every artifact of the remote and of this node. Works whether
+        or not this node's own peer tier is on; needs a session. Status: OK; NOT_FOUND (LOCAL_MISS:
+        no artifact matches the prefix); UNIMPLEMENTED; UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SetChannel(self, request, context):
         """--- channels: named, mutable pointers to artifact keys (live weight updates) ---
         A channel name is [a-z0-9][a-z0-9._-]{0,63}; it is never a path. Every change of any
@@ -625,6 +641,11 @@ def add_HostWeightRuntimeServicer_to_server(servicer, server):
                     servicer.PushArtifact,
                     request_deserializer=hwr_dot_v1_dot_hwr__pb2.PushArtifactRequest.FromString,
                     response_serializer=hwr_dot_v1_dot_hwr__pb2.PushArtifactResponse.SerializeToString,
+            ),
+            'ListPeerHolders': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPeerHolders,
+                    request_deserializer=hwr_dot_v1_dot_hwr__pb2.ListPeerHoldersRequest.FromString,
+                    response_serializer=hwr_dot_v1_dot_hwr__pb2.ListPeerHoldersResponse.SerializeToString,
             ),
             'SetChannel': grpc.unary_unary_rpc_method_handler(
                     servicer.SetChannel,
@@ -1328,6 +1349,33 @@ class HostWeightRuntime:
             '/hwr.v1.HostWeightRuntime/PushArtifact',
             hwr_dot_v1_dot_hwr__pb2.PushArtifactRequest.SerializeToString,
             hwr_dot_v1_dot_hwr__pb2.PushArtifactResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPeerHolders(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hwr.v1.HostWeightRuntime/ListPeerHolders',
+            hwr_dot_v1_dot_hwr__pb2.ListPeerHoldersRequest.SerializeToString,
+            hwr_dot_v1_dot_hwr__pb2.ListPeerHoldersResponse.FromString,
             options,
             channel_credentials,
             insecure,
