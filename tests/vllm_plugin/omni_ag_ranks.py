@@ -11,10 +11,16 @@ as CPU no-ops (``cpu_platform``). Everything else is real: hwrd, the plugin's st
 runtime, lease, carrier, resolver and backend, torch.distributed gloo.
 
 Each program writes ``<outdir>/rank<r>.json`` (``write_result``); the test asserts on it.
+
+Ranks are forked from multiprocessing's fork server (``processes()``), which has imported torch and
+vLLM-Omni once for the session and done nothing else; each rank then does all of the above itself.
+The fork server's environment is the one it started with, so what a rank needs from the test's
+environment is passed to it (glibc's ``MALLOC_MMAP_THRESHOLD_``, applied with ``mallopt``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import multiprocessing
 import os
@@ -38,9 +44,11 @@ def run_ranks(program: Callable[..., None], world: int, tmp: Path, *args: Any,
               deadline: float = 240) -> list[dict[str, Any]]:
     """Run ``program`` on ``world`` spawned ranks; kill what is left after ``deadline`` (a hang
     then fails the test: its rank wrote no result)."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx = processes()
     rdzv = tmp / f"rdzv-{time.monotonic_ns()}"
-    procs = [ctx.Process(target=program, args=(rank, world, str(rdzv), str(tmp), *args)) for rank in range(world)]
+    threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    procs = [ctx.Process(target=_rank_main, args=(threshold, program, rank, world, str(rdzv), str(tmp), *args))
+             for rank in range(world)]
     for proc in procs:
         proc.start()
     end = time.monotonic() + deadline
@@ -57,6 +65,24 @@ def run_ranks(program: Callable[..., None], world: int, tmp: Path, *args: Any,
         results.append(json.loads(path.read_text()))
         path.unlink()
     return results
+
+
+PRELOAD = ["torch", "torch.distributed", "vllm_omni", "vllm_omni.diffusion.distributed.parallel_state",
+           "vllm_omni.diffusion.offloader", "vllm_omni.host_weight_runtime", "omni_ag_ranks", "vo_helpers"]
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (what MALLOC_MMAP_THRESHOLD_ sets at startup)
+
+
+def processes() -> Any:
+    """The multiprocessing context ranks start from: the fork server, with vLLM-Omni preloaded."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _rank_main(mmap_threshold: str | None, program: Callable[..., None], *args: Any) -> None:
+    if mmap_threshold is not None:
+        ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, int(mmap_threshold))
+    program(*args)
 
 
 def cpu_platform() -> None:

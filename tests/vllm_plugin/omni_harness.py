@@ -23,6 +23,10 @@ DP rank gets its own input seed (``Start.input_seed + 1000 * rank``), with seque
 all ranks share the start's seed. ``pipeline`` names an entry of ``omni_pipelines.PIPELINES``.
 Limits: ranks run on one host (CPU); a run has one timeout for all its ranks and kills them all
 when it passes.
+
+With ``zygote`` (a ``Zygote``: ``omni_zygote``'s fork server, the tests' ``omni_zygote`` fixture)
+each worker is forked from a process that has imported torch, vLLM and vLLM-Omni and done nothing
+else, instead of a new interpreter that imports them; everything the worker does is the same.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
+import signal
 import socket
 import subprocess
 import sys
@@ -41,8 +47,87 @@ from typing import Any
 import torch
 
 WORKER = Path(__file__).resolve().parent / "omni_worker.py"
+ZYGOTE = Path(__file__).resolve().parent / "omni_zygote.py"
 
-__all__ = ["Start", "StartResult", "Topology", "WorkerResult", "run"]
+__all__ = ["Start", "StartResult", "Topology", "WorkerResult", "Zygote", "run"]
+
+
+class Zygote:
+    """The client of one ``omni_zygote`` process (see its docstring): forks workers, reports exits.
+
+    ``start`` returns None when the zygote cannot serve (it did not start, or other threads were
+    alive after its imports): the harness then starts fresh interpreters as without it.
+    """
+
+    def __init__(self, proc: subprocess.Popen[bytes], log: Path) -> None:
+        self.proc, self.log = proc, log
+        self._pending = b""
+        self.exits: dict[int, int] = {}
+
+    @classmethod
+    def start(cls, log: Path, timeout: float = 900.0) -> Zygote | None:
+        env = {k: v for k, v in os.environ.items() if k not in {"HWR_SOCKET", "HWR_VLLM_PLUGIN"}}
+        with open(log, "wb") as sink:
+            proc = subprocess.Popen([sys.executable, str(ZYGOTE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=sink, env=env)
+        zygote = cls(proc, log)
+        ready = zygote._read(time.monotonic() + timeout)
+        if ready is None or not ready.get("ready") or ready.get("threads") != 1:
+            zygote.close()
+            return None
+        return zygote
+
+    def _read(self, deadline: float) -> dict[str, Any] | None:
+        """The next message (an exit is also recorded in ``exits``); None at the deadline or EOF."""
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        while True:
+            if b"\n" in self._pending:
+                line, self._pending = self._pending.split(b"\n", 1)
+                message = json.loads(line)
+                if "exited" in message:
+                    self.exits[int(message["exited"])] = int(message["code"])
+                return message
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+                return None
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return None
+            self._pending += chunk
+
+    def fork(self, spec: Path, log: Path, env: dict[str, str]) -> int:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"spec": str(spec), "log": str(log), "env": env}).encode() + b"\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + 60
+        while (answer := self._read(deadline)) is not None and "exited" in answer:
+            pass
+        if answer is None or "pid" not in answer:
+            raise RuntimeError(f"the zygote did not fork a worker: {answer}\n{_tail(self.log)}")
+        return int(answer["pid"])
+
+    def wait(self, pid: int, deadline: float) -> int | None:
+        """The worker's exit code, or None when the deadline passes first."""
+        while pid not in self.exits:
+            if self._read(deadline) is None:
+                return None
+        return self.exits.pop(pid)
+
+    def kill(self, pid: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        self.wait(pid, time.monotonic() + 30)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
 
 
 @dataclass(frozen=True)
@@ -153,14 +238,14 @@ def _seed(start: Start, rank: int, topology: Topology) -> Start:
 
 def run(pipeline: str, *, checkpoint: Path, runtime_root: Path, out: Path, starts: list[Start],
         topology: Topology = Topology(), write_checkpoint: bool = False, timeout: float = 900.0,
-        env: dict[str, str] | None = None) -> list[WorkerResult]:
+        env: dict[str, str] | None = None, zygote: Zygote | None = None) -> list[WorkerResult]:
     """Run ``starts`` in ``topology.world_size`` fresh worker processes; one result per rank.
 
     Raises ``RuntimeError`` with the worker's log tail when a worker dies, times out or writes no
     result (a start that fails is a result, not an exception).
     """
     port = _free_port()
-    procs: list[tuple[int, subprocess.Popen[bytes], Path, Path]] = []
+    procs: list[tuple[int, subprocess.Popen[bytes] | int, Path, Path]] = []
     base_env = {k: v for k, v in os.environ.items() if k not in {"HWR_SOCKET", "HWR_VLLM_PLUGIN"}}
     for rank in range(topology.world_size):
         rank_out = out / f"rank{rank}"
@@ -172,30 +257,46 @@ def run(pipeline: str, *, checkpoint: Path, runtime_root: Path, out: Path, start
         spec_path = rank_out / "spec.json"
         spec_path.write_text(json.dumps(spec, indent=1))
         log = rank_out / "worker.log"
+        if zygote is not None:
+            procs.append((rank, zygote.fork(spec_path, log, {**base_env, **(env or {})}), rank_out, log))
+            continue
         with open(log, "wb") as sink:
             proc = subprocess.Popen([sys.executable, str(WORKER), str(spec_path)], stdout=sink,
                                     stderr=subprocess.STDOUT, env={**base_env, **(env or {})})
         procs.append((rank, proc, rank_out, log))
     deadline = time.monotonic() + timeout
+    codes: dict[int, int | None] = {}
     try:
-        for _rank, proc, _out, log in procs:
+        for rank, proc, _out, log in procs:
+            if isinstance(proc, int):
+                assert zygote is not None
+                codes[rank] = zygote.wait(proc, deadline)
+                if codes[rank] is None:
+                    raise RuntimeError(f"worker timed out after {timeout:.0f} s:\n{_tail(log)}")
+                continue
             try:
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+                codes[rank] = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 raise RuntimeError(f"worker timed out after {timeout:.0f} s:\n{_tail(log)}") from None
     finally:
-        for _rank, proc, _out, _log in procs:
-            if proc.poll() is None:
+        for rank, proc, _out, _log in procs:
+            if isinstance(proc, int):
+                if codes.get(rank) is None:
+                    assert zygote is not None
+                    zygote.kill(proc)
+            elif proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=30)
     results = []
     for rank, proc, rank_out, log in procs:
         path = rank_out / "result.json"
-        if proc.returncode != 0 or not path.exists():
-            raise RuntimeError(f"worker rank {rank} exited {proc.returncode} without a result:\n{_tail(log)}")
+        pid = proc if isinstance(proc, int) else proc.pid
+        if codes[rank] != 0 or not path.exists():
+            raise RuntimeError(f"worker rank {rank} exited {codes[rank]} without a result:\n{_tail(log)}")
         data = json.loads(path.read_text())
         if data.get("error"):
             raise RuntimeError(f"worker rank {rank} failed before its starts:\n{data['error']['traceback']}")
+        assert int(data["pid"]) == pid, (data["pid"], pid)
         results.append(WorkerResult(rank, int(data["pid"]), str(data.get("plugin")),
                                     [StartResult(s) for s in data["starts"]], log))
     return results

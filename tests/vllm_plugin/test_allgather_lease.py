@@ -9,13 +9,12 @@ from every rank's pieces of the shared mapping: no private shard. What is faked 
 
 Matrix (CI time): SP 2 with DP 1 only, blocks all-reduce on the SP group inside forward (the DLO
 gathers run beside the model's own collectives), with the private-memory bound. DP 2 and DP 4
-run through vLLM-Omni's own loader on FLUX.2-klein (``test_omni_allgather``).
+run through vLLM-Omni's own loader on FLUX.2-klein (``test_omni_allgather``: DP 2 cold, DP 4 warm).
 """
 
 from __future__ import annotations
 
 import json
-import multiprocessing
 from pathlib import Path
 
 import pytest
@@ -27,8 +26,7 @@ from vo_helpers import identity
 
 
 def _publish(tmp: Path, socket: str, root: Path, ident_json: str, sp: bool) -> None:
-    proc = multiprocessing.get_context("spawn").Process(
-        target=omni_ag_ranks.publish, args=(socket, str(root), ident_json, sp))
+    proc = omni_ag_ranks.processes().Process(target=omni_ag_ranks.publish, args=(socket, str(root), ident_json, sp))
     proc.start()
     proc.join(240)
     if proc.is_alive():

@@ -23,10 +23,11 @@ pytestmark = pytest.mark.timeout(1800)
 
 
 @pytest.fixture(scope="module")
-def h3(vo_hwrd, tmp_path_factory: pytest.TempPathFactory) -> tuple[WorkerResult, WorkerResult]:
+def h3(vo_hwrd, omni_zygote, tmp_path_factory: pytest.TempPathFactory) -> tuple[WorkerResult, WorkerResult]:
     base = tmp_path_factory.mktemp("minimax-h3")
     (base / "runtime").mkdir()
-    common = {"pipeline": "minimax-h3", "checkpoint": base / "checkpoint", "runtime_root": base / "runtime"}
+    common = {"pipeline": "minimax-h3", "checkpoint": base / "checkpoint", "runtime_root": base / "runtime",
+              "zygote": omni_zygote}
     socket = str(vo_hwrd.socket)
     cold = run(**common, out=base / "cold", write_checkpoint=True, starts=[Start("cold", socket=socket)])[0]
     warm = run(**common, out=base / "warm", starts=[

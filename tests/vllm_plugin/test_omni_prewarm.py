@@ -31,7 +31,8 @@ def _hwrctl(socket: str, *args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=900, check=False)
 
 
-def test_prewarm_for_vllm_omni_then_a_required_start_is_a_local_hit(vo_hwrd, tmp_path: Path) -> None:
+def test_prewarm_for_vllm_omni_then_a_required_start_is_a_local_hit(vo_hwrd, omni_zygote,
+                                                                   tmp_path: Path) -> None:
     spec = PIPELINES["flux2-klein"]
     checkpoint = tmp_path / "checkpoint"
     spec.write_checkpoint(checkpoint, 11)
@@ -50,7 +51,7 @@ def test_prewarm_for_vllm_omni_then_a_required_start_is_a_local_hit(vo_hwrd, tmp
 
     (root := tmp_path / "runtime").mkdir()
     (worker,) = run("flux2-klein", checkpoint=checkpoint, runtime_root=root, out=tmp_path / "serve",
-                    starts=[Start("required", mode="required", socket=socket)])
+                    starts=[Start("required", mode="required", socket=socket)], zygote=omni_zygote)
     start = worker["required"].expect_ok()
     assert start.outcome == "local_hit" and start.plan == "host_weight_runtime", start.raw
     assert any("skipping ordinary materialization" in line for line in start.logs), start.logs

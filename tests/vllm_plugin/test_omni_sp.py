@@ -41,11 +41,11 @@ class Runs:
 
 
 @pytest.fixture(scope="module")
-def sp2(vo_hwrd, tmp_path_factory: pytest.TempPathFactory) -> Runs:
+def sp2(vo_hwrd, omni_zygote, tmp_path_factory: pytest.TempPathFactory) -> Runs:
     base = tmp_path_factory.mktemp("flux2-sp2")
     socket = str(vo_hwrd.socket)
     common = {"pipeline": "flux2-klein", "checkpoint": base / "checkpoint", "runtime_root": base / "runtime",
-              "topology": SP2, "timeout": 1200}
+              "topology": SP2, "timeout": 1200, "zygote": omni_zygote}
     (base / "runtime").mkdir()
     own = run(**common, out=base / "own", write_checkpoint=True, env={"HWR_VLLM_PLUGIN": "0"},
               starts=[Start("own", mode="disabled")])
