@@ -10,11 +10,18 @@ Pieces, all on hwrd's event loop except the data plane:
   rewritten every ``fleet_peer_holder_ttl_s / 3`` seconds, removed at a clean stop); readers
   ignore a record past its ``expires_at``, so a dead node stops being asked within one TTL (its
   stale record may stay in the remote: it is skipped, and overwritten if the node comes back).
-  Wall clocks of the nodes must agree within the TTL.
+  Wall clocks of the nodes must agree within the TTL. A node that is itself pulling a key
+  records it as a *partial* holder (``"partial": true`` and ``"since"``, when its pull began)
+  while it pulls; the commit rewrites the record as a full one.
+- ``Partial`` (the swarm): what a pulling node has verified so far. Its staging files are
+  exposed read-only like committed ones, and a peer that opened the key asks ``have`` for the
+  verified ranges (request and reply on the control connection; nothing is pushed or relayed).
+  A range is added only after its bytes passed the manifest's digest (a tensor's SHA-256, the
+  header byte for byte, a whole file's SHA-256) and withdrawn before a repair rewrites it.
 - ``PeerServer``: the control connections (TCP on ``fleet_peer_listen``). After the membership
-  proofs (``hwr.daemon.fleet.peer_wire``) a peer may ``open`` a key: only a committed, not
-  denied artifact of this node's store; its payload files are exposed read-only by the
-  transfer process (the same immutable files leases map) and their addresses sent back with
+  proofs (``hwr.daemon.fleet.peer_wire``) a peer may ``open`` a key: a committed, not denied
+  artifact of this node's store, or one this node is pulling (``Partial``); its payload files
+  are exposed read-only by the transfer process (the same immutable files leases map) and their addresses sent back with
   the agent's metadata and the serving cap. Under a cap the peer asks a ``grant`` for every
   chunk before it reads it: grants come from one token bucket of
   ``fleet_peer_serve_max_bytes_per_s`` for all of this node's serving, which is how serving is
@@ -42,6 +49,7 @@ import logging
 import os
 import secrets
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -56,7 +64,7 @@ if TYPE_CHECKING:
     from hwr.daemon.service.catalog import Catalog
     from hwr.daemon.system.config import DaemonConfig
 
-__all__ = ["AgentProcess", "Holder", "Holders", "PeerCounters", "PeerServer", "Peers", "parse_address"]
+__all__ = ["AgentProcess", "Holder", "Holders", "Partial", "PeerCounters", "PeerServer", "Peers", "parse_address"]
 
 log = logging.getLogger("hwrd.peers")
 
@@ -175,9 +183,11 @@ class PeerCounters:
 
     served_bytes: int = 0
     served_chunks: int = 0
+    staging_served_bytes: int = 0  # of served_bytes: verified bytes of a pull still in progress here
     serving_peers: dict[str, float] = field(default_factory=dict)  # node -> when its connection opened
     refused: int = 0  # control connections that failed the membership proof
     fetched_bytes: int = 0  # payload bytes a pull got from peers
+    partial_fetched_bytes: int = 0  # of fetched_bytes: from peers that were still pulling
     fallback_bytes: int = 0  # payload bytes a pull with peers got from the store instead
     peer_pulls: int = 0
     lying_peers: int = 0  # peers dropped from a pull because their bytes failed verification
@@ -213,6 +223,49 @@ class Holder:
     node: str
     address: str
     expires_at: float
+    partial: bool = False  # still pulling: serves only the ranges it has verified
+    since: float = 0.0  # a partial holder's pull began then (orders the swarm's chain)
+
+
+class Partial:
+    """A key this node is pulling: its staging files and the ranges verified so far.
+
+    ``add`` is called from hashing threads, ``ranges`` from the event loop: a lock guards the
+    lists. Ranges are merged and sorted per file. ``complete``: the download verified every file
+    (the commit follows); ``have`` then answers the whole files.
+    """
+
+    def __init__(self, files: dict[str, tuple[str, int]], since: float) -> None:
+        self.files = files  # name -> (staging path, size)
+        self.since = since
+        self.complete = False
+        self._have: dict[str, list[tuple[int, int]]] = {name: [] for name in files}
+        self._lock = threading.Lock()
+
+    def add(self, name: str, start: int, end: int) -> None:
+        with self._lock:
+            merged: list[tuple[int, int]] = []
+            for s, e in sorted([*self._have[name], (start, end)]):
+                if merged and s <= merged[-1][1]:
+                    merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+                else:
+                    merged.append((s, e))
+            self._have[name] = merged
+
+    def withdraw(self, name: str) -> None:
+        """Nothing of ``name`` is served until it is verified again (a repair rewrites it)."""
+        with self._lock:
+            self._have[name] = []
+            self.complete = False
+
+    def ranges(self) -> dict[str, list[list[int]]]:
+        with self._lock:
+            if self.complete:
+                return {name: [[0, size]] for name, (_path, size) in self.files.items()}
+            return {name: [[s, e] for s, e in have] for name, have in self._have.items()}
+
+    def verified_bytes(self) -> int:
+        return sum(e - s for have in self.ranges().values() for s, e in have)
 
 
 class Holders:
@@ -230,8 +283,11 @@ class Holders:
         head = obj[:obj.rindex(f"artifacts/{key}/")]
         return f"{head}holders/{key}/" + (f"{node}.json" if node else "")
 
-    def record(self, key: str) -> None:
-        body = {"node": self.node, "address": self.address, "expires_at": time.time() + self.ttl}
+    def record(self, key: str, since: float | None = None) -> None:
+        """Record this node as a holder of ``key``; a partial one (still pulling) with ``since``."""
+        body: dict[str, Any] = {"node": self.node, "address": self.address, "expires_at": time.time() + self.ttl}
+        if since is not None:
+            body.update(partial=True, since=since)
         self.remote.put_bytes(self._name(key, self.node), json.dumps(body).encode())
         self.recorded.add(key)
 
@@ -248,7 +304,8 @@ class Holders:
                 continue
             try:
                 doc = json.loads(self.remote.get_bytes(self._name(key) + name, 4096) or b"")
-                holder = Holder(str(doc["node"]), str(doc["address"]), float(doc["expires_at"]))
+                holder = Holder(str(doc["node"]), str(doc["address"]), float(doc["expires_at"]),
+                                bool(doc.get("partial", False)), float(doc.get("since", 0.0)))
             except (ValueError, KeyError, TypeError, HwrError):
                 continue  # a malformed record is skipped, never trusted
             if holder.node != self.node and holder.expires_at > now and holder.node + ".json" == name:
@@ -260,8 +317,9 @@ class PeerServer:
     """The control connections of this node's serving (see the module docstring)."""
 
     def __init__(self, agent: AgentProcess, catalog: Catalog, secret: bytes, counters: PeerCounters,
-                 cap_bytes_per_s: int, node: str) -> None:
+                 cap_bytes_per_s: int, node: str, partial: dict[str, Partial] | None = None) -> None:
         self.agent = agent
+        self.partial = partial if partial is not None else {}
         self.catalog = catalog
         self.secret = secret
         self.counters = counters
@@ -295,6 +353,7 @@ class PeerServer:
         self._conns.add(task)
         exposed: list[str] = []
         peer = "?"
+        staging = [False]  # this connection opened a key still being pulled here
         try:
             challenge = secrets.token_hex(16)
             await peer_wire.write_frame(writer, {"challenge": challenge, "node": self.node})
@@ -313,15 +372,16 @@ class PeerServer:
                 message = await asyncio.wait_for(peer_wire.read_frame(reader), self.idle_timeout)
                 if "open" in message:
                     reply = await self._open(str(message["open"]), exposed)
+                    staging[0] = bool(reply.get("partial"))
                     await peer_wire.write_frame(writer, reply)
+                elif "have" in message:
+                    await peer_wire.write_frame(writer, await self._have(str(message["have"])))
                 elif "served" in message:  # without a cap: counted after the read, no reply
-                    self.counters.served_bytes += int(message["served"])
-                    self.counters.served_chunks += 1
+                    self._count(int(message["served"]), staging[0])
                 elif "grant" in message:
                     n = int(message["grant"])
                     await self.bucket.take(n)
-                    self.counters.served_bytes += n
-                    self.counters.served_chunks += 1
+                    self._count(n, staging[0])
                     await peer_wire.write_frame(writer, {"granted": n})
                 else:
                     return
@@ -336,13 +396,35 @@ class PeerServer:
             writer.close()
             self._conns.discard(task)
 
-    async def _open(self, key: str, exposed: list[str]) -> dict[str, Any]:
+    def _count(self, n: int, staging: bool) -> None:
+        self.counters.served_bytes += n
+        self.counters.served_chunks += 1
+        if staging:
+            self.counters.staging_served_bytes += n
+
+    async def _have(self, key: str) -> dict[str, Any]:
+        """The verified ranges of a key being pulled here; ``full`` once it holds all of it."""
+        partial = self.partial.get(key)
+        if partial is not None:
+            return {"full": True} if partial.complete else {"have": partial.ranges()}
         if not is_key(key) or self.catalog.deny_reason(key) is not None:
             return {"error": "not served"}
         try:
+            await asyncio.to_thread(self.catalog.lookup_sync, key)
+        except HwrError:
+            return {"error": "not here"}  # the pull here failed: nothing more comes
+        return {"full": True}
+
+    async def _open(self, key: str, exposed: list[str]) -> dict[str, Any]:
+        if not is_key(key) or self.catalog.deny_reason(key) is not None:
+            return {"error": "not served"}
+        partial = self.partial.get(key)
+        try:
             record = await asyncio.to_thread(self.catalog.lookup_sync, key)
         except HwrError:
-            return {"error": "not here"}
+            if partial is None:
+                return {"error": "not here"}
+            return await self._open_partial(partial, exposed)
         files = []
         metadata = ""
         for entry in record.manifest.files:
@@ -357,6 +439,25 @@ class PeerServer:
             files.append({"name": entry.name, "size": entry.size, "addr": int(reply["addr"])})
             metadata = str(reply["metadata"])
         return {"files": files, "metadata": metadata, "cap": self.bucket.rate}
+
+    async def _open_partial(self, partial: Partial, exposed: list[str]) -> dict[str, Any]:
+        """A pull in progress here: its staging files (allocated at their full size, written only
+        by this node's transfer process and store copies) exposed read-only; the peer reads only
+        the ranges ``have`` names, and verifies them itself."""
+        files = []
+        metadata = ""
+        for name, (path, size) in partial.files.items():
+            try:
+                reply = await self.agent.request("expose", path=path)
+            except HwrError as exc:
+                return {"error": f"cannot expose {name}: {exc.message}"}
+            exposed.append(path)
+            if int(reply["size"]) != size:
+                return {"error": f"{name} is not the planned size"}
+            files.append({"name": name, "size": size, "addr": int(reply["addr"])})
+            metadata = str(reply["metadata"])
+        return {"files": files, "metadata": metadata, "cap": self.bucket.rate, "partial": True,
+                "have": partial.ranges()}
 
 
 class Peers:
@@ -376,6 +477,7 @@ class Peers:
         self.holders = Holders(remote, self.node, self.address, config.fleet_peer_holder_ttl_s)
         self.catalog = catalog
         self.server: PeerServer | None = None
+        self.partial: dict[str, Partial] = {}  # keys being pulled here, served while they are
         self._refresh: asyncio.Task[None] | None = None
         self.connect_timeout = 5.0
         self.chunk_timeout = max(5.0, config.remote_stall_timeout_s / 4)
@@ -388,7 +490,7 @@ class Peers:
         await self.agent.start()
         if self.listen is not None:
             self.server = PeerServer(self.agent, self.catalog, self.secret, self.counters,
-                                     self.config.fleet_peer_serve_max_bytes_per_s, self.node)
+                                     self.config.fleet_peer_serve_max_bytes_per_s, self.node, self.partial)
             await self.server.start(*self.listen)
             self._refresh = asyncio.get_running_loop().create_task(self._refresher())
         log.info("peer tier: node %s, serving %s, fetching %s, transfer process %d KiB",
@@ -409,14 +511,29 @@ class Peers:
 
     def committed(self, key: str) -> None:
         """A key became committed here (published or pulled): announce it now."""
+        self.partial.pop(key, None)
         if self.serve:
             task = asyncio.get_running_loop().create_task(self._record([key]))
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
+    async def begin_partial(self, key: str, partial: Partial) -> None:
+        """Serve a pull in progress here (its verified ranges) and record this node as a partial holder."""
+        if not self.serve:
+            return
+        self.partial[key] = partial
+        await self._record([key])
+
+    async def end_partial(self, key: str) -> None:
+        """The pull of ``key`` failed: stop serving its staging and remove the partial record."""
+        if self.partial.pop(key, None) is not None:
+            with contextlib.suppress(HwrError, OSError):
+                await asyncio.to_thread(self.holders.forget, key)
+
     async def _record(self, keys: list[str]) -> None:
         for key in keys:
+            partial = self.partial.get(key)
             try:
-                await asyncio.to_thread(self.holders.record, key)
+                await asyncio.to_thread(self.holders.record, key, None if partial is None else partial.since)
             except HwrError as exc:
                 log.warning("peer tier: cannot record %s as held here: %s", key[:16], exc.message)
                 return
@@ -425,6 +542,11 @@ class Peers:
         period = max(0.5, self.config.fleet_peer_holder_ttl_s / 3)
         while True:
             keys = sorted(await asyncio.to_thread(self._local_keys))
+            for key, partial in list(self.partial.items()):  # a pull whose commit failed leaves no staging
+                if key in keys or not all(os.path.exists(p) for p, _s in partial.files.values()):
+                    self.partial.pop(key, None)
+                else:
+                    keys.append(key)
             await self._record(keys)
             gone = self.holders.recorded - set(keys)
             for key in gone:
@@ -439,7 +561,9 @@ class Peers:
         c = self.counters
         return {"node": self.node, "address": self.address if self.serve else "", "serve": self.serve,
                 "fetch": self.fetch, "served_bytes": c.served_bytes, "serving_peers": sorted(c.serving_peers),
-                "fetched_bytes": c.fetched_bytes, "fallback_bytes": c.fallback_bytes, "refused": c.refused,
+                "fetched_bytes": c.fetched_bytes,
+                "partial_fetched_bytes": c.partial_fetched_bytes, "staging_served_bytes": c.staging_served_bytes,
+                "fallback_bytes": c.fallback_bytes, "refused": c.refused,
                 "lying_peers": c.lying_peers, "failed_peers": c.failed_peers, "peer_pulls": c.peer_pulls,
                 "cap_bytes_per_s": self.config.fleet_peer_serve_max_bytes_per_s,
                 "agent_rss_bytes": self.agent.memory(), "pulls": list(c.active.values())}
