@@ -12,6 +12,10 @@ concurrently). Requests:
   pages, the same immutable file that leases map) and registered with UCX, so that peers can
   READ it. Counted per path.
 - ``release {path}``: one ``expose`` fewer; the last one deregisters and unmaps it.
+- ``unexpose {path}``: deregistered now, whatever the count (a pulling node's staging file,
+  before its commit, which refuses a file mapped elsewhere); its addresses are then backed by
+  anonymous zero pages (never by the file again, never unmapped: a late read from a peer gets
+  zeros, which it refuses, instead of faulting this process). Costs address space, no memory.
 - ``connect {metadata}`` -> ``agent``: a peer's agent, for reads from it. ``disconnect {agent}``.
 - ``read {agent, addr, length, path, offset}``: NIXL READ of ``length`` bytes at the peer's
   ``addr`` into one of this process's bounce buffers, then ``pwrite`` into the staging file
@@ -63,6 +67,13 @@ def _map(fd: int, size: int, prot: int, flags: int) -> int:
     return int(addr)
 
 
+def _map_at(addr: int, size: int, prot: int, flags: int) -> None:
+    got = _libc.mmap(addr, size, prot, flags, -1, 0)
+    if got != addr:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
 class Agent:
     def __init__(self, name: str, out: Any) -> None:
         from nixl_cu12 import nixl_agent, nixl_agent_config  # the optional `peers` extra
@@ -96,6 +107,9 @@ class Agent:
                 self.reply(request, **self.expose(str(request["path"])))
             elif op == "release":
                 self.release(str(request["path"]))
+                self.reply(request, ok=True)
+            elif op == "unexpose":
+                self.unexpose(str(request["path"]))
                 self.reply(request, ok=True)
             elif op == "connect":
                 agent = self.nixl.add_remote_agent(base64.b64decode(request["metadata"]))
@@ -147,6 +161,14 @@ class Agent:
             del self.exposed[path]
             self.nixl.deregister_memory(entry[2])
             _libc.munmap(entry[0], entry[1])
+
+    def unexpose(self, path: str) -> None:
+        entry = self.exposed.pop(path, None)
+        if entry is None:
+            return
+        self.nixl.deregister_memory(entry[2])
+        fixed = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x10  # MAP_FIXED: replaces the file's pages
+        _map_at(entry[0], entry[1], mmap.PROT_READ, fixed)
 
     def abort(self, target: Any) -> None:
         for request in list(self.waiting):

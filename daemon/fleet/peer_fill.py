@@ -41,7 +41,9 @@ seconds (pulls that start together may miss each other's first record). A partia
 dies, stalls (no new verified range within the chunk timeout) or serves bytes that fail the
 digests is dropped like a full one; the next source is the partial before it, then the full
 holders, then the store. A partial source is trusted no more than a full one: its bytes are
-verified here like any peer's.
+verified here like any peer's. Reads from a partial source each take a ``grant`` and are
+reported ``done``; when its pull ends it answers ``reopen`` and this node opens the key again
+(committed there by then; retried for up to the chunk timeout while the commit runs).
 """
 
 from __future__ import annotations
@@ -94,6 +96,10 @@ class _Dropped(Exception):
     """A peer could not be used (connection, proofs, wrong files)."""
 
 
+class _Reopen(Exception):
+    """A partial source's pull ended: its staging is no longer read; open the key there again."""
+
+
 @dataclass
 class _File:
     name: str
@@ -128,6 +134,9 @@ class _Peer:
     capped: bool = True  # the peer caps its serving: a grant before every chunk
     order: tuple[float, str] = FULL  # (since, node) of a partial holder; FULL for a full one
     full: bool = True  # holds the whole artifact (a partial one turns full when it committed)
+    staging: bool = False  # reads its staging: a grant before and ``done`` after every read
+    opens: int = 1  # times the key was opened on this connection (``_reopen`` runs once per change)
+    reopen_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     have: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # verified ranges while partial
     asked_at: float = 0.0
     grew_at: float = field(default_factory=time.monotonic)
@@ -228,11 +237,8 @@ class PeerFill:
             await self.peers.begin_partial(key, partial)  # recorded before the holders are listed
             served = await self._download(progress, plan, files, partial, me, store_copy)
             return served
-        finally:
-            if served is NOT_SERVED:  # the store pull that follows is not served to peers
-                await self.peers.end_partial(key)
-            else:
-                partial.complete = True  # verified: whole files are served until the commit
+        finally:  # the commit refuses staging mapped elsewhere; a store pull that follows is not served
+            await self.peers.release_partial(key, partial, failed=served is NOT_SERVED)
 
     def _eligible(self, holders: list[Holder], me: tuple[float, str]) -> list[Holder]:
         """The full holders (up to ``max_sources``), then the latest partial ones that began before ``me``."""
@@ -356,6 +362,8 @@ class PeerFill:
             if not bad_chunks:
                 return ProducerDigests(result_files, result_tensors)
             liars = {c.source for c in bad_chunks}
+            log.warning("peer pull of %s: %d chunks fail verification (%s)", progress.key[:16], len(bad_chunks),
+                        ", ".join(f"{c.file.name}[{c.start}:{c.end}] from {c.source}" for c in bad_chunks[:8]))
             for p in peers:
                 if p.alive and p.holder.node in liars:
                     p.alive = False
@@ -449,6 +457,7 @@ class PeerFill:
         """Refresh a partial source's verified ranges (one question per ``HAVE_EVERY``);
         ``_Dropped`` when it stalled (nothing new within the chunk timeout) or its pull ended."""
         now = time.monotonic()
+        opens = peer.opens
         if now - peer.asked_at < HAVE_EVERY or peer.lock.locked():
             await asyncio.sleep(HAVE_EVERY)
             return
@@ -456,8 +465,9 @@ class PeerFill:
         async with asyncio.timeout(self.peers.chunk_timeout), peer.lock:
             await peer_wire.write_frame(peer.writer, {"have": key})
             reply = await peer_wire.read_frame(peer.reader)
-        if "error" in reply:
-            raise _Dropped(f"its pull ended: {reply['error']}")
+        if "error" in reply or reply.get("reopen"):
+            await self._reopen(peer, key, opens)
+            return
         before = sum(e - s for have in peer.have.values() for s, e in have)
         if reply.get("full"):
             peer.full = True
@@ -467,6 +477,45 @@ class PeerFill:
             peer.grew_at = now
         elif now - peer.grew_at > self.peers.chunk_timeout:
             raise _Dropped(f"it verified nothing new in {self.peers.chunk_timeout:.0f} s")
+
+    async def _reopen(self, peer: _Peer, key: str, opens: int) -> None:
+        """A partial source's pull ended: open the key again on the same connection (committed
+        there by now, or soon); ``_Dropped`` when it does not serve it within the chunk timeout.
+        Once per change (``opens``: what the caller saw): the agent's metadata is never reloaded
+        while reads from the same peer are in flight (they could land wrong bytes)."""
+        async with peer.reopen_lock:
+            if peer.opens != opens or not peer.alive:
+                return  # another worker opened it again meanwhile
+            peer.staging = peer.full = False  # nothing is taken from it until it is open again
+            peer.have = {}
+            await self._open_again(peer, key)
+            peer.opens += 1
+
+    async def _open_again(self, peer: _Peer, key: str) -> None:
+        deadline = time.monotonic() + self.peers.chunk_timeout
+        while True:
+            async with asyncio.timeout(self.peers.chunk_timeout), peer.lock:
+                await peer_wire.write_frame(peer.writer, {"open": key})
+                opened = await peer_wire.read_frame(peer.reader)
+            if "error" not in opened:
+                break
+            if time.monotonic() > deadline:
+                raise _Dropped(f"its pull ended and it does not serve the key: {opened['error']}")
+            await asyncio.sleep(0.2)
+        files = {str(f["name"]): int(f["addr"]) for f in opened["files"]}
+        if set(files) != set(peer.addrs):
+            raise _Dropped("its files are not the manifest's")
+        peer.agent = str((await self.peers.agent.request("connect", metadata=opened["metadata"]))["agent"])
+        peer.addrs = files
+        peer.staging = bool(opened.get("partial"))
+        peer.full = not peer.staging
+        peer.capped = opened.get("cap", 1) != 0
+        if peer.staging:
+            peer.have = {str(name): [(int(s), int(e)) for s, e in have]
+                         for name, have in dict(opened.get("have", {})).items()}
+        peer.grew_at = time.monotonic()
+        log.info("peer pull of %s: %s opened again (%s)", key[:16], peer.holder.node,
+                 "still pulling" if peer.staging else "committed")
 
     async def _worker(self, peer: _Peer, peers: list[_Peer], queue: collections.deque[_Chunk],
                       state: dict[str, Any], partial: Partial) -> None:
@@ -478,11 +527,12 @@ class PeerFill:
                     return  # nobody left: the store serves the rest
                 await asyncio.sleep(HAVE_EVERY)  # the source may be dropped: then this peer's turn
                 continue
+            opens = peer.opens
             chunk = self._take(peer, queue)
             if chunk is None:
                 try:
                     await self._ask_have(peer, state["key"])
-                except (TimeoutError, ConnectionError, asyncio.IncompleteReadError, peer_wire.FrameError,
+                except (AgentError, TimeoutError, ConnectionError, asyncio.IncompleteReadError, peer_wire.FrameError,
                         _Dropped, KeyError, TypeError, ValueError) as exc:
                     self._drop(peer, exc)
                     return
@@ -490,17 +540,34 @@ class PeerFill:
             n = chunk.end - chunk.start
             try:
                 async with asyncio.timeout(self.peers.chunk_timeout):
-                    if peer.capped:
+                    staging = peer.staging
+                    if peer.capped or staging:
                         async with peer.lock:  # one request-reply at a time on the control connection
                             await peer_wire.write_frame(peer.writer, {"grant": n})
                             reply = await peer_wire.read_frame(peer.reader)
+                        if reply.get("reopen") and staging:
+                            raise _Reopen
                         if reply.get("granted") != n:
                             raise _Dropped(f"grant refused: {reply}")
-                    await agent.request("read", agent=peer.agent, addr=peer.addrs[chunk.file.name] + chunk.start,
-                                        length=n, path=chunk.file.path, offset=chunk.start)
-                    if not peer.capped:
+                    try:
+                        await agent.request("read", agent=peer.agent, addr=peer.addrs[chunk.file.name] + chunk.start,
+                                            length=n, path=chunk.file.path, offset=chunk.start)
+                    finally:
+                        if staging:  # the staging read ended, however: the peer may unmap
+                            async with peer.lock:
+                                await peer_wire.write_frame(peer.writer, {"done": n})
+                    if not peer.capped and not staging:
                         async with peer.lock:
                             await peer_wire.write_frame(peer.writer, {"served": n})
+            except _Reopen:
+                queue.appendleft(chunk)
+                try:  # one worker opens again; the others wait for it, then read anew
+                    await self._reopen(peer, state["key"], opens)
+                except (AgentError, TimeoutError, ConnectionError, asyncio.IncompleteReadError,
+                        peer_wire.FrameError, _Dropped, KeyError, TypeError, ValueError) as exc:
+                    self._drop(peer, exc)
+                    return
+                continue
             except (AgentError, TimeoutError, ConnectionError, asyncio.IncompleteReadError, peer_wire.FrameError,
                     _Dropped) as exc:
                 queue.appendleft(chunk)
@@ -581,6 +648,7 @@ class PeerFill:
                          capped=opened.get("cap", 1) != 0, full=not opened.get("partial", False),
                          order=(holder.since, holder.node) if holder.partial else FULL)
             if not peer.full:
+                peer.staging = True
                 peer.have = {str(name): [(int(s), int(e)) for s, e in have]
                              for name, have in dict(opened.get("have", {})).items()}
             return peer

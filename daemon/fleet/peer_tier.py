@@ -18,6 +18,10 @@ Pieces, all on hwrd's event loop except the data plane:
   verified ranges (request and reply on the control connection; nothing is pushed or relayed).
   A range is added only after its bytes passed the manifest's digest (a tensor's SHA-256, the
   header byte for byte, a whole file's SHA-256) and withdrawn before a repair rewrites it.
+  Every read of a staging range needs a ``grant`` and is reported ``done`` after, so that at
+  the end of the pull (the commit refuses a staging file mapped elsewhere) the node can refuse
+  new grants (``reopen``: ask again for the committed artifact), wait for the reads in flight,
+  and unmap its staging files (``Peers.release_partial``).
 - ``PeerServer``: the control connections (TCP on ``fleet_peer_listen``). After the membership
   proofs (``hwr.daemon.fleet.peer_wire``) a peer may ``open`` a key: a committed, not denied
   artifact of this node's store, or one this node is pulling (``Partial``); its payload files
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import contextlib
 import json
 import logging
@@ -239,6 +244,8 @@ class Partial:
         self.files = files  # name -> (staging path, size)
         self.since = since
         self.complete = False
+        self.closing = False  # the pull ended: no new grants, the staging is being unmapped
+        self.inflight = 0  # granted staging reads not yet reported done
         self._have: dict[str, list[tuple[int, int]]] = {name: [] for name in files}
         self._lock = threading.Lock()
 
@@ -353,7 +360,8 @@ class PeerServer:
         self._conns.add(task)
         exposed: list[str] = []
         peer = "?"
-        staging = [False]  # this connection opened a key still being pulled here
+        opened: list[Partial | None] = [None]  # a key still being pulled here, when this connection opened one
+        granted: collections.deque[Partial] = collections.deque()  # staging reads not yet reported done
         try:
             challenge = secrets.token_hex(16)
             await peer_wire.write_frame(writer, {"challenge": challenge, "node": self.node})
@@ -371,17 +379,28 @@ class PeerServer:
             while True:
                 message = await asyncio.wait_for(peer_wire.read_frame(reader), self.idle_timeout)
                 if "open" in message:
-                    reply = await self._open(str(message["open"]), exposed)
-                    staging[0] = bool(reply.get("partial"))
+                    key = str(message["open"])
+                    reply = await self._open(key, exposed)
+                    opened[0] = self.partial.get(key) if reply.get("partial") else None
                     await peer_wire.write_frame(writer, reply)
                 elif "have" in message:
                     await peer_wire.write_frame(writer, await self._have(str(message["have"])))
                 elif "served" in message:  # without a cap: counted after the read, no reply
-                    self._count(int(message["served"]), staging[0])
+                    self._count(int(message["served"]), False)
+                elif "done" in message:  # a staging read ended (no reply)
+                    if granted:
+                        granted.popleft().inflight -= 1
                 elif "grant" in message:
                     n = int(message["grant"])
+                    partial = opened[0]
+                    if partial is not None:
+                        if partial.closing:
+                            await peer_wire.write_frame(writer, {"reopen": True})
+                            continue
+                        partial.inflight += 1
+                        granted.append(partial)
                     await self.bucket.take(n)
-                    self._count(n, staging[0])
+                    self._count(n, partial is not None)
                     await peer_wire.write_frame(writer, {"granted": n})
                 else:
                     return
@@ -389,6 +408,8 @@ class PeerServer:
                 TypeError):
             pass
         finally:
+            for partial in granted:  # reads the peer never reported end with its connection
+                partial.inflight -= 1
             self.counters.serving_peers.pop(peer, None)
             for path in exposed:
                 with contextlib.suppress(HwrError):
@@ -406,6 +427,8 @@ class PeerServer:
         """The verified ranges of a key being pulled here; ``full`` once it holds all of it."""
         partial = self.partial.get(key)
         if partial is not None:
+            if partial.closing:
+                return {"reopen": True}
             return {"full": True} if partial.complete else {"have": partial.ranges()}
         if not is_key(key) or self.catalog.deny_reason(key) is not None:
             return {"error": "not served"}
@@ -422,7 +445,7 @@ class PeerServer:
         try:
             record = await asyncio.to_thread(self.catalog.lookup_sync, key)
         except HwrError:
-            if partial is None:
+            if partial is None or partial.closing:
                 return {"error": "not here"}
             return await self._open_partial(partial, exposed)
         files = []
@@ -523,9 +546,23 @@ class Peers:
         self.partial[key] = partial
         await self._record([key])
 
-    async def end_partial(self, key: str) -> None:
-        """The pull of ``key`` failed: stop serving its staging and remove the partial record."""
-        if self.partial.pop(key, None) is not None:
+    async def release_partial(self, key: str, partial: Partial, *, failed: bool) -> None:
+        """The pull of ``key`` ended (verified, before its commit; or ``failed``): no new staging
+        reads, the granted ones waited for (at most the chunk timeout), the staging unmapped in
+        the transfer process. A failed pull's partial record is removed; a verified one's stays
+        until the commit rewrites it (peers meanwhile get ``reopen`` and ask again)."""
+        if self.partial.get(key) is not partial:
+            return
+        partial.closing = True
+        deadline = time.monotonic() + self.chunk_timeout
+        while partial.inflight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        self.partial.pop(key, None)
+        log.info("peer tier: %s's staging no longer served (%d reads still granted)", key[:16], partial.inflight)
+        for path, _size in partial.files.values():
+            with contextlib.suppress(HwrError):
+                await self.agent.request("unexpose", path=path)
+        if failed:
             with contextlib.suppress(HwrError, OSError):
                 await asyncio.to_thread(self.holders.forget, key)
 

@@ -1,7 +1,7 @@
 """The swarm with real hwrd nodes in network namespaces: a node still pulling serves what it verified.
 
 Uses ``test_fleet_peers``'s fabric and nodes (``fleet``): the holder ``a`` sits behind a slow
-link (40 Mbit/s), so that ``b``'s pull from it is still running when ``c`` begins; ``c`` then
+link (80 Mbit/s), so that ``b``'s pull from it is still running when ``c`` begins; ``c`` then
 chains behind ``b`` (the latest partial holder that began before it) and reads from ``b``'s
 staging only the ranges ``b`` has verified. Skipped like ``test_fleet_peers``.
 """
@@ -26,9 +26,9 @@ __all__ = ["fleet", "pytestmark"]  # the fixture and the skip conditions, shared
 
 
 def layered(seed: int) -> dict[str, torch.Tensor]:
-    """32 MiB in eight 4 MiB tensors: a partial holder verifies (and serves) one tensor at a time."""
+    """48 MiB in twelve 4 MiB tensors: a partial holder verifies (and serves) one tensor at a time."""
     return {f"layers.{i}.weight": patterned(4 * MIB, seed + i, torch.bfloat16).reshape(-1, 64)
-            for i in range(8)}
+            for i in range(12)}
 
 
 def pulling(node: DaemonProcess, key: str, errors: list[BaseException], tensors: dict[str, torch.Tensor]
@@ -60,7 +60,7 @@ def verified(node: DaemonProcess) -> int:
 def start_chain(fleet: dict[str, Any], seed: int) -> tuple[dict[str, DaemonProcess], str, dict[str, torch.Tensor],
                                                             list[BaseException], threading.Thread]:
     """``a`` holds the artifact behind a slow link; ``b`` is pulling it and has verified 8 MiB."""
-    nodes = {"a": fleet["make"]("a", rate="40mbit"), "b": fleet["make"]("b"), "c": fleet["make"]("c")}
+    nodes = {"a": fleet["make"]("a", rate="80mbit"), "b": fleet["make"]("b"), "c": fleet["make"]("c")}
     tensors = layered(seed)
     key = publish(nodes["a"], tensors)
     wait_until("a's upload and holder record", lambda: held(fleet["remote"], key, "a"))
