@@ -42,8 +42,9 @@ dies, stalls (no new verified range within the chunk timeout) or serves bytes th
 digests is dropped like a full one; the next source is the partial before it, then the full
 holders, then the store. A partial source is trusted no more than a full one: its bytes are
 verified here like any peer's. Reads from a partial source each take a ``grant`` and are
-reported ``done``; when its pull ends it answers ``reopen`` and this node opens the key again
-(committed there by then; retried for up to the chunk timeout while the commit runs).
+reported ``done``; when its pull ends it answers ``reopen``: this node stops reading it (not
+counted as a failure; the next source takes over) and connects to it again, as a full holder,
+once the listing shows its commit (a fresh connection and a fresh load of its NIXL metadata).
 """
 
 from __future__ import annotations
@@ -135,8 +136,8 @@ class _Peer:
     order: tuple[float, str] = FULL  # (since, node) of a partial holder; FULL for a full one
     full: bool = True  # holds the whole artifact (a partial one turns full when it committed)
     staging: bool = False  # reads its staging: a grant before and ``done`` after every read
-    opens: int = 1  # times the key was opened on this connection (``_reopen`` runs once per change)
-    reopen_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    retired: bool = False  # its pull ended: not read any more; a full record of it may be used anew
+    reading: int = 0  # reads from it in flight in the transfer process
     have: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # verified ranges while partial
     asked_at: float = 0.0
     grew_at: float = field(default_factory=time.monotonic)
@@ -269,7 +270,9 @@ class PeerFill:
                  "total_bytes": plan.size_bytes, "started_at": time.time(), "from_store_bytes": 0,
                  "verified_bytes": 0}
         self.peers.counters.active[key] = state
-        tried = {h.node for h in holders}
+        tried: dict[str, _Peer | None] = {h.node: None for h in holders}
+        for p in peers:
+            tried[p.holder.node] = p
 
         async def discover(spawn: Callable[[_Peer], None]) -> None:
             while True:
@@ -277,16 +280,19 @@ class PeerFill:
                 with contextlib.suppress(HwrError):
                     found = self._eligible(await asyncio.to_thread(self.peers.holders.find, key), me)
                     for h in found:
-                        if h.node in tried:
-                            continue
-                        tried.add(h.node)
+                        known = tried.get(h.node, False)
+                        if known is not False and not (known is not None and known.retired and not h.partial):
+                            continue  # connected already, or failed; a retired partial one comes back when full
+                        tried[h.node] = None
                         try:
                             peer = await self._connect(h, key, sizes)
                         except Exception as exc:
                             log.warning("peer pull of %s: %s (%s) not used: %s", key[:16], h.node, h.address, exc)
                             continue
+                        tried[h.node] = peer
                         peers.append(peer)
-                        state["peers"].append(h.node)
+                        if h.node not in state["peers"]:
+                            state["peers"].append(h.node)
                         spawn(peer)
 
         try:
@@ -457,7 +463,6 @@ class PeerFill:
         """Refresh a partial source's verified ranges (one question per ``HAVE_EVERY``);
         ``_Dropped`` when it stalled (nothing new within the chunk timeout) or its pull ended."""
         now = time.monotonic()
-        opens = peer.opens
         if now - peer.asked_at < HAVE_EVERY or peer.lock.locked():
             await asyncio.sleep(HAVE_EVERY)
             return
@@ -466,7 +471,7 @@ class PeerFill:
             await peer_wire.write_frame(peer.writer, {"have": key})
             reply = await peer_wire.read_frame(peer.reader)
         if "error" in reply or reply.get("reopen"):
-            await self._reopen(peer, key, opens)
+            self._retire(peer)
             return
         before = sum(e - s for have in peer.have.values() for s, e in have)
         if reply.get("full"):
@@ -478,44 +483,16 @@ class PeerFill:
         elif now - peer.grew_at > self.peers.chunk_timeout:
             raise _Dropped(f"it verified nothing new in {self.peers.chunk_timeout:.0f} s")
 
-    async def _reopen(self, peer: _Peer, key: str, opens: int) -> None:
-        """A partial source's pull ended: open the key again on the same connection (committed
-        there by now, or soon); ``_Dropped`` when it does not serve it within the chunk timeout.
-        Once per change (``opens``: what the caller saw): the agent's metadata is never reloaded
-        while reads from the same peer are in flight (they could land wrong bytes)."""
-        async with peer.reopen_lock:
-            if peer.opens != opens or not peer.alive:
-                return  # another worker opened it again meanwhile
-            peer.staging = peer.full = False  # nothing is taken from it until it is open again
-            peer.have = {}
-            await self._open_again(peer, key)
-            peer.opens += 1
-
-    async def _open_again(self, peer: _Peer, key: str) -> None:
-        deadline = time.monotonic() + self.peers.chunk_timeout
-        while True:
-            async with asyncio.timeout(self.peers.chunk_timeout), peer.lock:
-                await peer_wire.write_frame(peer.writer, {"open": key})
-                opened = await peer_wire.read_frame(peer.reader)
-            if "error" not in opened:
-                break
-            if time.monotonic() > deadline:
-                raise _Dropped(f"its pull ended and it does not serve the key: {opened['error']}")
-            await asyncio.sleep(0.2)
-        files = {str(f["name"]): int(f["addr"]) for f in opened["files"]}
-        if set(files) != set(peer.addrs):
-            raise _Dropped("its files are not the manifest's")
-        peer.agent = str((await self.peers.agent.request("connect", metadata=opened["metadata"]))["agent"])
-        peer.addrs = files
-        peer.staging = bool(opened.get("partial"))
-        peer.full = not peer.staging
-        peer.capped = opened.get("cap", 1) != 0
-        if peer.staging:
-            peer.have = {str(name): [(int(s), int(e)) for s, e in have]
-                         for name, have in dict(opened.get("have", {})).items()}
-        peer.grew_at = time.monotonic()
-        log.info("peer pull of %s: %s opened again (%s)", key[:16], peer.holder.node,
-                 "still pulling" if peer.staging else "committed")
+    def _retire(self, peer: _Peer) -> None:
+        """A partial source's pull ended: it is not read any more (nor counted as failed); the
+        listing brings it back as a full holder once its record says it committed."""
+        if peer.alive:
+            peer.alive = False
+            peer.retired = True
+            if not peer.reading:  # else the last read in flight forgets it (no metadata removed under a read)
+                self._forget_agent(peer.agent)
+            log.info("peer pull: %s (%s) finished its own pull; its staging is no longer read",
+                     peer.holder.node, peer.holder.address)
 
     async def _worker(self, peer: _Peer, peers: list[_Peer], queue: collections.deque[_Chunk],
                       state: dict[str, Any], partial: Partial) -> None:
@@ -527,7 +504,6 @@ class PeerFill:
                     return  # nobody left: the store serves the rest
                 await asyncio.sleep(HAVE_EVERY)  # the source may be dropped: then this peer's turn
                 continue
-            opens = peer.opens
             chunk = self._take(peer, queue)
             if chunk is None:
                 try:
@@ -549,10 +525,14 @@ class PeerFill:
                             raise _Reopen
                         if reply.get("granted") != n:
                             raise _Dropped(f"grant refused: {reply}")
+                    peer.reading += 1
                     try:
                         await agent.request("read", agent=peer.agent, addr=peer.addrs[chunk.file.name] + chunk.start,
                                             length=n, path=chunk.file.path, offset=chunk.start)
                     finally:
+                        peer.reading -= 1
+                        if peer.retired and not peer.reading:
+                            self._forget_agent(peer.agent)
                         if staging:  # the staging read ended, however: the peer may unmap
                             async with peer.lock:
                                 await peer_wire.write_frame(peer.writer, {"done": n})
@@ -561,13 +541,8 @@ class PeerFill:
                             await peer_wire.write_frame(peer.writer, {"served": n})
             except _Reopen:
                 queue.appendleft(chunk)
-                try:  # one worker opens again; the others wait for it, then read anew
-                    await self._reopen(peer, state["key"], opens)
-                except (AgentError, TimeoutError, ConnectionError, asyncio.IncompleteReadError,
-                        peer_wire.FrameError, _Dropped, KeyError, TypeError, ValueError) as exc:
-                    self._drop(peer, exc)
-                    return
-                continue
+                self._retire(peer)
+                return
             except (AgentError, TimeoutError, ConnectionError, asyncio.IncompleteReadError, peer_wire.FrameError,
                     _Dropped) as exc:
                 queue.appendleft(chunk)
