@@ -20,8 +20,9 @@ Pieces, all on hwrd's event loop except the data plane:
   header byte for byte, a whole file's SHA-256) and withdrawn before a repair rewrites it.
   Every read of a staging range needs a ``grant`` and is reported ``done`` after, so that at
   the end of the pull (the commit refuses a staging file mapped elsewhere) the node can refuse
-  new grants (``reopen``: ask again for the committed artifact), wait for the reads in flight,
-  and unmap its staging files (``Peers.release_partial``).
+  new grants (``reopen``: the reader stops reading it, and finds the committed artifact here
+  through the listing), wait for the reads in flight, and unmap its staging files
+  (``Peers.release_partial``).
 - ``PeerServer``: the control connections (TCP on ``fleet_peer_listen``). After the membership
   proofs (``hwr.daemon.fleet.peer_wire``) a peer may ``open`` a key: a committed, not denied
   artifact of this node's store, or one this node is pulling (``Partial``); its payload files
@@ -550,7 +551,7 @@ class Peers:
         """The pull of ``key`` ended (verified, before its commit; or ``failed``): no new staging
         reads, the granted ones waited for (at most the chunk timeout), the staging unmapped in
         the transfer process. A failed pull's partial record is removed; a verified one's stays
-        until the commit rewrites it (peers meanwhile get ``reopen`` and ask again)."""
+        until the commit rewrites it (its readers meanwhile get ``reopen``)."""
         if self.partial.get(key) is not partial:
             return
         partial.closing = True
