@@ -460,8 +460,9 @@ class PeerFill:
         return None
 
     async def _ask_have(self, peer: _Peer, key: str) -> None:
-        """Refresh a partial source's verified ranges (one question per ``HAVE_EVERY``);
-        ``_Dropped`` when it stalled (nothing new within the chunk timeout) or its pull ended."""
+        """Refresh a partial source's verified ranges (one question per ``HAVE_EVERY``): retired
+        when its pull ended (``reopen``), ``_Dropped`` when it stalled (nothing new verified within
+        the chunk timeout)."""
         now = time.monotonic()
         if now - peer.asked_at < HAVE_EVERY or peer.lock.locked():
             await asyncio.sleep(HAVE_EVERY)
@@ -474,11 +475,8 @@ class PeerFill:
             self._retire(peer)
             return
         before = sum(e - s for have in peer.have.values() for s, e in have)
-        if reply.get("full"):
-            peer.full = True
-        else:
-            peer.have = {str(name): [(int(s), int(e)) for s, e in have] for name, have in dict(reply["have"]).items()}
-        if peer.full or sum(e - s for have in peer.have.values() for s, e in have) > before:
+        peer.have = {str(name): [(int(s), int(e)) for s, e in have] for name, have in dict(reply["have"]).items()}
+        if sum(e - s for have in peer.have.values() for s, e in have) > before:
             peer.grew_at = now
         elif now - peer.grew_at > self.peers.chunk_timeout:
             raise _Dropped(f"it verified nothing new in {self.peers.chunk_timeout:.0f} s")

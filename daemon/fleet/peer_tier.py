@@ -237,14 +237,12 @@ class Partial:
     """A key this node is pulling: its staging files and the ranges verified so far.
 
     ``add`` is called from hashing threads, ``ranges`` from the event loop: a lock guards the
-    lists. Ranges are merged and sorted per file. ``complete``: the download verified every file
-    (the commit follows); ``have`` then answers the whole files.
+    lists. Ranges are merged and sorted per file.
     """
 
     def __init__(self, files: dict[str, tuple[str, int]], since: float) -> None:
         self.files = files  # name -> (staging path, size)
         self.since = since
-        self.complete = False
         self.closing = False  # the pull ended: no new grants, the staging is being unmapped
         self.inflight = 0  # granted staging reads not yet reported done
         self._have: dict[str, list[tuple[int, int]]] = {name: [] for name in files}
@@ -264,12 +262,9 @@ class Partial:
         """Nothing of ``name`` is served until it is verified again (a repair rewrites it)."""
         with self._lock:
             self._have[name] = []
-            self.complete = False
 
     def ranges(self) -> dict[str, list[list[int]]]:
         with self._lock:
-            if self.complete:
-                return {name: [[0, size]] for name, (_path, size) in self.files.items()}
             return {name: [[s, e] for s, e in have] for name, have in self._have.items()}
 
     def verified_bytes(self) -> int:
@@ -385,7 +380,7 @@ class PeerServer:
                     opened[0] = self.partial.get(key) if reply.get("partial") else None
                     await peer_wire.write_frame(writer, reply)
                 elif "have" in message:
-                    await peer_wire.write_frame(writer, await self._have(str(message["have"])))
+                    await peer_wire.write_frame(writer, self._have(str(message["have"])))
                 elif "served" in message:  # without a cap: counted after the read, no reply
                     self._count(int(message["served"]), False)
                 elif "done" in message:  # a staging read ended (no reply)
@@ -424,20 +419,13 @@ class PeerServer:
         if staging:
             self.counters.staging_served_bytes += n
 
-    async def _have(self, key: str) -> dict[str, Any]:
-        """The verified ranges of a key being pulled here; ``full`` once it holds all of it."""
+    def _have(self, key: str) -> dict[str, Any]:
+        """The verified ranges of a key being pulled here; ``reopen`` once that pull ended (the
+        staging this connection opened is unmapped: even a committed key must be opened anew)."""
         partial = self.partial.get(key)
-        if partial is not None:
-            if partial.closing:
-                return {"reopen": True}
-            return {"full": True} if partial.complete else {"have": partial.ranges()}
-        if not is_key(key) or self.catalog.deny_reason(key) is not None:
-            return {"error": "not served"}
-        try:
-            await asyncio.to_thread(self.catalog.lookup_sync, key)
-        except HwrError:
-            return {"error": "not here"}  # the pull here failed: nothing more comes
-        return {"full": True}
+        if partial is None or partial.closing:
+            return {"reopen": True}
+        return {"have": partial.ranges()}
 
     async def _open(self, key: str, exposed: list[str]) -> dict[str, Any]:
         if not is_key(key) or self.catalog.deny_reason(key) is not None:
