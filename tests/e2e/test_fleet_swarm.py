@@ -3,7 +3,9 @@
 Uses ``test_fleet_peers``'s fabric and nodes (``fleet``): the holder ``a`` sits behind a slow
 link (80 Mbit/s), so that ``b``'s pull from it is still running when ``c`` begins; ``c`` then
 chains behind ``b`` (the latest partial holder that began before it) and reads from ``b``'s
-staging only the ranges ``b`` has verified. Skipped like ``test_fleet_peers``.
+staging only the ranges ``b`` has verified. Then: ``b``'s staging made to lie (its disk), or
+``b`` killed, while ``c`` reads it; ``c`` drops it and completes bit-identical. Skipped like
+``test_fleet_peers``.
 """
 
 from __future__ import annotations
@@ -107,3 +109,19 @@ def test_a_lying_partial_holder_is_refused_and_the_pull_completes(fleet: dict[st
     assert not c_pull.is_alive() and not b_pull.is_alive() and not c_errors, c_errors  # c: bit-identical
     c = peers_of(nodes["c"])
     assert c["partial_fetched_bytes"] > 0 and c["lying_peers"] == 1, c
+
+
+@pytest.mark.timeout(300)
+def test_a_partial_holder_killed_mid_pull_is_dropped_and_the_pull_completes(fleet: dict[str, Any]) -> None:
+    nodes, key, tensors, _b_errors, b_pull = start_chain(fleet, 41)
+    assert peers_of(nodes["b"])["pulls"], "b's pull ended before c began: the test proves nothing"
+    c_errors: list[BaseException] = []
+    c_pull = pulling(nodes["c"], key, c_errors, tensors)
+    wait_until("c to read from b", lambda: peers_of(nodes["c"])["partial_fetched_bytes"] > 0)
+    assert peers_of(nodes["b"])["pulls"], "b's pull ended before it was killed: the test proves nothing"
+    nodes["b"].kill()
+    c_pull.join(240)
+    b_pull.join(60)
+    assert not c_pull.is_alive() and not c_errors, c_errors  # c: bit-identical
+    c = peers_of(nodes["c"])
+    assert c["failed_peers"] == 1 and c["lying_peers"] == 0, c
