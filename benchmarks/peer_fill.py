@@ -189,6 +189,12 @@ class AcquireProbe:
         self._thread.join(30)
 
 
+def _served(holder: DaemonProcess) -> int:
+    """Payload bytes the holder has served so far (its peer tier's counter)."""
+    with connect(holder.socket) as client:
+        return int(client.status()["remote"]["peers"]["served_bytes"])
+
+
 def _p(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
@@ -254,20 +260,24 @@ def main(argv: list[str] | None = None) -> int:
                         "serving_p50": _p(serving.samples, 0.5), "serving_p99": _p(serving.samples, 0.99),
                         "idle_n": len(idle.samples), "serving_n": len(serving.samples)}
                 else:
+                    served_before = _served(holder)
                     seconds = pull_all(nodes, key)
-                fetched = fallback = 0
+                holder_served = (_served(holder) - served_before) if mode == "peers" and k > 1 else None
+                fetched = fallback = partial = 0
                 if mode == "peers":
                     for n in nodes:
                         with connect(n.socket) as client:
                             p = client.status()["remote"]["peers"]
                         fetched += p["fetched_bytes"]
                         fallback += p["fallback_bytes"]
+                        partial += p["partial_fetched_bytes"]
                         if p["peer_pulls"] == 0:  # no peer was used: the row is a store pull (say so)
                             print(f"{n.root.name}: no peer served; its log:\n{n.log.read_text()[-3000:]}", flush=True)
                 results[f"{mode}_k{k}_s"] = seconds
                 rows.append([k, mode, f"{seconds:.1f}", f"{k * size / seconds / 1e6:.0f}",
                              f"{size / seconds / 1e6:.0f}" if k == 1 else "-",
-                             f"{fetched // MiB}/{fallback // MiB}" if mode == "peers" else "-"])
+                             f"{fetched // MiB} ({partial // MiB})/{fallback // MiB}" if mode == "peers" else "-",
+                             f"{holder_served // MiB}" if holder_served is not None else "-"])
                 print(rows[-1], flush=True)
                 for n in nodes:
                     n.stop()
@@ -278,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         results["load_after"] = os.getloadavg()
         print()
         print(md_table(["K", "source", "time to all (s)", "total MB/s", "per-node MB/s (K=1)",
-                        "MiB from peers/store"], rows))
+                        "MiB from peers (of them from pulling peers)/store", "MiB the holder served"], rows))
         acq = results.get("holder_acquire_ms")
         if acq:
             print(f"\nthe holder's acquire+release latency, idle: p50 {acq['idle_p50']:.1f} ms, p99 "

@@ -322,8 +322,10 @@ def _peer_status_dict(r: pb.PeerTierStatus) -> dict[str, Any]:
             "fallback_bytes": r.fallback_bytes, "refused": r.refused, "lying_peers": r.lying_peers,
             "failed_peers": r.failed_peers, "peer_pulls": r.peer_pulls, "cap_bytes_per_s": r.cap_bytes_per_s,
             "agent_rss_bytes": r.agent_rss_bytes, "agent_restarts": r.agent_restarts, "agent_pid": r.agent_pid,
+            "staging_served_bytes": r.staging_served_bytes, "partial_fetched_bytes": r.partial_fetched_bytes,
             "pulls": [{"key": p.key, "peers": list(p.peers), "done_bytes": p.done_bytes, "total_bytes": p.total_bytes,
-                       "started_at": p.started_at, "from_store_bytes": p.from_store_bytes} for p in r.pulls]}
+                       "started_at": p.started_at, "from_store_bytes": p.from_store_bytes,
+                       "verified_bytes": p.verified_bytes} for p in r.pulls]}
 
 
 def _checkpoint_dict(c: pb.CheckpointInfo) -> dict[str, Any]:

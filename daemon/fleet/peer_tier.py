@@ -11,7 +11,9 @@ Pieces, all on hwrd's event loop except the data plane:
   rewritten every ``fleet_peer_holder_ttl_s / 3`` seconds, removed at a clean stop); readers
   ignore a record past its ``expires_at``, so a dead node stops being asked within one TTL (its
   stale record may stay in the remote: it is skipped, and overwritten if the node comes back).
-  Wall clocks of the nodes must agree within the TTL. ``hwrctl peers`` lists the records.
+  Wall clocks of the nodes must agree within the TTL. ``hwrctl peers`` lists the records. A node
+  that is itself pulling a key records it as a *partial* holder (``"partial": true`` and
+  ``"since"``, when its pull began) while it pulls; the commit rewrites the record as a full one.
 - Restarts: when the transfer process dies, hwrd logs it and starts a new one after a backoff
   (``RESTART_MIN_S`` doubling to ``RESTART_MAX_S``; back to the minimum once one ran
   ``RESTART_RESET_S``). Meanwhile every request to it fails at once (``AgentError``): a pull
@@ -19,10 +21,20 @@ Pieces, all on hwrd's event loop except the data plane:
   goes on, verified as always), new pulls go to the store, and the control connections that
   were serving are closed (their exposures died with the process; their peers fall back the
   same way). ``hwrctl status`` counts the restarts.
+- ``Partial`` (the swarm): what a pulling node has verified so far. Its staging files are
+  exposed read-only like committed ones, and a peer that opened the key asks ``have`` for the
+  verified ranges (request and reply on the control connection; nothing is pushed or relayed).
+  A range is added only after its bytes passed the manifest's digest (a tensor's SHA-256, the
+  header byte for byte, a whole file's SHA-256) and withdrawn before a repair rewrites it.
+  Every read of a staging range needs a ``grant`` and is reported ``done`` after, so that at
+  the end of the pull (the commit refuses a staging file mapped elsewhere) the node can refuse
+  new grants (``reopen``: the reader stops reading it, and finds the committed artifact here
+  through the listing), wait for the reads in flight, and unmap its staging files
+  (``Peers.release_partial``).
 - ``PeerServer``: the control connections (TCP on ``fleet_peer_listen``). After the membership
-  proofs (``hwr.daemon.fleet.peer_wire``) a peer may ``open`` a key: only a committed, not
-  denied artifact of this node's store; its payload files are exposed read-only by the
-  transfer process (the same immutable files leases map) and their addresses sent back with
+  proofs (``hwr.daemon.fleet.peer_wire``) a peer may ``open`` a key: a committed, not denied
+  artifact of this node's store, or one this node is pulling (``Partial``); its payload files
+  are exposed read-only by the transfer process (the same immutable files leases map) and their addresses sent back with
   the agent's metadata and the serving cap. Under a cap the peer asks a ``grant`` for every
   chunk before it reads it: grants come from one token bucket of
   ``fleet_peer_serve_max_bytes_per_s`` for all of this node's serving, which is how serving is
@@ -44,12 +56,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import contextlib
 import json
 import logging
 import os
 import secrets
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -65,7 +79,7 @@ if TYPE_CHECKING:
     from hwr.daemon.system.config import DaemonConfig
 
 __all__ = ["RESTART_MAX_S", "RESTART_MIN_S", "RESTART_RESET_S", "AgentGone", "AgentProcess", "Holder", "Holders",
-           "PeerCounters", "PeerServer", "Peers", "parse_address"]
+           "Partial", "PeerCounters", "PeerServer", "Peers", "parse_address"]
 
 log = logging.getLogger("hwrd.peers")
 
@@ -202,9 +216,11 @@ class PeerCounters:
 
     served_bytes: int = 0
     served_chunks: int = 0
+    staging_served_bytes: int = 0  # of served_bytes: verified bytes of a pull still in progress here
     serving_peers: dict[str, float] = field(default_factory=dict)  # node -> when its connection opened
     refused: int = 0  # control connections that failed the membership proof or came from outside fleet_peer_networks
     fetched_bytes: int = 0  # payload bytes a pull got from peers
+    partial_fetched_bytes: int = 0  # of fetched_bytes: from peers that were still pulling
     fallback_bytes: int = 0  # payload bytes a pull with peers got from the store instead
     peer_pulls: int = 0
     lying_peers: int = 0  # peers dropped from a pull because their bytes failed verification
@@ -244,6 +260,46 @@ class Holder:
     address: str
     expires_at: float
     recorded_at: float = 0.0
+    partial: bool = False  # still pulling: serves only the ranges it has verified
+    since: float = 0.0  # a partial holder's pull began then (orders the swarm's chain)
+
+
+class Partial:
+    """A key this node is pulling: its staging files and the ranges verified so far.
+
+    ``add`` is called from hashing threads, ``ranges`` from the event loop: a lock guards the
+    lists. Ranges are merged and sorted per file.
+    """
+
+    def __init__(self, files: dict[str, tuple[str, int]], since: float) -> None:
+        self.files = files  # name -> (staging path, size)
+        self.since = since
+        self.closing = False  # the pull ended: no new grants, the staging is being unmapped
+        self.inflight = 0  # granted staging reads not yet reported done
+        self._have: dict[str, list[tuple[int, int]]] = {name: [] for name in files}
+        self._lock = threading.Lock()
+
+    def add(self, name: str, start: int, end: int) -> None:
+        with self._lock:
+            merged: list[tuple[int, int]] = []
+            for s, e in sorted([*self._have[name], (start, end)]):
+                if merged and s <= merged[-1][1]:
+                    merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+                else:
+                    merged.append((s, e))
+            self._have[name] = merged
+
+    def withdraw(self, name: str) -> None:
+        """Nothing of ``name`` is served until it is verified again (a repair rewrites it)."""
+        with self._lock:
+            self._have[name] = []
+
+    def ranges(self) -> dict[str, list[list[int]]]:
+        with self._lock:
+            return {name: [[s, e] for s, e in have] for name, have in self._have.items()}
+
+    def verified_bytes(self) -> int:
+        return sum(e - s for have in self.ranges().values() for s, e in have)
 
 
 class Holders:
@@ -263,9 +319,13 @@ class Holders:
         head = obj[:obj.rindex(f"artifacts/{key}/")]
         return f"{head}holders/{key}/" + (f"{node}.json" if node else "")
 
-    def record(self, key: str) -> None:
+    def record(self, key: str, since: float | None = None) -> None:
+        """Record this node as a holder of ``key``; a partial one (still pulling) with ``since``."""
         now = time.time()
-        body = {"node": self.node, "address": self.address, "recorded_at": now, "expires_at": now + self.ttl}
+        body: dict[str, Any] = {"node": self.node, "address": self.address, "recorded_at": now,
+                                "expires_at": now + self.ttl}
+        if since is not None:
+            body.update(partial=True, since=since)
         self.remote.put_bytes(self._name(key, self.node), json.dumps(body).encode())
         self.recorded.add(key)
 
@@ -284,9 +344,10 @@ class Holders:
             try:
                 doc = json.loads(self.remote.get_bytes(self._name(key) + name, 4096) or b"")
                 holder = Holder(str(doc["node"]), str(doc["address"]), float(doc["expires_at"]),
-                                float(doc.get("recorded_at", 0.0)))
+                                float(doc.get("recorded_at", 0.0)), bool(doc.get("partial", False)),
+                                float(doc.get("since", 0.0)))
             except (ValueError, KeyError, TypeError, AttributeError, HwrError):
-                continue
+                continue  # a malformed record is skipped, never trusted
             if holder.node + ".json" == name:
                 found.append(holder)
         return found
@@ -304,9 +365,11 @@ class PeerServer:
     """The control connections of this node's serving (see the module docstring)."""
 
     def __init__(self, agent: AgentProcess, catalog: Catalog, secret: bytes, counters: PeerCounters,
-                 cap_bytes_per_s: int, node: str, networks: tuple[Any, ...] = ()) -> None:
+                 cap_bytes_per_s: int, node: str, networks: tuple[Any, ...] = (),
+                 partial: dict[str, Partial] | None = None) -> None:
         self.networks = networks  # fleet_peer_networks: connections from elsewhere are closed unanswered
         self.agent = agent
+        self.partial = partial if partial is not None else {}
         self.catalog = catalog
         self.secret = secret
         self.counters = counters
@@ -352,6 +415,8 @@ class PeerServer:
         self._conns.add(task)
         exposed: list[str] = []
         peer = "?"
+        opened: list[Partial | None] = [None]  # a key still being pulled here, when this connection opened one
+        granted: collections.deque[Partial] = collections.deque()  # staging reads not yet reported done
         try:
             challenge = secrets.token_hex(16)
             await peer_wire.write_frame(writer, {"challenge": challenge, "node": self.node})
@@ -369,16 +434,28 @@ class PeerServer:
             while True:
                 message = await asyncio.wait_for(peer_wire.read_frame(reader), self.idle_timeout)
                 if "open" in message:
-                    reply = await self._open(str(message["open"]), exposed)
+                    key = str(message["open"])
+                    reply = await self._open(key, exposed)
+                    opened[0] = self.partial.get(key) if reply.get("partial") else None
                     await peer_wire.write_frame(writer, reply)
+                elif "have" in message:
+                    await peer_wire.write_frame(writer, self._have(str(message["have"])))
                 elif "served" in message:  # without a cap: counted after the read, no reply
-                    self.counters.served_bytes += int(message["served"])
-                    self.counters.served_chunks += 1
+                    self._count(int(message["served"]), False)
+                elif "done" in message:  # a staging read ended (no reply)
+                    if granted:
+                        granted.popleft().inflight -= 1
                 elif "grant" in message:
                     n = int(message["grant"])
+                    partial = opened[0]
+                    if partial is not None:
+                        if partial.closing:
+                            await peer_wire.write_frame(writer, {"reopen": True})
+                            continue
+                        partial.inflight += 1
+                        granted.append(partial)
                     await self.bucket.take(n)
-                    self.counters.served_bytes += n
-                    self.counters.served_chunks += 1
+                    self._count(n, partial is not None)
                     await peer_wire.write_frame(writer, {"granted": n})
                 else:
                     return
@@ -386,6 +463,8 @@ class PeerServer:
                 TypeError):
             pass
         finally:
+            for partial in granted:  # reads the peer never reported end with its connection
+                partial.inflight -= 1
             self.counters.serving_peers.pop(peer, None)
             for path in exposed:
                 with contextlib.suppress(HwrError):
@@ -393,13 +472,30 @@ class PeerServer:
             writer.close()
             self._conns.discard(task)
 
+    def _count(self, n: int, staging: bool) -> None:
+        self.counters.served_bytes += n
+        self.counters.served_chunks += 1
+        if staging:
+            self.counters.staging_served_bytes += n
+
+    def _have(self, key: str) -> dict[str, Any]:
+        """The verified ranges of a key being pulled here; ``reopen`` once that pull ended (the
+        staging this connection opened is unmapped: even a committed key must be opened anew)."""
+        partial = self.partial.get(key)
+        if partial is None or partial.closing:
+            return {"reopen": True}
+        return {"have": partial.ranges()}
+
     async def _open(self, key: str, exposed: list[str]) -> dict[str, Any]:
         if not is_key(key) or self.catalog.deny_reason(key) is not None:
             return {"error": "not served"}
+        partial = self.partial.get(key)
         try:
             record = await asyncio.to_thread(self.catalog.lookup_sync, key)
         except HwrError:
-            return {"error": "not here"}
+            if partial is None or partial.closing:
+                return {"error": "not here"}
+            return await self._open_partial(partial, exposed)
         files = []
         metadata = ""
         for entry in record.manifest.files:
@@ -414,6 +510,25 @@ class PeerServer:
             files.append({"name": entry.name, "size": entry.size, "addr": int(reply["addr"])})
             metadata = str(reply["metadata"])
         return {"files": files, "metadata": metadata, "cap": self.bucket.rate}
+
+    async def _open_partial(self, partial: Partial, exposed: list[str]) -> dict[str, Any]:
+        """A pull in progress here: its staging files (allocated at their full size, written only
+        by this node's transfer process and store copies) exposed read-only; the peer reads only
+        the ranges ``have`` names, and verifies them itself."""
+        files = []
+        metadata = ""
+        for name, (path, size) in partial.files.items():
+            try:
+                reply = await self.agent.request("expose", path=path)
+            except HwrError as exc:
+                return {"error": f"cannot expose {name}: {exc.message}"}
+            exposed.append(path)
+            if int(reply["size"]) != size:
+                return {"error": f"{name} is not the planned size"}
+            files.append({"name": name, "size": size, "addr": int(reply["addr"])})
+            metadata = str(reply["metadata"])
+        return {"files": files, "metadata": metadata, "cap": self.bucket.rate, "partial": True,
+                "have": partial.ranges()}
 
 
 class Peers:
@@ -434,6 +549,7 @@ class Peers:
         self.holders = Holders(remote, self.node, self.address, config.fleet_peer_holder_ttl_s, self.networks)
         self.catalog = catalog
         self.server: PeerServer | None = None
+        self.partial: dict[str, Partial] = {}  # keys being pulled here, served while they are
         self._refresh: asyncio.Task[None] | None = None
         self._supervisor: asyncio.Task[None] | None = None
         self.connect_timeout = 5.0
@@ -447,7 +563,8 @@ class Peers:
         await self.agent.start()
         if self.listen is not None:
             self.server = PeerServer(self.agent, self.catalog, self.secret, self.counters,
-                                     self.config.fleet_peer_serve_max_bytes_per_s, self.node, self.networks)
+                                     self.config.fleet_peer_serve_max_bytes_per_s, self.node, self.networks,
+                                     self.partial)
             await self.server.start(*self.listen)
             self._refresh = asyncio.get_running_loop().create_task(self._refresher())
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
@@ -503,14 +620,43 @@ class Peers:
 
     def committed(self, key: str) -> None:
         """A key became committed here (published or pulled): announce it now."""
+        self.partial.pop(key, None)
         if self.serve:
             task = asyncio.get_running_loop().create_task(self._record([key]))
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
+    async def begin_partial(self, key: str, partial: Partial) -> None:
+        """Serve a pull in progress here (its verified ranges) and record this node as a partial holder."""
+        if not self.serve:
+            return
+        self.partial[key] = partial
+        await self._record([key])
+
+    async def release_partial(self, key: str, partial: Partial, *, failed: bool) -> None:
+        """The pull of ``key`` ended (verified, before its commit; or ``failed``): no new staging
+        reads, the granted ones waited for (at most the chunk timeout), the staging unmapped in
+        the transfer process. A failed pull's partial record is removed; a verified one's stays
+        until the commit rewrites it (its readers meanwhile get ``reopen``)."""
+        if self.partial.get(key) is not partial:
+            return
+        partial.closing = True
+        deadline = time.monotonic() + self.chunk_timeout
+        while partial.inflight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        self.partial.pop(key, None)
+        log.info("peer tier: %s's staging no longer served (%d reads still granted)", key[:16], partial.inflight)
+        for path, _size in partial.files.values():
+            with contextlib.suppress(HwrError):
+                await self.agent.request("unexpose", path=path)
+        if failed:
+            with contextlib.suppress(HwrError, OSError):
+                await asyncio.to_thread(self.holders.forget, key)
+
     async def _record(self, keys: list[str]) -> None:
         for key in keys:
+            partial = self.partial.get(key)
             try:
-                await asyncio.to_thread(self.holders.record, key)
+                await asyncio.to_thread(self.holders.record, key, None if partial is None else partial.since)
             except HwrError as exc:
                 log.warning("peer tier: cannot record %s as held here: %s", key[:16], exc.message)
                 return
@@ -519,6 +665,11 @@ class Peers:
         period = max(0.5, self.config.fleet_peer_holder_ttl_s / 3)
         while True:
             keys = sorted(await asyncio.to_thread(self._local_keys))
+            for key, partial in list(self.partial.items()):  # a pull whose commit failed leaves no staging
+                if key in keys or not all(os.path.exists(p) for p, _s in partial.files.values()):
+                    self.partial.pop(key, None)
+                else:
+                    keys.append(key)
             await self._record(keys)
             gone = self.holders.recorded - set(keys)
             for key in gone:
@@ -533,7 +684,9 @@ class Peers:
         c = self.counters
         return {"node": self.node, "address": self.address if self.serve else "", "serve": self.serve,
                 "fetch": self.fetch, "served_bytes": c.served_bytes, "serving_peers": sorted(c.serving_peers),
-                "fetched_bytes": c.fetched_bytes, "fallback_bytes": c.fallback_bytes, "refused": c.refused,
+                "fetched_bytes": c.fetched_bytes,
+                "partial_fetched_bytes": c.partial_fetched_bytes, "staging_served_bytes": c.staging_served_bytes,
+                "fallback_bytes": c.fallback_bytes, "refused": c.refused,
                 "lying_peers": c.lying_peers, "failed_peers": c.failed_peers, "peer_pulls": c.peer_pulls,
                 "cap_bytes_per_s": self.config.fleet_peer_serve_max_bytes_per_s,
                 "agent_rss_bytes": self.agent.memory(), "pulls": list(c.active.values()),

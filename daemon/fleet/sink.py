@@ -50,8 +50,12 @@ class InOrderDigests:
     kept by reference until it is hashed: the caller must not reuse its buffer.
     """
 
-    def __init__(self, fd: int, size: int, ranges: Sequence[tuple[str, int, int]]) -> None:
+    def __init__(self, fd: int, size: int, ranges: Sequence[tuple[str, int, int]],
+                 on_tensor: Callable[[str, str], None] | None = None) -> None:
+        """``on_tensor(name, sha256 hex)``: called on the hashing thread as each tensor's digest
+        is final (in file order), before ``finish``; the peer tier advertises verified tensors."""
         self._fd = fd
+        self._on_tensor = on_tensor
         self._size = size
         self._ranges = sorted((start, end, name) for name, start, end in ranges if end > start)
         self._next_range = 0  # first range that may still overlap bytes at or after the frontier
@@ -120,10 +124,21 @@ class InOrderDigests:
                              view[max(r_start, start) - start:min(r_end, end) - start])
             if r_end <= end:
                 index += 1  # this range is complete: later pieces start after it
+                if self._on_tensor is not None:
+                    self._report(name)
             else:
                 break
         self._next_range = index
         self._frontier = end
+
+    def _report(self, name: str) -> None:
+        """Queue ``on_tensor`` behind the tensor's last update (the tensor thread runs in order)."""
+        tensor, report = self._tensors[name], self._on_tensor
+        assert report is not None
+        try:
+            self._pending.append(self._tensor_pool.submit(lambda: report(name, tensor.hexdigest())))
+        except RuntimeError:
+            self.valid = False
 
     def _submit(self, pool: ThreadPoolExecutor, update: Callable[[memoryview | bytes], None],
                 data: memoryview | bytes) -> None:
@@ -164,11 +179,12 @@ class DownloadSink:
     raises the pull's error once it was stopped."""
 
     def __init__(self, fd: int, size: int, ranges: Sequence[tuple[str, int, int]], *,
-                 progress: Callable[[int], None], check: Callable[[], None]) -> None:
+                 progress: Callable[[int], None], check: Callable[[], None],
+                 on_tensor: Callable[[str, str], None] | None = None) -> None:
         self.fd = fd
         self.size = size
         self.written = 0
-        self.digests = InOrderDigests(fd, size, ranges)
+        self.digests = InOrderDigests(fd, size, ranges, on_tensor)
         self._progress = progress
         self.check = check
         self._lock = threading.Lock()

@@ -64,13 +64,15 @@ def peer_status(fleet: Fleet) -> pb.PeerTierStatus | None:
         return None
     s = fleet.peers.status()
     pulls = [pb.PeerPull(key=p["key"], peers=p["peers"], done_bytes=p["done_bytes"], total_bytes=p["total_bytes"],
-                         started_at=p["started_at"], from_store_bytes=p["from_store_bytes"]) for p in s["pulls"]]
+                         started_at=p["started_at"], from_store_bytes=p["from_store_bytes"],
+                         verified_bytes=p.get("verified_bytes", 0)) for p in s["pulls"]]
     return pb.PeerTierStatus(
         node=s["node"], address=s["address"], serve=s["serve"], fetch=s["fetch"], served_bytes=s["served_bytes"],
         serving_peers=s["serving_peers"], fetched_bytes=s["fetched_bytes"], fallback_bytes=s["fallback_bytes"],
         refused=s["refused"], lying_peers=s["lying_peers"], failed_peers=s["failed_peers"],
         peer_pulls=s["peer_pulls"], cap_bytes_per_s=s["cap_bytes_per_s"], agent_rss_bytes=s["agent_rss_bytes"],
-        pulls=pulls, agent_restarts=s["agent_restarts"], agent_pid=s["agent_pid"])
+        pulls=pulls, agent_restarts=s["agent_restarts"], agent_pid=s["agent_pid"],
+        staging_served_bytes=s["staging_served_bytes"], partial_fetched_bytes=s["partial_fetched_bytes"])
 
 
 async def _remote_key(fleet: Fleet, text: str) -> str:

@@ -713,7 +713,7 @@ class RemoteStatus(_message.Message):
     def __init__(self, url: _Optional[str] = ..., reachable: _Optional[bool] = ..., error: _Optional[str] = ..., push: _Optional[bool] = ..., pending_pushes: _Optional[int] = ..., pulls_in_flight: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., pulls: _Optional[_Iterable[_Union[RemotePull, _Mapping]]] = ..., error_code: _Optional[str] = ..., peers: _Optional[_Union[PeerTierStatus, _Mapping]] = ...) -> None: ...
 
 class PeerTierStatus(_message.Message):
-    __slots__ = ("node", "address", "serve", "fetch", "served_bytes", "serving_peers", "fetched_bytes", "fallback_bytes", "refused", "lying_peers", "failed_peers", "peer_pulls", "cap_bytes_per_s", "agent_rss_bytes", "pulls", "agent_restarts", "agent_pid")
+    __slots__ = ("node", "address", "serve", "fetch", "served_bytes", "serving_peers", "fetched_bytes", "fallback_bytes", "refused", "lying_peers", "failed_peers", "peer_pulls", "cap_bytes_per_s", "agent_rss_bytes", "pulls", "agent_restarts", "agent_pid", "staging_served_bytes", "partial_fetched_bytes")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SERVE_FIELD_NUMBER: _ClassVar[int]
@@ -731,6 +731,8 @@ class PeerTierStatus(_message.Message):
     PULLS_FIELD_NUMBER: _ClassVar[int]
     AGENT_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     AGENT_PID_FIELD_NUMBER: _ClassVar[int]
+    STAGING_SERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FETCHED_BYTES_FIELD_NUMBER: _ClassVar[int]
     node: str
     address: str
     serve: bool
@@ -748,7 +750,9 @@ class PeerTierStatus(_message.Message):
     pulls: _containers.RepeatedCompositeFieldContainer[PeerPull]
     agent_restarts: int
     agent_pid: int
-    def __init__(self, node: _Optional[str] = ..., address: _Optional[str] = ..., serve: _Optional[bool] = ..., fetch: _Optional[bool] = ..., served_bytes: _Optional[int] = ..., serving_peers: _Optional[_Iterable[str]] = ..., fetched_bytes: _Optional[int] = ..., fallback_bytes: _Optional[int] = ..., refused: _Optional[int] = ..., lying_peers: _Optional[int] = ..., failed_peers: _Optional[int] = ..., peer_pulls: _Optional[int] = ..., cap_bytes_per_s: _Optional[int] = ..., agent_rss_bytes: _Optional[int] = ..., pulls: _Optional[_Iterable[_Union[PeerPull, _Mapping]]] = ..., agent_restarts: _Optional[int] = ..., agent_pid: _Optional[int] = ...) -> None: ...
+    staging_served_bytes: int
+    partial_fetched_bytes: int
+    def __init__(self, node: _Optional[str] = ..., address: _Optional[str] = ..., serve: _Optional[bool] = ..., fetch: _Optional[bool] = ..., served_bytes: _Optional[int] = ..., serving_peers: _Optional[_Iterable[str]] = ..., fetched_bytes: _Optional[int] = ..., fallback_bytes: _Optional[int] = ..., refused: _Optional[int] = ..., lying_peers: _Optional[int] = ..., failed_peers: _Optional[int] = ..., peer_pulls: _Optional[int] = ..., cap_bytes_per_s: _Optional[int] = ..., agent_rss_bytes: _Optional[int] = ..., pulls: _Optional[_Iterable[_Union[PeerPull, _Mapping]]] = ..., agent_restarts: _Optional[int] = ..., agent_pid: _Optional[int] = ..., staging_served_bytes: _Optional[int] = ..., partial_fetched_bytes: _Optional[int] = ...) -> None: ...
 
 class ListPeerHoldersRequest(_message.Message):
     __slots__ = ("key",)
@@ -783,20 +787,22 @@ class PeerHolder(_message.Message):
     def __init__(self, key: _Optional[str] = ..., node: _Optional[str] = ..., address: _Optional[str] = ..., recorded_at: _Optional[float] = ..., expires_at: _Optional[float] = ..., live: _Optional[bool] = ...) -> None: ...
 
 class PeerPull(_message.Message):
-    __slots__ = ("key", "peers", "done_bytes", "total_bytes", "started_at", "from_store_bytes")
+    __slots__ = ("key", "peers", "done_bytes", "total_bytes", "started_at", "from_store_bytes", "verified_bytes")
     KEY_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     DONE_BYTES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     FROM_STORE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_BYTES_FIELD_NUMBER: _ClassVar[int]
     key: str
     peers: _containers.RepeatedScalarFieldContainer[str]
     done_bytes: int
     total_bytes: int
     started_at: float
     from_store_bytes: int
-    def __init__(self, key: _Optional[str] = ..., peers: _Optional[_Iterable[str]] = ..., done_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., started_at: _Optional[float] = ..., from_store_bytes: _Optional[int] = ...) -> None: ...
+    verified_bytes: int
+    def __init__(self, key: _Optional[str] = ..., peers: _Optional[_Iterable[str]] = ..., done_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., started_at: _Optional[float] = ..., from_store_bytes: _Optional[int] = ..., verified_bytes: _Optional[int] = ...) -> None: ...
 
 class RemotePull(_message.Message):
     __slots__ = ("key", "phase", "done_bytes", "total_bytes", "started_at", "waiters")
