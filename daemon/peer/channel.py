@@ -88,8 +88,7 @@ from hwr.daemon.system.peercred import AllowList, peer_allowed, read_peercred
 
 if TYPE_CHECKING:
     from hwr.daemon.peer.publication_frames import PublicationFrames
-    from hwr.daemon.service.channels import Channels
-    from hwr.daemon.service.leasing import Grant, Leasing
+    from hwr.daemon.service.leasing import ArtifactRef, Grant, Leasing
 
 __all__ = ["PeerServer"]
 
@@ -125,7 +124,6 @@ class PeerServer:
         leasing: Leasing | None = None,
         publishing: PublicationFrames | None = None,
         limits: PeerLimits | None = None,
-        channels: Channels | None = None,
     ) -> None:
         self.path = path
         self._registry = registry
@@ -133,7 +131,6 @@ class PeerServer:
         self._on_session_end = on_session_end
         self._leasing = leasing  # acquire/release/lease descriptors; None: refused
         self._publishing = publishing  # publish_* and staging descriptors; None: refused
-        self._channels = channels  # acquire through a channel; None: refused
         self._mode = mode
         self._sock = listen_sock
         self._task: asyncio.Task[None] | None = None
@@ -255,8 +252,10 @@ class PeerServer:
         op = req.get("op")
         try:
             if op == "acquire":
-                key = _acquire_key(req, self._channels)
-                now = self._leasing.grant_now(session, key, have=_have(req)) if self._leasing is not None else None
+                if self._leasing is None:
+                    return LATER  # refused there
+                key = self._leasing.key_for(_artifact_ref(req))
+                now = self._leasing.grant_now(session, key, have=_have(req))
                 if now is None:
                     return LATER
                 return _granted(now)
@@ -281,9 +280,9 @@ class PeerServer:
                     raise PermissionDeniedError(f"peer operation {op!r} is not served here")
                 reply, fds = await getattr(self._publishing, _PUBLISH_OPS[op])(session, req)
                 return reply, fds, b""
-            key = _acquire_key(req, self._channels)
             if self._leasing is None:
                 raise PermissionDeniedError("peer operation 'acquire' is not served here")
+            key = self._leasing.key_for(_artifact_ref(req))
             pull = req.get("pull")
             if pull not in (None, "wait", "fallback"):
                 raise InvalidRequest("pull must be 'wait' or 'fallback'", details={"field": "pull"})
@@ -305,7 +304,7 @@ class PeerServer:
             await asyncio.wait({acquiring}, timeout=interval)
             if acquiring.done():
                 return
-            progress = self._leasing.catalog.pulling(key)
+            progress = self._leasing.pulling(key)
             if progress is None:
                 continue  # validating or waiting out an eviction round: short, no report
             if not notify({"ok": True, "pending": "pull", "key": key, "remote": progress.remote,
@@ -351,22 +350,23 @@ class PeerServer:
         raise PermissionDeniedError(f"unknown peer operation {str(op)[:40]!r}")
 
 
-def _acquire_key(req: dict[str, Any], channels: Channels | None) -> str:
-    from hwr.daemon.service.leasing import key_of
+def _artifact_ref(req: dict[str, Any]) -> ArtifactRef:
+    """The acquire's reference, decoded (``Leasing.key_for`` resolves it; a channel to the key it
+    points to now, in the same loop step as the lease)."""
+    from hwr.client.channels import check_channel_name
+    from hwr.daemon.service.leasing import ArtifactRef
 
     channel = req.get("channel")
-    if channel is not None:  # the key it points to now (resolved in the same loop step as the lease)
-        if channels is None:
-            raise InvalidRequest("this hwrd serves no channels", details={"field": "channel"})
-        return channels.resolve(channel)
+    if channel is not None:
+        return ArtifactRef(channel=check_channel_name(channel))
     key, identity = req.get("key"), req.get("identity")
     if identity is not None:
         if not isinstance(identity, str) or len(identity) > MAX_FRAME:
             raise InvalidRequest("identity must be canonical identity JSON text", details={"field": "identity"})
-        return key_of(identity_json=identity.encode())
+        return ArtifactRef(identity_json=identity.encode())
     if key is not None and not isinstance(key, str):
         raise InvalidRequest("key must be 64 lowercase hex digits", details={"field": "artifact.key"})
-    return key_of(key=key)
+    return ArtifactRef(key=key)
 
 
 def _have(req: dict[str, Any]) -> str | None:

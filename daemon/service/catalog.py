@@ -122,6 +122,10 @@ class MissFetcher(Protocol):
     def pulling(self, key: str) -> PullState | None: ...
 
 
+def _no_fetcher() -> MissFetcher | None:
+    return None
+
+
 @dataclass(frozen=True)
 class Entry:
     """One listed artifact: its key and its record (None for a denied key whose directory is
@@ -133,14 +137,16 @@ class Entry:
 
 class Catalog:
     def __init__(self, store: Store, marks: EvictionMarks, *, pins: PinnedKeys | None = None,
-                 on_verification_failure: Callable[[str], None] | None = None) -> None:
+                 on_verification_failure: Callable[[str], None] | None = None,
+                 fetcher: Callable[[], MissFetcher | None] | None = None) -> None:
         self._store = store
         self._records = store.records  # the record cache, read directly on the acquire hot path
         self._marks = marks  # an acquire of a key an eviction round marked waits for the round
         self._pins = pins  # None: nothing is pinned (a catalog without the node service's pins)
         self._on_verification_failure = on_verification_failure
-        #: Filled by the wiring when a remote tier is configured (it is built after the catalog).
-        self.fetcher: MissFetcher | None = None
+        # The remote tier's puller, asked for at each miss: the tier is built after the catalog
+        # (over it), so the graph hands a getter; None: no remote tier.
+        self._fetcher = fetcher or _no_fetcher
         # key -> (manifest object, its JSON bytes, sha256 hex of the bytes): rebuilt when the
         # store's record (and so its manifest object) changes.
         self._manifests: dict[str, tuple[object, bytes, str]] = {}
@@ -167,9 +173,10 @@ class Catalog:
         try:
             return await self.lookup_settled(key)
         except ArtifactNotFound:
-            if self.fetcher is None or not pull:
+            fetcher = self._fetcher()
+            if fetcher is None or not pull:
                 raise
-            await self.fetcher.pull_on_miss(key, how)  # a miss here: pull it from the remote tier, then
+            await fetcher.pull_on_miss(key, how)  # a miss here: pull it from the remote tier, then
             return await self.lookup_settled(key)  # wait out an eviction round again
         except (ManifestCorrupt, ManifestIncompatible, ChecksumMismatch) as exc:
             if self._on_verification_failure is not None:
@@ -178,7 +185,8 @@ class Catalog:
 
     def pulling(self, key: str) -> PullState | None:
         """The pull of ``key`` in flight, if a remote tier runs one."""
-        return None if self.fetcher is None else self.fetcher.pulling(key)
+        fetcher = self._fetcher()
+        return None if fetcher is None else fetcher.pulling(key)
 
     def lookup_sync(self, key: str) -> ArtifactRecord:
         """For a key a lease already holds (the peer channel's descriptor request, off the

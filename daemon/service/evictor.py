@@ -87,13 +87,14 @@ class Evictor:
 
     ``reservations``: the capacity's ledger; a key reserved by a publication (from its admission
     until it is finished, its build included) is never an eviction candidate.
-    ``protected(key)``: True while a channel needs ``key`` (``Channels.protects``; set by the
-    daemon, none by default).
+    ``protected(key)``: True while a channel needs ``key`` (``Channels.protects``; given by the
+    service graph, none by default).
     """
 
     def __init__(self, store: Store, catalog: Catalog, marks: EvictionMarks, registry: Registry, recency: Recency,
                  holds: LeaseHolds, scan: MappingScan, pins: PinSet, purger: Purger,
-                 reservations: Reservations) -> None:
+                 reservations: Reservations, *, protected: Callable[[str], bool] | None = None,
+                 on_evict: Callable[[str], None] | None = None) -> None:
         self.store = store  # removals only; records come from ``catalog``
         self.catalog = catalog
         self.marks = marks
@@ -104,8 +105,8 @@ class Evictor:
         self.pins = pins
         self.purger = purger
         self.reservations = reservations
-        self.on_evict: Callable[[str], None] | None = None  # metrics hook: reason is a fixed word
-        self.protected: Callable[[str], bool] = _nothing_protected
+        self.on_evict = on_evict  # metrics hook: reason is a fixed word
+        self.protected: Callable[[str], bool] = protected or _nothing_protected
         self.evictions = 0
 
     def is_busy(self, key: str) -> bool:
