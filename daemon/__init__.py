@@ -34,6 +34,10 @@ forward: ``peer.channel`` (or ``rpc.servicer``: parse, encode the grant) -> ``se
 ``service.catalog`` (the eviction marks, the read API's record and payload opens) ->
 ``store.records`` (the cached record, the ``fstat``-checked opens), and back with descriptors.
 The transports never import ``store``; only ``service.catalog`` reads its records.
+
+The ``service`` room has floors of its own (:data:`SERVICE_FLOORS`), checked the same way: a
+service module imports from its own floor and the floors below, never above, and the service
+room's modules import each other in no circle (type-only imports count).
 """
 
 #: The rooms from the bottom up; rooms in one tuple are siblings (neither imports the other).
@@ -48,4 +52,19 @@ ROOMS: tuple[tuple[str, ...], ...] = (
     ("peer", "rpc"),
     ("app",),
     ("ctl",),
+)
+
+#: The ``service`` room's inner floors from the bottom up: (floor, its modules). From the bottom:
+#: ``who`` (the session and lease table, the roles, the running settings); ``reader`` (the read
+#: API in front of the store and the eviction marks it waits on); ``holds`` (what holds a key and
+#: what a grant touches: the lease journal, the mapping scan, recency, pins, weight channels,
+#: scrub, and ``Leasing``, which grants, journals and releases every lease); ``capacity``
+#: (eviction, purging retired bytes, admission and reservations); ``publishing`` (publications,
+#: their handover and checks, and housekeeping, which expires them).
+SERVICE_FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("who", ("sessions", "roles", "settings")),
+    ("reader", ("eviction_marks", "catalog")),
+    ("holds", ("lease_journal", "mapping_scan", "recency", "pinning", "channels", "scrubber", "leasing")),
+    ("capacity", ("purger", "evictor", "capacity")),
+    ("publishing", ("handover", "publication_checks", "publishing", "housekeeping")),
 )

@@ -36,7 +36,7 @@ from hwr.daemon.fleet.tier import Fleet
 from hwr.daemon.service.capacity import Capacity
 from hwr.daemon.service.catalog import Catalog
 from hwr.daemon.service.channels import Channels
-from hwr.daemon.service.evictor import EvictionMarks
+from hwr.daemon.service.eviction_marks import EvictionMarks
 from hwr.daemon.service.housekeeping import Housekeeping
 from hwr.daemon.service.lease_journal import LeaseHolds, LeaseJournal
 from hwr.daemon.service.leasing import Leasing

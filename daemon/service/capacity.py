@@ -47,7 +47,8 @@ from typing import TYPE_CHECKING
 
 from hwr.client.errors import ActiveBuildTimeout
 from hwr.daemon.policy.capacity import CapacityPolicy, Reservation, Reservations, Usage, assess, shortfall_error
-from hwr.daemon.service.evictor import EvictionMarks, EvictionReport, Evictor
+from hwr.daemon.service.eviction_marks import EvictionMarks
+from hwr.daemon.service.evictor import EvictionReport, Evictor
 from hwr.daemon.service.purger import Purger
 
 if TYPE_CHECKING:

@@ -57,8 +57,7 @@ from hwr.daemon.policy.key_prefix import unique_prefix
 from hwr.daemon.store.inspection import ArtifactRecord, inspect_artifact
 
 if TYPE_CHECKING:
-    from hwr.daemon.service.evictor import EvictionMarks
-    from hwr.daemon.service.mapping_scan import PayloadFiles
+    from hwr.daemon.service.eviction_marks import EvictionMarks
     from hwr.daemon.store.root import Store
 
 __all__ = ["WAIT", "ArtifactRecord", "Catalog", "Entry", "MissFetcher", "MissPolicy",
@@ -264,7 +263,7 @@ class Catalog:
         """Bytes of the artifacts in ``artifacts/`` (the store's in-memory accounting)."""
         return self._store.usage.total()
 
-    def inspected(self, key: str) -> PayloadFiles | None:
+    def inspected(self, key: str) -> ArtifactRecord | None:
         """The validated record, else a fresh inspection of a denied artifact (its payload
         inodes, for the mapping scan); None when neither reads."""
         try:

@@ -45,6 +45,7 @@ from hwr.daemon.policy.eviction import Candidate, Plan, plan
 if TYPE_CHECKING:
     from hwr.daemon.policy.capacity import Reservations
     from hwr.daemon.service.catalog import Catalog
+    from hwr.daemon.service.eviction_marks import EvictionMarks
     from hwr.daemon.service.lease_journal import LeaseHolds
     from hwr.daemon.service.mapping_scan import MappingScan, PayloadFiles
     from hwr.daemon.service.pinning import PinSet
@@ -54,24 +55,9 @@ if TYPE_CHECKING:
     from hwr.daemon.store.inspection import ArtifactRecord
     from hwr.daemon.store.root import Store
 
-__all__ = ["EvictionMarks", "EvictionReport", "Evictor"]
+__all__ = ["EvictionReport", "Evictor"]
 
 log = logging.getLogger("hwrd.store")
-
-
-class EvictionMarks:
-    """The keys an eviction round (or an eviction by hand) has marked, and the event set when
-    they are unmarked. The read API waits on them (an acquire of a marked key waits for the
-    round to end); a round never waits on a reader. ``settled`` is replaced at each ``settle``:
-    a waiter waits on the event it read."""
-
-    def __init__(self) -> None:
-        self.evicting: set[str] = set()
-        self.settled = asyncio.Event()
-
-    def settle(self) -> None:
-        self.settled.set()
-        self.settled = asyncio.Event()
 
 
 @dataclass
