@@ -25,7 +25,7 @@ __all__ = ["exposition"]
 
 def exposition(*, catalog: Catalog, registry: Registry, publications: Publishing, metrics: Instruments,
                fleet: Fleet | None, channels: Channels | None = None) -> bytes:
-    records = catalog.artifacts_now()
+    records = catalog.records_now()
     pubs = Counter("hwr_publications_total", "Publications finished, by outcome.", "outcome")
     pubs.inc("committed", publications.committed)
     pubs.inc("failed", publications.failed)

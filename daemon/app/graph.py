@@ -98,7 +98,7 @@ class ServiceGraph:
                           fetcher=fetcher)
         lease_holds = LeaseHolds(LeaseJournal.open(root / "leases.journal"))
         recency = Recency(AccessTimes(root / "access.json"), catalog)
-        channels = Channels.open(root, catalog.is_volatile, catalog.lookup_settled)
+        channels = Channels.open(root, catalog.is_volatile, catalog.record_settled)
         capacity = Capacity(config, store, catalog, registry, marks=marks, pins=pins, holds=lease_holds,
                             recency=recency, scan=MappingScan(lease_holds),
                             protected=channels.protects,  # a channel's keys are never evicted

@@ -219,7 +219,7 @@ class Daemon:
         graph = self.graph
         if graph is None:
             return "serving: 0 artifacts, 0 leases, 0 sessions"
-        return (f"serving: {len(graph.catalog.artifacts_now())} artifacts, {graph.registry.lease_count()} leases, "
+        return (f"serving: {len(graph.catalog.records_now())} artifacts, {graph.registry.lease_count()} leases, "
                 f"{len(graph.registry.sessions())} sessions")
 
     def set_capacity(self, config: DaemonConfig) -> None:

@@ -340,7 +340,7 @@ class PeerServer:
         if not is_key(key) or self.catalog.deny_reason(key) is not None:
             return {"error": "not served"}
         try:
-            record = await asyncio.to_thread(self.catalog.lookup_sync, key)
+            record = await asyncio.to_thread(self.catalog.record_blocking, key)
         except HwrError:
             return {"error": "not here"}
         files = []
@@ -433,7 +433,7 @@ class Peers:
             await asyncio.sleep(period)
 
     def _local_keys(self) -> list[str]:
-        return [r.key for r in self.catalog.artifacts_now() if self.catalog.deny_reason(r.key) is None]
+        return [r.key for r in self.catalog.records_now() if self.catalog.deny_reason(r.key) is None]
 
     def status(self) -> dict[str, Any]:
         c = self.counters

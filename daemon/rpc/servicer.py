@@ -194,7 +194,7 @@ class Servicer(ChannelsRpc, RemoteRpc, StoreAdminRpc, CheckpointsMixin, Handlers
     async def GetStatus(self, request: pb.GetStatusRequest, context: Ctx) -> pb.GetStatusResponse:
         self._session(context)
         c = self.c
-        records = await c.catalog.artifacts()
+        records = await c.catalog.records()
         return pb.GetStatusResponse(
             version=__version__, root=str(c.settings.config.root), socket=str(c.socket_path),
             artifacts=len(records), leases=c.registry.lease_count(),

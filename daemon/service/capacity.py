@@ -221,7 +221,7 @@ class Capacity:
     def _disk_usage(self) -> tuple[int, int, int]:
         """(committed bytes, free bytes, what the filesystem holds for us when empty: its size
         less the blocks reserved for root, which an unprivileged daemon cannot use)."""
-        committed = self.catalog.committed_bytes()
+        committed = self._store.usage.total()
         st = os.statvfs(self._store.root)
         reserved_for_root = st.f_bfree - st.f_bavail
         return committed, st.f_bavail * st.f_frsize, max(0, st.f_blocks - reserved_for_root) * st.f_frsize

@@ -6,7 +6,7 @@ capacity lock)::
     1. candidates = artifacts that are not leased, pinned, a channel's, held (journal),
        publishing or denied
     2. mark them EVICTING: an Acquire of a marked key waits until the round ends
-       (``Catalog.lookup_settled`` waits on ``settled``)
+       (``Catalog.record_settled`` waits on ``settled``)
     3. scan /proc/*/maps once for their payload (dev, inode)s, off the event loop; skipped for
        keys never leased (nobody can map them) and for keys a scan found unmapped that nobody
        acquired since (``MappingScan``)
@@ -81,7 +81,7 @@ class Evictor:
                  holds: LeaseHolds, scan: MappingScan, pins: PinSet, purger: Purger,
                  reservations: Reservations, *, protected: Callable[[str], bool] | None = None,
                  on_evict: Callable[[str], None] | None = None) -> None:
-        self.store = store  # removals only; records come from ``catalog``
+        self.store = store  # removals and the usage rescan; records come from ``catalog``
         self.catalog = catalog
         self.marks = marks
         self.registry = registry
@@ -138,7 +138,7 @@ class Evictor:
                         break
                     popped.append(entry)
                     last, key = entry
-                    record = self.catalog.listed(key)
+                    record = self.catalog.listed_record(key)
                     if record is None:  # removed or denied since: it comes back through Recency.sync
                         lru.forget(key)
                         continue
@@ -235,7 +235,7 @@ class Evictor:
     async def evict(self, key: str) -> int:
         """Evict ``key`` by hand (the caller holds the capacity lock); ``ActiveLease``
         (details.reason) when anything uses it."""
-        sizes = await self.catalog.rescan_usage()
+        sizes = await asyncio.to_thread(self.store.rescan_usage)
         if key not in sizes:
             raise ArtifactNotFound("no artifact with that key", details={"key": key})
         c = self.flags(key, sizes[key], 0.0)

@@ -17,7 +17,7 @@ A warm acquire crosses three module boundaries each way, none a pure forward::
 The grant, step by step (nothing awaits between the eviction check and ``add_lease``, so no
 eviction round can mark the key in between):
 
-1. record = ``Catalog.lookup_now``: the cached validated record when the key is not being
+1. record = ``Catalog.record_now``: the cached validated record when the key is not being
    evicted (no disk access, no thread hop: the trust argument is ``RecordCache.cached``'s); when
    it is None ``grant_now`` returns None and the transport awaits ``grant``, which awaits
    ``Catalog.lookup`` (validates from disk in a worker thread, waits out an eviction round,
@@ -176,7 +176,7 @@ class Leasing:
         """The grant without awaiting, when the record is cached and the key is not being
         evicted; None when the caller must ``await grant`` instead (nothing was done)."""
         started = time.perf_counter()
-        record = self._catalog.lookup_now(key)
+        record = self._catalog.record_now(key)
         if record is None:
             return None
         return self._grant(session, key, record, started, have, descriptors)
@@ -185,9 +185,9 @@ class Leasing:
                     wait: bool = True) -> Grant:
         """The whole acquire (module docstring, steps 1-5); ``wait`` as ``MissPolicy.wait``."""
         started = time.perf_counter()
-        record = self._catalog.lookup_now(key)
+        record = self._catalog.record_now(key)
         if record is None:
-            record = await self._catalog.lookup(key, how=self.miss_policy(session, wait=wait))
+            record = await self._catalog.record_or_pull(key, how=self.miss_policy(session, wait=wait))
         return self._grant(session, key, record, started, have, descriptors)
 
     def miss_policy(self, session: Session, *, wait: bool = True) -> MissPolicy:
@@ -273,7 +273,7 @@ class Leasing:
     def _payload_fds(self, record: ArtifactRecord) -> list[int]:
         """Step 4: read-only payload descriptors in manifest order, journal flushed (the caller
         sends and closes them); the descriptors are closed again when the flush fails."""
-        fds = self._catalog.open_payloads(record)
+        fds = [fd for _name, fd in self._catalog.open_payloads(record)]
         try:
             self._flush_journal()
         except BaseException:
@@ -287,7 +287,7 @@ class Leasing:
         if lease.key.startswith(CHECKPOINT_LEASE_PREFIX):
             checkpoints = self._checkpoints
             return checkpoints.open_fds(checkpoints.get(lease.key[len(CHECKPOINT_LEASE_PREFIX):]))
-        return self._payload_fds(self._catalog.lookup_sync(lease.key))
+        return self._payload_fds(self._catalog.record_blocking(lease.key))
 
     def _flush_journal(self) -> None:
         if self._holds is not None:

@@ -167,7 +167,7 @@ class Publishing:
 
     def _exists(self, key: str) -> bool:
         try:
-            self._catalog.lookup_sync(key)
+            self._catalog.record_blocking(key)
         except ArtifactNotFound:
             return False
         return True
@@ -279,8 +279,8 @@ class Publishing:
         (evicted, denied): the writer then writes every tensor. A request that names tensors
         the base does not have as specified is ``InvalidRequest``."""
         try:
-            record = self._catalog.lookup_sync(base)
-            fds = self._catalog.open_named_payloads(record)
+            record = self._catalog.record_blocking(base)
+            fds = self._catalog.open_payloads(record)
         except InvalidRequest:
             raise
         except HwrError:
