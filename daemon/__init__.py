@@ -23,13 +23,13 @@ From the bottom up:
                  published through the service's publications (prewarm); only that process
                  (``producers.worker``, ``producers.blocks``) imports torch, hwrd never does
 ``fleet``        the remote tier: pull on miss, push after publish
-``peer`` ``rpc`` the two transports (Unix-socket peer channel with descriptor passing; gRPC),
+``peer`` ``rpc`` the two transports (Unix-socket peer socket with descriptor passing; gRPC),
                  siblings that never import each other
 ``app``          wiring: builds every object with its collaborators, starts and stops them (hwrd)
 ``ctl``          hwrctl, a client application of the daemon (imports only the client library)
 
 A warm acquire crosses them once, top-down, three module boundaries each way and none a pure
-forward: ``peer.channel`` (or ``rpc.servicer``: parse, encode the grant) -> ``service.leasing``
+forward: ``peer.server`` (or ``rpc.servicer``: parse, encode the grant) -> ``service.leasing``
 (``Leasing.grant``: lookup, lease, manifest, descriptors, journal flush, rollback) ->
 ``service.catalog`` (the eviction marks, the read API's record and payload opens) ->
 ``store.records`` (the cached record, the ``fstat``-checked opens), and back with descriptors.

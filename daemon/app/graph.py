@@ -94,7 +94,7 @@ class ServiceGraph:
         def fetcher() -> MissFetcher | None:
             return fleet
 
-        catalog = Catalog(store, marks, pins=pins, on_verification_failure=metrics.count_verification_failure,
+        catalog = Catalog(store, marks, pins=pins, on_check_failure=metrics.count_check_failure,
                           fetcher=fetcher)
         lease_holds = LeaseHolds(LeaseJournal.open(root / "leases.journal"))
         recency = Recency(AccessTimes(root / "access.json"), catalog)

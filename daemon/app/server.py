@@ -12,7 +12,7 @@ this object typed as ``Settings`` (those two only).
 
 Start order: check the socket directory (``fsguard.socket_dir_problem``) -> open the store (takes
 the root's lock, recovers staging, validates artifacts) -> the node service -> the fleet tier ->
-checkpoints -> bind the peer channel -> bind gRPC (health SERVING last). Stop order (SIGTERM):
+checkpoints -> bind the peer socket -> bind gRPC (health SERVING last). Stop order (SIGTERM):
 health NOT_SERVING -> stop accepting peers -> gRPC ``stop(grace)`` lets in-flight RPCs finish ->
 close peer connections (ends sessions, aborts staged publications) -> fleet -> node service ->
 close the store (drops the lock). A publication in COMMITTING during shutdown finishes inside the
@@ -20,7 +20,7 @@ grace period or is left as staging, which the next start reclaims: the store is 
 step.
 
 Socket activation (``hwr.daemon.system.activation``): sockets inherited from systemd replace the
-binds of the peer channel and/or gRPC (gRPC then listens on a private ``<socket>.grpc`` behind a
+binds of the peer socket and/or gRPC (gRPC then listens on a private ``<socket>.grpc`` behind a
 relay); inherited paths are never unlinked. Metrics (``hwr.daemon.app.exposition``) start last,
 when configured.
 """
@@ -43,9 +43,9 @@ from hwr.client.errors import HwrError
 from hwr.client.paths import peer_path
 from hwr.daemon.app.exposition import exposition
 from hwr.daemon.app.graph import ServiceGraph
-from hwr.daemon.peer.channel import PeerServer
 from hwr.daemon.peer.limits import PeerLimits
 from hwr.daemon.peer.publication_frames import PublicationFrames
+from hwr.daemon.peer.server import PeerServer
 from hwr.daemon.policy.capacity import CapacityPolicy
 from hwr.daemon.rpc.collaborators import RpcCollaborators
 from hwr.daemon.rpc.decode import add_servicer
@@ -120,7 +120,7 @@ class Daemon:
             peer_path(self.socket_path), limits=PeerLimits.from_config(config),
             registry=graph.registry, allow=lambda: self._allow, on_session_end=self._on_session_end,
             mode=config.socket_mode, listen_sock=self.inherited.peer, leasing=graph.leasing,
-            publishing=PublicationFrames(graph.publications, self.settings),
+            publication_frames=PublicationFrames(graph.publications, self.settings),
         )
         await self._peer.start()
         if self.inherited.peer is None:
@@ -247,7 +247,7 @@ class Daemon:
 
     async def _on_session_end(self, session: Session) -> None:
         graph = self.graph
-        assert graph is not None  # sessions exist only once the peer channel serves
+        assert graph is not None  # sessions exist only once the peer socket serves
         released = graph.leasing.end_session(session)
         graph.channels.session_ended(session.session_id)
         aborted = 0

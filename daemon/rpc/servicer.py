@@ -74,7 +74,7 @@ class Servicer(ChannelsRpc, RemoteRpc, StoreAdminRpc, CheckpointsMixin, Handlers
         session = self._session(context)
         ref = request.artifact
         key = self.c.leasing.key_for(_artifact_ref(ref))
-        # The peer channel's grant; gRPC carries no descriptors (they come on the peer channel).
+        # The peer socket's grant; gRPC carries no descriptors (they come on the peer socket).
         grant = await self.c.leasing.grant(session, key, descriptors=False)
         return pb.AcquireResponse(
             lease_id=grant.lease_id, lease_token=grant.token, key=grant.key, manifest_json=grant.manifest,

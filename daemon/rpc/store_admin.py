@@ -72,7 +72,7 @@ class StoreAdminRpc(Handlers):
         try:
             record = job.result()
         except HwrError as exc:
-            self.c.metrics.count_verification_failure(exc.code)
+            self.c.metrics.count_check_failure(exc.code)
             quarantined = exc.code == "CHECKSUM_MISMATCH"
             yield pb.VerifyArtifactResponse(
                 key=key, finished=True, ok=False, error_code=exc.code, message=exc.message,

@@ -144,13 +144,13 @@ class Entry:
 
 class Catalog:
     def __init__(self, store: Store, marks: EvictionMarks, *, pins: PinnedKeys | None = None,
-                 on_verification_failure: Callable[[str], None] | None = None,
+                 on_check_failure: Callable[[str], None] | None = None,
                  fetcher: Callable[[], MissFetcher | None] | None = None) -> None:
         self._store = store
         self._records = store.records  # the record cache, read directly on the acquire hot path
         self._marks = marks  # an acquire of a key an eviction round marked waits for the round
         self._pins = pins  # None: nothing is pinned (a catalog without the node service's pins)
-        self._on_verification_failure = on_verification_failure
+        self._on_check_failure = on_check_failure
         # The remote tier's puller, asked for at each miss: the tier is built after the catalog
         # (over it), so the graph hands a getter; None: no remote tier.
         self._fetcher = fetcher or _no_fetcher
@@ -190,8 +190,8 @@ class Catalog:
             await fetcher.pull_on_miss(key, how)  # a miss here: pull it from the remote tier, then
             return await self.record_settled(key)  # wait out an eviction round again
         except (ManifestCorrupt, ManifestIncompatible, ChecksumMismatch) as exc:
-            if self._on_verification_failure is not None:
-                self._on_verification_failure(exc.code)
+            if self._on_check_failure is not None:
+                self._on_check_failure(exc.code)
             raise
 
     def pulling(self, key: str) -> PullState | None:
@@ -201,7 +201,7 @@ class Catalog:
 
     def record_blocking(self, key: str) -> ArtifactRecord:
         """The cached record, else the store's full lookup in this thread (blocking; waits for
-        no eviction round and no pull): for a key a lease already holds (the peer channel's
+        no eviction round and no pull): for a key a lease already holds (the peer socket's
         descriptor request) or a worker thread (a push, a reuse base, a build)."""
         return self.record_now(key) or self._records.lookup(key)
 

@@ -1,15 +1,15 @@
-"""Acquire and release: the one lease grant behind gRPC and the peer channel.
+"""Acquire and release: the one lease grant behind gRPC and the peer socket.
 
 ``Leasing.grant`` (and its synchronous fast path ``grant_now``) is the whole acquire use case:
-both transports call it with the same arguments and only encode its ``Grant`` (the peer channel
-``hwr.daemon.peer.channel``: a JSON frame, the descriptors and the manifest tail; gRPC
+both transports call it with the same arguments and only encode its ``Grant`` (the peer socket
+``hwr.daemon.peer.server``: a JSON frame, the descriptors and the manifest tail; gRPC
 ``hwr.daemon.rpc.servicer``: an ``AcquireResponse``, no descriptors). So they share the lease
 table, the read API (``hwr.daemon.service.catalog``: the deny/quarantine checks and the wait on
 a key an eviction round has marked), the lease journal and the metrics.
 
 A warm acquire crosses three module boundaries each way, none a pure forward::
 
-    peer.channel (or rpc.servicer)   parse the request, encode the Grant
+    peer.server (or rpc.servicer)    parse the request, encode the Grant
       -> service.leasing             this transaction: lookup, lease, descriptors, journal, manifest
         -> service.catalog           the eviction marks, the cached record, the fstat-checked opens
           -> store.records           the record cache (three lstat calls), the payload opens
@@ -30,13 +30,13 @@ eviction round can mark the key in between):
    record, recency notes the use); the acquire-duration histogram observes the time since step 1.
 3. manifest = ``Catalog.manifest`` (JSON bytes and their SHA-256, once per record); the bytes go
    in the grant unless the caller's ``have`` names that digest.
-4. descriptors (``descriptors=True``, the peer channel): ``Catalog.open_payloads`` (``fstat``
+4. descriptors (``descriptors=True``, the peer socket): ``Catalog.open_payloads`` (``fstat``
    re-check of every payload, a changed payload is denied: ``MANIFEST_CORRUPT``), then the journal
    is flushed *before* the caller sends them (``hwr.daemon.service.lease_journal``'s durability
    argument); a journal that cannot be written (a full disk) refuses the acquire with a typed,
    retryable error (``NoSpace``/``StoreIOError``) and no descriptor leaves. gRPC sends no
    descriptors (``descriptors=False``: nothing opened, nothing flushed; its clients fetch them
-   on the peer channel's ``fds`` request, which flushes).
+   on the peer socket's ``fds`` request, which flushes).
 5. rollback: any failure in 3-4 closes the descriptors opened and releases the lease; the typed
    error goes back.
 
@@ -48,7 +48,7 @@ here (``_journaled``), and a key that lost its last lease wakes a publication wa
 weight channel (``ArtifactRef``); ``key_for`` resolves it (a channel to the key it points to
 now), so the transports only decode and encode.
 
-Descriptors of a lease already granted (the peer channel's ``fds`` request) come from
+Descriptors of a lease already granted (the peer socket's ``fds`` request) come from
 ``lease_fds``: an artifact's payloads, or a checkpoint's original files for a checkpoint lease.
 
 Contract: called on the daemon's event loop only; every failure is a typed ``HwrError``.

@@ -1,6 +1,6 @@
 """Sessions and leases: the daemon's in-memory registry.
 
-A session is born when a client connects to the peer channel and dies when that connection
+A session is born when a client connects to the peer socket and dies when that connection
 closes (process exit, SIGKILL, explicit close). Every lease and publication belongs to exactly
 one session and ends with it.
 

@@ -1,4 +1,4 @@
-"""The peer channel: authentication, session liveness, descriptor passing, and the lease hot path.
+"""The peer socket: authentication, session liveness, descriptor passing, and the lease hot path.
 
 One SOCK_STREAM Unix socket at ``<socket>.peer``. Per connection:
 
@@ -102,7 +102,7 @@ MIN_SESSION_BUDGET = 64
 
 
 class PeerServer:
-    """The peer channel's server (see the module docstring).
+    """The peer socket's server (see the module docstring).
 
     Connections are ``asyncio.Protocol`` objects: a request whose work is synchronous (every
     operation except an ``acquire`` that must wait for validation or an eviction round) is
@@ -122,7 +122,7 @@ class PeerServer:
         mode: int = 0o660,
         listen_sock: socket.socket | None = None,
         leasing: Leasing | None = None,
-        publishing: PublicationFrames | None = None,
+        publication_frames: PublicationFrames | None = None,
         limits: PeerLimits | None = None,
     ) -> None:
         self.path = path
@@ -130,7 +130,7 @@ class PeerServer:
         self._allow = allow
         self._on_session_end = on_session_end
         self._leasing = leasing  # acquire/release/lease descriptors; None: refused
-        self._publishing = publishing  # publish_* and staging descriptors; None: refused
+        self._publication_frames = publication_frames  # publish_* and staging descriptors; None: refused
         self._mode = mode
         self._sock = listen_sock
         self._task: asyncio.Task[None] | None = None
@@ -276,9 +276,9 @@ class PeerServer:
         op = req.get("op")
         try:
             if op in _PUBLISH_OPS:
-                if self._publishing is None:
+                if self._publication_frames is None:
                     raise PermissionDeniedError(f"peer operation {op!r} is not served here")
-                reply, fds = await getattr(self._publishing, _PUBLISH_OPS[op])(session, req)
+                reply, fds = await getattr(self._publication_frames, _PUBLISH_OPS[op])(session, req)
                 return reply, fds, b""
             if self._leasing is None:
                 raise PermissionDeniedError("peer operation 'acquire' is not served here")
@@ -339,13 +339,14 @@ class PeerServer:
                 raise InvalidRequest("lease_id is required")
             return {"ok": True, "released": self._leasing.release(session, lease_id)}, []
         if op == "publish_file_done":
-            if self._publishing is None:
+            if self._publication_frames is None:
                 raise PermissionDeniedError(f"peer operation {op!r} is not served here")
-            return self._publishing.file_done(session, req), []
+            return self._publication_frames.file_done(session, req), []
         if op == "staging_fds":
-            if self._publishing is None:
+            if self._publication_frames is None:
                 raise PermissionDeniedError(f"peer operation {op!r} is not served here")
-            fds = self._publishing.staging_fds(session, _str(req, "publication_id"), _str(req, "publication_token"))
+            frames = self._publication_frames
+            fds = frames.staging_fds(session, _str(req, "publication_id"), _str(req, "publication_token"))
             return {"ok": True, "count": len(fds)}, fds
         raise PermissionDeniedError(f"unknown peer operation {str(op)[:40]!r}")
 
