@@ -99,8 +99,9 @@ class ServiceGraph:
         lease_holds = LeaseHolds(LeaseJournal.open(root / "leases.journal"))
         recency = Recency(AccessTimes(root / "access.json"), catalog)
         channels = Channels.open(root, catalog.is_volatile, catalog.record_settled)
+        scan = MappingScan(lease_holds)  # "nobody maps it", cached per key: eviction reads it, a lease voids it
         capacity = Capacity(config, store, catalog, registry, marks=marks, pins=pins, holds=lease_holds,
-                            recency=recency, scan=MappingScan(lease_holds),
+                            recency=recency, scan=scan,
                             protected=channels.protects,  # a channel's keys are never evicted
                             on_evict=metrics.count_eviction)
         pinning = Pinning(catalog, pins, Residency(config.mlock_budget_bytes))
@@ -122,7 +123,7 @@ class ServiceGraph:
         checkpoints = Checkpoints(root / "checkpoints")
         checkpoints.open()
         leasing = Leasing(catalog, registry, checkpoints=checkpoints, holds=lease_holds,
-                          scan=capacity.scan, recency=recency, channels=channels,
+                          scan=scan, recency=recency, channels=channels,
                           on_last_release=capacity.signal_room, on_acquire=metrics.observe_acquire,
                           settings=settings)
         return cls(settings=settings, store=store, metrics=metrics, registry=registry, catalog=catalog,

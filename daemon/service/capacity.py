@@ -134,11 +134,7 @@ class Capacity:
                  marks: EvictionMarks, pins: PinSet, holds: LeaseHolds, recency: Recency,
                  scan: MappingScan, protected: Callable[[str], bool] | None = None,
                  on_evict: Callable[[str], None] | None = None) -> None:
-        self.catalog = catalog
-        self.registry = registry
-        self.holds = holds
-        self.recency = recency
-        self.scan = scan
+        self.recency = recency  # a committed key is the most recently used
         self.purger = Purger(store)
         self.policy = CapacityPolicy(config.store_limit_bytes, config.artifact_limit_bytes, config.min_free_bytes)
         self.reservations = Reservations()

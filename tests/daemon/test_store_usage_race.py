@@ -62,7 +62,7 @@ def test_a_commit_between_the_disk_read_and_the_reservation_drop_is_still_counte
             usage = await service.usage()
         finally:
             store.usage.total = real  # type: ignore[method-assign]
-            service.holds.close()
+            service.evictor.holds.close()
         return usage.committed_bytes + usage.reserved_bytes, staging.files[0][2]
 
     try:
@@ -99,7 +99,7 @@ def test_retired_bytes_of_a_publication_that_never_commits_are_deleted_or_left_f
         second = Claim("k2", False, ledger.add("k2", 1),
                        [store.retirement.retire(ArtifactIdentity.simple("b").key)], True)
         service.finished(second, committed=False)  # pool shut down: no exception, trash stays
-        service.holds.close()
+        service.evictor.holds.close()
         return after_first, sorted(p.name for p in (store.root / "tmp").iterdir())
 
     try:
@@ -266,7 +266,7 @@ def test_publications_waiting_for_room_are_woken_one_at_a_time_in_arrival_order(
         service.reservations.drop(holder)
         service.signal_room()
         await asyncio.wait_for(asyncio.gather(*tasks), 30)
-        service.holds.close()
+        service.evictor.holds.close()
         return served, [waiting_tries, tries]
 
     try:
@@ -388,7 +388,7 @@ def test_housekeeping_feeds_the_lru_index_without_eviction_rounds(tmp_path: Path
     async def scenario() -> tuple[list[str], int]:
         service = _capacity(config, store)
         tick = asyncio.get_running_loop().create_task(
-            Housekeeping(config, store, service.holds, service.recency).run(None))
+            Housekeeping(config, store, service.evictor.holds, service.recency).run(None))
         try:
             for i in range(5):
                 await asyncio.to_thread(_publish, store, f"kept-{i}", 256)
@@ -399,7 +399,7 @@ def test_housekeeping_feeds_the_lru_index_without_eviction_rounds(tmp_path: Path
             with contextlib.suppress(asyncio.CancelledError):
                 await tick
             service.recency.access.flush()
-            service.holds.close()
+            service.evictor.holds.close()
             service.close()
 
     try:
