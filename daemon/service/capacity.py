@@ -134,7 +134,8 @@ class Capacity:
                  marks: EvictionMarks, pins: PinSet, holds: LeaseHolds, recency: Recency,
                  scan: MappingScan, protected: Callable[[str], bool] | None = None,
                  on_evict: Callable[[str], None] | None = None) -> None:
-        self.recency = recency  # a committed key is the most recently used
+        self.recency = recency  # a committed key is the most recently used; the usage view reads it
+        self.holds = holds  # the usage view's "held by" (leases from before a restart)
         self.purger = Purger(store)
         self.policy = CapacityPolicy(config.store_limit_bytes, config.artifact_limit_bytes, config.min_free_bytes)
         self.reservations = Reservations()
