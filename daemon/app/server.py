@@ -1,21 +1,22 @@
 """hwrd assembled: every object built with its collaborators, then started and stopped in order.
 
-``Daemon`` is wiring only: it builds the store, the node service's collaborators (the read API
-``Catalog``, ``Capacity``, ``Pinning``, ``Leasing``, ``Publishing``, the scrubber and the
-housekeeping tick, over the pins, the lease holds, the recency of use and the mapping scan), the
-fleet tier, the checkpoint registry and the two transports, hands each its collaborators in its
-constructor, and runs the start and stop order below (the node service's background tasks:
-housekeeping, pin restore, scrub). No handler reaches through it: the transports get
-``Leasing``/``PublicationFrames`` and ``RpcCollaborators``, and the reload
-(``hwr.daemon.app.reload``) swaps ``config`` and ``roles`` here, which the handlers read through
-this object typed as ``Settings`` (those two only).
+``Daemon`` is wiring only: it opens the store, builds the node service over it in one call
+(``ServiceGraph.build``, ``hwr.daemon.app.graph``: the read API ``Catalog``, ``Capacity``,
+``Pinning``, ``Leasing``, ``Publishing``, ``Channels``, the fleet tier and the checkpoint registry,
+each handed its collaborators in its constructor), builds the two transports over the graph's
+parts, and runs the start and stop order below (the node service's background tasks:
+housekeeping, pin restore, scrub, from ``ServiceGraph.background``). No handler reaches through
+it: the transports get ``Leasing``/``PublicationFrames`` and ``RpcCollaborators``. The running
+configuration and roles are one ``RunningSettings`` (``Daemon.settings``), which the reload
+(``hwr.daemon.app.reload``) swaps in place and the handlers read typed as ``Settings``.
 
 Start order: check the socket directory (``fsguard.socket_dir_problem``) -> open the store (takes
-the root's lock, recovers staging, validates artifacts) -> the node service -> the fleet tier ->
-checkpoints -> bind the peer socket -> bind gRPC (health SERVING last). Stop order (SIGTERM):
+the root's lock, recovers staging, validates artifacts) -> the node service with the fleet tier
+and the checkpoint registry (``ServiceGraph.build``) -> its background tasks -> start the fleet
+tier -> bind the peer socket -> bind gRPC (health SERVING last). Stop order (SIGTERM):
 health NOT_SERVING -> stop accepting peers -> gRPC ``stop(grace)`` lets in-flight RPCs finish ->
-close peer connections (ends sessions, aborts staged publications) -> fleet -> node service ->
-close the store (drops the lock). A publication in COMMITTING during shutdown finishes inside the
+close peer connections (ends sessions, aborts staged publications) -> fleet -> node service
+(its tasks, then ``ServiceGraph.close``) -> close the store (drops the lock). A publication in COMMITTING during shutdown finishes inside the
 grace period or is left as staging, which the next start reclaims: the store is consistent at every
 step.
 

@@ -287,7 +287,7 @@ class Catalog:
             return None
 
     def absent_now(self, key: str) -> bool:
-        """True when ``key`` provably has no artifact (one ``lstat``); False: ask ``lookup``."""
+        """True when ``key`` provably has no artifact (one ``lstat``); False: ask ``record_settled``."""
         return self._records.absent_now(key)
 
     # ---------------------------------------------------------------- the operator's record commands

@@ -20,7 +20,7 @@ eviction round can mark the key in between):
 1. record = ``Catalog.record_now``: the cached validated record when the key is not being
    evicted (no disk access, no thread hop: the trust argument is ``RecordCache.cached``'s); when
    it is None ``grant_now`` returns None and the transport awaits ``grant``, which awaits
-   ``Catalog.lookup`` (validates from disk in a worker thread, waits out an eviction round,
+   ``Catalog.record_or_pull`` (validates from disk in a worker thread, waits out an eviction round,
    pulls a miss from the remote tier when one is configured). Who may start that pull is the
    publish role's decision (a pull stages and commits like a publication); anyone who may
    acquire waits for a pull already running. ``wait=False`` (a ``preferred`` caller that falls

@@ -219,7 +219,7 @@ class Pinning:
 
     async def pin(self, key: str) -> tuple[bool, int, int, str]:
         """Pin ``key``: (already pinned, size, locked bytes, residency). The pin takes effect
-        on the loop right after ``lookup``'s final check (which waits out an eviction round that
+        on the loop right after ``Catalog.record_settled``'s final check (which waits out an eviction round that
         has marked the key, so the artifact is either gone, ``ArtifactNotFound``, or present and
         unmarked), before any await: no later round can choose the key. A pin that fails
         (pins.json not written, payloads not mappable) leaves the key as it was; a cancelled
