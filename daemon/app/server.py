@@ -16,9 +16,9 @@ and the checkpoint registry (``ServiceGraph.build``) -> its background tasks -> 
 tier -> bind the peer socket -> bind gRPC (health SERVING last). Stop order (SIGTERM):
 health NOT_SERVING -> stop accepting peers -> gRPC ``stop(grace)`` lets in-flight RPCs finish ->
 close peer connections (ends sessions, aborts staged publications) -> fleet -> node service
-(its tasks, then ``ServiceGraph.close``) -> close the store (drops the lock). A publication in COMMITTING during shutdown finishes inside the
-grace period or is left as staging, which the next start reclaims: the store is consistent at every
-step.
+(its tasks, then ``ServiceGraph.close``) -> close the store (drops the lock). A publication in
+COMMITTING during shutdown finishes inside the grace period or is left as staging, which the
+next start reclaims: the store is consistent at every step.
 
 Socket activation (``hwr.daemon.system.activation``): sockets inherited from systemd replace the
 binds of the peer socket and/or gRPC (gRPC then listens on a private ``<socket>.grpc`` behind a
