@@ -238,6 +238,23 @@ def test_a_full_store_evicts_the_least_recently_used_artifact_to_admit_a_publica
     run(scenario)
 
 
+def test_a_publication_waiting_for_room_gets_it_when_the_last_lease_is_released(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        elements = 64 << 10  # 256 KiB each; room for one
+        async with service(tmp_path / "root", store_limit_bytes=(3 * elements * 4) // 2) as graph:
+            session = session_of(graph)
+            held = await publish(graph, session, "held", elements=elements)
+            grant = await graph.leasing.grant(session, held, descriptors=False)
+            waiting = asyncio.ensure_future(publish(graph, session_of(graph), "next", elements=elements))
+            await asyncio.sleep(0.3)
+            assert not waiting.done()  # the leased artifact cannot be evicted
+            graph.leasing.release(session, grant.lease_id)  # the key's last lease: the room queue wakes
+            new = await asyncio.wait_for(waiting, 10)
+            assert [r.key for r in await graph.catalog.records()] == [new]
+
+    run(scenario)
+
+
 def test_a_pinned_key_is_kept_from_eviction_until_unpinned(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with service(tmp_path / "root") as graph:
