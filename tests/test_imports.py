@@ -14,7 +14,7 @@ import pytest
         "hwr.daemon.app.main, hwr.daemon.app.server",
         # what the daemon imports when it runs (not only at module import): store, leases, peer
         "hwr.daemon.store.root, hwr.daemon.service.capacity, hwr.daemon.service.publishing, "
-        "hwr.daemon.peer.channel, hwr.daemon.service.leasing, hwr.daemon.checkpoints.registry, "
+        "hwr.daemon.peer.server, hwr.daemon.service.leasing, hwr.daemon.checkpoints.registry, "
         "hwr.daemon.rpc.checkpoints, hwr.daemon.rpc.store_admin",
         "hwr.daemon.ctl.cli, hwr.daemon.ctl.checkpoints, hwr.daemon.ctl.store_admin, hwr.client",
     ],

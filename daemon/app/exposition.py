@@ -25,7 +25,7 @@ __all__ = ["exposition"]
 
 def exposition(*, catalog: Catalog, registry: Registry, publications: Publishing, metrics: Instruments,
                fleet: Fleet | None, channels: Channels | None = None) -> bytes:
-    records = catalog.artifacts_now()
+    records = catalog.records_now()
     pubs = Counter("hwr_publications_total", "Publications finished, by outcome.", "outcome")
     pubs.inc("committed", publications.committed)
     pubs.inc("failed", publications.failed)
@@ -37,7 +37,7 @@ def exposition(*, catalog: Catalog, registry: Registry, publications: Publishing
         gauge_lines("hwr_publications_active", "Publications in progress.", len(publications.active())),
         counter_lines("hwr_leases_granted_total", "Leases granted since start.", registry.leases_granted),
         counter_lines("hwr_leases_released_total", "Leases released since start.", registry.leases_released),
-        pubs.lines(), metrics.evictions.lines(), metrics.verification_failures.lines(), metrics.acquire.lines(),
+        pubs.lines(), metrics.evictions.lines(), metrics.check_failures.lines(), metrics.acquire.lines(),
         metrics.publication_phases.lines(), *fleet_blocks(fleet), *_channel_blocks(channels),
     ])
 

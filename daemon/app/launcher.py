@@ -29,9 +29,8 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,19 +104,6 @@ class DaemonProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-@contextlib.contextmanager
-def temporary_daemon(prefix: str = "hwr-", *extra: str) -> Iterator[DaemonProcess]:
-    """A started hwrd whose store and socket live in a fresh 0700 temp dir; stopped, then the dir
-    removed, on exit (for test fixtures and benchmarks that need one throwaway daemon)."""
-    with tempfile.TemporaryDirectory(prefix=prefix) as d:
-        os.chmod(d, 0o700)
-        daemon = DaemonProcess(Path(d) / "store", Path(d) / "hwrd.sock", *extra).start()
-        try:
-            yield daemon
-        finally:
-            daemon.stop()
 
 
 def as_user_command(user: RunAs, command: Sequence[str]) -> list[str]:

@@ -101,7 +101,7 @@ class Reloader:
                       extra=logs.fields(key=exc.details.get("key", "-")))
             self.notifier.send(READY=1, STATUS=f"reload failed: {exc}")
             return None
-        plan = plan_reload(self.daemon.config, new, self.can_apply)
+        plan = plan_reload(self.daemon.settings.config, new, self.can_apply)
         self._apply(plan)
         for key in plan.refused:
             log.warning("cannot reload %s without a restart; keeping the running value", key,
@@ -113,17 +113,15 @@ class Reloader:
 
     def _apply(self, plan: ReloadPlan) -> None:
         config, daemon = plan.config, self.daemon
-        daemon.config = config
+        daemon.settings.config = config
         if {"allow_uids", "allow_gids"} & set(plan.applied):
             daemon.set_allow_list(config.allow_uids, config.allow_gids)
-        if "max_leases_per_session" in plan.applied:
-            daemon.registry.max_leases_per_session = config.max_leases_per_session
-        if "max_leases_per_uid" in plan.applied:
-            daemon.registry.max_leases_per_uid = config.max_leases_per_uid
+        if {"max_leases_per_session", "max_leases_per_uid"} & set(plan.applied):
+            daemon.set_lease_limits(config)
         if ROLE_KEYS & set(plan.applied):
             from hwr.daemon.service.roles import roles_from
 
-            daemon.roles = roles_from(config)
+            daemon.settings.roles = roles_from(config)
         if "log_level" in plan.applied:
             logs.set_level(config.log_level)
         if CAPACITY_KEYS & set(plan.applied):

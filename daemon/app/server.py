@@ -1,26 +1,27 @@
 """hwrd assembled: every object built with its collaborators, then started and stopped in order.
 
-``Daemon`` is wiring only: it builds the store, the node service's collaborators (the read API
-``Catalog``, ``Capacity``, ``Pinning``, ``Leasing``, ``Publishing``, the scrubber and the
-housekeeping tick, over the pins, the lease holds, the recency of use and the mapping scan), the
-fleet tier, the checkpoint registry and the two transports, hands each its collaborators in its
-constructor, and runs the start and stop order below (the node service's background tasks:
-housekeeping, pin restore, scrub). No handler reaches through it: the transports get
-``Leasing``/``PublicationFrames`` and ``RpcCollaborators``, and the reload
-(``hwr.daemon.app.reload``) swaps ``config`` and ``roles`` here, which the handlers read through
-this object typed as ``Settings`` (those two only).
+``Daemon`` is wiring only: it opens the store, builds the node service over it in one call
+(``ServiceGraph.build``, ``hwr.daemon.app.graph``: the read API ``Catalog``, ``Capacity``,
+``Pinning``, ``Leasing``, ``Publishing``, ``Channels``, the fleet tier and the checkpoint registry,
+each handed its collaborators in its constructor), builds the two transports over the graph's
+parts, and runs the start and stop order below (the node service's background tasks:
+housekeeping, pin restore, scrub, from ``ServiceGraph.background``). No handler reaches through
+it: the transports get ``Leasing``/``PublicationFrames`` and ``RpcCollaborators``. The running
+configuration and roles are one ``RunningSettings`` (``Daemon.settings``), which the reload
+(``hwr.daemon.app.reload``) swaps in place and the handlers read typed as ``Settings``.
 
 Start order: check the socket directory (``fsguard.socket_dir_problem``) -> open the store (takes
-the root's lock, recovers staging, validates artifacts) -> the node service -> the fleet tier ->
-checkpoints -> bind the peer channel -> bind gRPC (health SERVING last). Stop order (SIGTERM):
+the root's lock, recovers staging, validates artifacts) -> the node service with the fleet tier
+and the checkpoint registry (``ServiceGraph.build``) -> its background tasks -> start the fleet
+tier -> bind the peer socket -> bind gRPC (health SERVING last). Stop order (SIGTERM):
 health NOT_SERVING -> stop accepting peers -> gRPC ``stop(grace)`` lets in-flight RPCs finish ->
-close peer connections (ends sessions, aborts staged publications) -> fleet -> node service ->
-close the store (drops the lock). A publication in COMMITTING during shutdown finishes inside the
-grace period or is left as staging, which the next start reclaims: the store is consistent at every
-step.
+close peer connections (ends sessions, aborts staged publications) -> fleet -> node service
+(its tasks, then ``ServiceGraph.close``) -> close the store (drops the lock). A publication in
+COMMITTING during shutdown finishes inside the grace period or is left as staging, which the
+next start reclaims: the store is consistent at every step.
 
 Socket activation (``hwr.daemon.system.activation``): sockets inherited from systemd replace the
-binds of the peer channel and/or gRPC (gRPC then listens on a private ``<socket>.grpc`` behind a
+binds of the peer socket and/or gRPC (gRPC then listens on a private ``<socket>.grpc`` behind a
 relay); inherited paths are never unlinked. Metrics (``hwr.daemon.app.exposition``) start last,
 when configured.
 """
@@ -32,7 +33,6 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Coroutine
 from pathlib import Path
 
 import grpc
@@ -43,31 +43,17 @@ from hwr import __version__
 from hwr.client.errors import HwrError
 from hwr.client.paths import peer_path
 from hwr.daemon.app.exposition import exposition
-from hwr.daemon.checkpoints.registry import Checkpoints
-from hwr.daemon.fleet.tier import Fleet
-from hwr.daemon.peer.channel import PeerServer
+from hwr.daemon.app.graph import ServiceGraph
 from hwr.daemon.peer.limits import PeerLimits
 from hwr.daemon.peer.publication_frames import PublicationFrames
+from hwr.daemon.peer.server import PeerServer
 from hwr.daemon.policy.capacity import CapacityPolicy
 from hwr.daemon.rpc.collaborators import RpcCollaborators
 from hwr.daemon.rpc.decode import add_servicer
 from hwr.daemon.rpc.servicer import Servicer
-from hwr.daemon.service.capacity import Capacity
-from hwr.daemon.service.catalog import Catalog
-from hwr.daemon.service.channels import Channels
-from hwr.daemon.service.evictor import EvictionMarks
-from hwr.daemon.service.housekeeping import Housekeeping
-from hwr.daemon.service.lease_journal import LeaseHolds, LeaseJournal
-from hwr.daemon.service.leasing import Leasing
-from hwr.daemon.service.mapping_scan import MappingScan
-from hwr.daemon.service.pinning import Pinning, PinSet, Residency
-from hwr.daemon.service.publishing import Publishing
-from hwr.daemon.service.recency import AccessTimes, Recency
-from hwr.daemon.service.roles import OPERATOR, Roles, roles_from
-from hwr.daemon.service.scrubber import Scrubber
-from hwr.daemon.service.sessions import Registry, Session
+from hwr.daemon.service.sessions import Session
+from hwr.daemon.service.settings import RunningSettings
 from hwr.daemon.store.root import Store
-from hwr.daemon.store.writer_bounds import MemfdStagings
 from hwr.daemon.system import fsguard, socket_files
 from hwr.daemon.system.activation import Assignment, GrpcRelay, private_grpc_path
 from hwr.daemon.system.config import DaemonConfig
@@ -90,26 +76,15 @@ GRPC_MAX_STREAMS_PER_CONNECTION = 8
 
 class Daemon:
     def __init__(self, config: DaemonConfig, *, inherited: Assignment | None = None) -> None:
-        # Swapped by a SIGHUP reload; the handlers read them through ``self`` typed as Settings.
-        self.config: DaemonConfig = config
-        self.roles: Roles = roles_from(config)
+        # Swapped by a SIGHUP reload (``hwr.daemon.app.reload``); the handlers read it as Settings.
+        self.settings = RunningSettings(config)
         self.inherited = inherited or Assignment()
         self.metrics = Instruments()
         self.socket_path = Path(config.socket)
-        self.registry = Registry(max_leases_per_session=config.max_leases_per_session,
-                                 max_leases_per_uid=config.max_leases_per_uid)
         # Built by start(), in this order; stop() closes whichever exist (the order above).
         self._store: Store | None = None
-        self._catalog: Catalog | None = None
-        self._capacity: Capacity | None = None
-        self._pinning: Pinning | None = None
-        self._lease_holds: LeaseHolds | None = None
-        self._recency: Recency | None = None
+        self.graph: ServiceGraph | None = None  # the node service (hwr.daemon.app.graph)
         self._tasks: list[asyncio.Task[None]] = []  # the node service's: housekeeping, pin restore, scrub
-        self._publications: Publishing | None = None
-        self._fleet: Fleet | None = None
-        self._checkpoints: Checkpoints | None = None
-        self._channels: Channels | None = None
         self._allow: AllowList = daemon_allow_list(config.allow_uids, config.allow_gids)
         self._metrics_server: MetricsServer | None = None
         self._relay: GrpcRelay | None = None
@@ -122,7 +97,7 @@ class Daemon:
 
     # lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
-        config = self.config
+        config = self.settings.config
         root = Path(config.root)
         _prepare_socket_dir(self.socket_path)  # first: a directory others control is refused at once
         adoption = None
@@ -134,52 +109,19 @@ class Daemon:
         self._store = store
         if adoption is not None:
             await asyncio.to_thread(adopt.finish, store, adoption)
-        pins = PinSet.open(root)
-        marks = EvictionMarks()  # an acquire (or pin) of a key an eviction round marked waits for it
-        catalog = Catalog(store, marks, pins=pins, on_verification_failure=self.metrics.count_verification_failure)
-        self._catalog = catalog
-        lease_holds = LeaseHolds(LeaseJournal.open(root / "leases.journal"))
-        self._lease_holds = lease_holds
-        recency = Recency(AccessTimes(root / "access.json"), catalog)
-        self._recency = recency
-        capacity = Capacity(config, store, catalog, self.registry, marks=marks, pins=pins, holds=lease_holds,
-                            recency=recency, scan=MappingScan(lease_holds))
-        self._capacity = capacity
-        capacity.evictor.on_evict = self.metrics.count_eviction
-        self.registry.observers.append(capacity.on_lease)
-        pinning = Pinning(catalog, pins, Residency(config.mlock_budget_bytes))
-        self._pinning = pinning
-        publications = Publishing(store, catalog, capacity=capacity, commit_threads=config.commit_threads,
-                                    on_phase=self.metrics.observe_publication_phase, on_commit=self._committed)
-        publications.memfd_staging = MemfdStagings(config.memfd_staging_max_bytes)
-        self._publications = publications
-        channels = await asyncio.to_thread(Channels.open, root, catalog.is_volatile, catalog.lookup_settled)
-        self._channels = channels
-        capacity.evictor.protected = channels.protects  # a channel's keys are never evicted
-        publications.channels = channels
-        publications.is_operator = lambda session: self.roles.grants(session.cred, OPERATOR)  # after reloads too
-        self._start_tasks(Housekeeping(config, store, lease_holds, recency).run(publications))
-        if pins.keys():
-            self._start_tasks(pinning.restore())
-        if config.scrub_bandwidth_mib_s > 0:
-            self._start_tasks(Scrubber(config, catalog).run())
-        fleet = Fleet.open(config, catalog, publications)
-        self._fleet = fleet
-        if fleet is not None:
-            await fleet.start()
-        catalog.fetcher = fleet
-        checkpoints = Checkpoints(root / "checkpoints")
-        self._checkpoints = checkpoints
-        await asyncio.to_thread(checkpoints.open)
-        leasing = Leasing(catalog, self.registry, journal=lease_holds.journal, checkpoints=checkpoints,
-                          on_acquire=self.metrics.observe_acquire, settings=self)
+        graph = ServiceGraph.build(self.settings, store, metrics=self.metrics)
+        self.graph = graph
+        for work in graph.background():
+            self._tasks.append(asyncio.get_running_loop().create_task(work))
+        if graph.fleet is not None:
+            await graph.fleet.start()
         for path in self._owned_socket_paths():
             socket_files.claim(path)  # a path another live hwrd serves is refused, never taken over
         self._peer = PeerServer(
             peer_path(self.socket_path), limits=PeerLimits.from_config(config),
-            registry=self.registry, allow=lambda: self._allow, on_session_end=self._on_session_end,
-            mode=config.socket_mode, listen_sock=self.inherited.peer, leasing=leasing,
-            publishing=PublicationFrames(publications, self), channels=channels,
+            registry=graph.registry, allow=lambda: self._allow, on_session_end=self._on_session_end,
+            mode=config.socket_mode, listen_sock=self.inherited.peer, leasing=graph.leasing,
+            publication_frames=PublicationFrames(graph.publications, self.settings),
         )
         await self._peer.start()
         if self.inherited.peer is None:
@@ -187,10 +129,10 @@ class Daemon:
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
                                           ("grpc.max_concurrent_streams", GRPC_MAX_STREAMS_PER_CONNECTION)])
         servicer = Servicer(RpcCollaborators(
-            settings=self, registry=self.registry, catalog=catalog, leasing=leasing,
-            publications=publications, capacity=capacity, pinning=pinning, checkpoints=checkpoints,
-            fleet=fleet, metrics=self.metrics, socket_path=self.socket_path, started=self._started,
-            channels=channels))
+            settings=self.settings, registry=graph.registry, catalog=graph.catalog, leasing=graph.leasing,
+            publications=graph.publications, capacity=graph.capacity, pinning=graph.pinning,
+            checkpoints=graph.checkpoints, fleet=graph.fleet, metrics=self.metrics, socket_path=self.socket_path,
+            started=self._started, channels=graph.channels))
         add_servicer(hwr_pb2_grpc.add_HostWeightRuntimeServicer_to_server, servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -219,14 +161,15 @@ class Daemon:
         log.info("hwrd %s serving root=%s socket=%s", __version__, config.root, self.socket_path)
 
     async def stop(self, grace: float | None = None) -> None:
-        grace = self.config.shutdown_grace_s if grace is None else grace
+        grace = self.settings.config.shutdown_grace_s if grace is None else grace
+        graph = self.graph
         await self._health.enter_graceful_shutdown()
         if self._relay is not None:
             await self._relay.stop_accepting()
         if self._peer is not None:
             await self._peer.stop_accepting()
-        if self._channels is not None:
-            self._channels.close()  # end the watch streams: gRPC's grace would wait for them
+        if graph is not None:
+            graph.channels.close()  # end the watch streams: gRPC's grace would wait for them
         if self._grpc is not None:
             await self._grpc.stop(grace)
         if self._relay is not None:
@@ -235,13 +178,11 @@ class Daemon:
             await self._peer.close()
         if self._metrics_server is not None:
             await self._metrics_server.close()
-        if self._fleet is not None:
-            await self._fleet.stop()
+        if graph is not None and graph.fleet is not None:
+            await graph.fleet.stop()
         await self._stop_node_service()
         if self._store is not None:
             await asyncio.to_thread(self._store.close)
-        if self._checkpoints is not None:
-            self._checkpoints.close()
         self.release_sockets()
         log.info("hwrd stopped")
 
@@ -254,25 +195,15 @@ class Daemon:
         if self._metrics_server is not None:
             self._metrics_server.release()
 
-    def _start_tasks(self, work: Coroutine[object, object, None]) -> None:
-        self._tasks.append(asyncio.get_running_loop().create_task(work))
-
     async def _stop_node_service(self) -> None:
-        """Stop the node service's tasks, then save the access times, close the lease journal,
-        release resident pins and wait for the deletions of retired bytes handed over."""
+        """Stop the node service's tasks, then close the graph (``ServiceGraph.close``)."""
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        if self._recency is not None:
-            self._recency.access.flush()
-        if self._lease_holds is not None:
-            self._lease_holds.close()
-        if self._pinning is not None:
-            await self._pinning.close()
-        if self._capacity is not None:
-            self._capacity.close()
+        if self.graph is not None:
+            await self.graph.close()
 
     def _owned_socket_paths(self) -> list[Path]:
         """Socket paths this process binds (and unlinks at exit while they are still its own,
@@ -284,49 +215,47 @@ class Daemon:
             paths.append(peer_path(self.socket_path))
         return paths
 
-    @property
-    def metrics_address(self) -> str | None:
-        return self._metrics_server.address if self._metrics_server is not None else None
-
     def status_line(self) -> str:
         """One line for sd_notify STATUS= (systemctl status shows it)."""
-        artifacts = len(self._catalog.artifacts_now()) if self._catalog is not None else 0
-        return (f"serving: {artifacts} artifacts, {self.registry.lease_count()} leases, "
-                f"{len(self.registry.sessions())} sessions")
+        graph = self.graph
+        if graph is None:
+            return "serving: 0 artifacts, 0 leases, 0 sessions"
+        return (f"serving: {len(graph.catalog.records_now())} artifacts, {graph.registry.lease_count()} leases, "
+                f"{len(graph.registry.sessions())} sessions")
 
     def set_capacity(self, config: DaemonConfig) -> None:
         """Apply new capacity limits (SIGHUP); reservations already granted stay granted."""
-        if self._capacity is not None:
-            self._capacity.policy = CapacityPolicy(
+        if self.graph is not None:
+            self.graph.capacity.policy = CapacityPolicy(
                 config.store_limit_bytes, config.artifact_limit_bytes, config.min_free_bytes)
 
     def set_allow_list(self, allow_uids: tuple[int, ...], allow_gids: tuple[int, ...]) -> None:
         """Swap the allow-list atomically; existing sessions and leases are kept."""
         self._allow = daemon_allow_list(allow_uids, allow_gids)
 
+    def set_lease_limits(self, config: DaemonConfig) -> None:
+        """Apply new lease limits (SIGHUP); leases already granted stay granted."""
+        if self.graph is not None:
+            self.graph.registry.max_leases_per_session = config.max_leases_per_session
+            self.graph.registry.max_leases_per_uid = config.max_leases_per_uid
+
     # callbacks wired into the parts ---------------------------------------------------------
     def _scrape(self) -> bytes:
-        # The metrics server starts after every part exists.
-        assert self._catalog is not None and self._publications is not None
-        return exposition(catalog=self._catalog, registry=self.registry, publications=self._publications,
-                          metrics=self.metrics, fleet=self._fleet, channels=self._channels)
-
-    def _committed(self, key: str) -> None:
-        # Push after publish (pulls excluded); a non-durable revision stays on this node: it is
-        # gone at the next start, and superseded within seconds anyway.
-        if self._fleet is not None and not (self._catalog is not None and self._catalog.is_volatile(key)):
-            self._fleet.committed(key)
+        graph = self.graph
+        assert graph is not None  # the metrics server starts after the node service exists
+        return exposition(catalog=graph.catalog, registry=graph.registry, publications=graph.publications,
+                          metrics=self.metrics, fleet=graph.fleet, channels=graph.channels)
 
     async def _on_session_end(self, session: Session) -> None:
-        released = self.registry.close_session(session)
-        if self._channels is not None:
-            self._channels.session_ended(session.session_id)
+        graph = self.graph
+        assert graph is not None  # sessions exist only once the peer socket serves
+        released = graph.leasing.end_session(session)
+        graph.channels.session_ended(session.session_id)
         aborted = 0
-        if self._publications is not None:
-            try:
-                aborted = await self._publications.abort_session(session)
-            except HwrError as exc:
-                log.warning("aborting publications of session %s failed: %s", session.session_id, exc)
+        try:
+            aborted = await graph.publications.abort_session(session)
+        except HwrError as exc:
+            log.warning("aborting publications of session %s failed: %s", session.session_id, exc)
         log.debug("session %s (pid %d) ended: %d leases released, %d publications aborted",
                   session.session_id, session.cred.pid, len(released), aborted)
 

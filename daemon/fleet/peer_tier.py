@@ -491,7 +491,7 @@ class PeerServer:
             return {"error": "not served"}
         partial = self.partial.get(key)
         try:
-            record = await asyncio.to_thread(self.catalog.lookup_sync, key)
+            record = await asyncio.to_thread(self.catalog.record_blocking, key)
         except HwrError:
             if partial is None or partial.closing:
                 return {"error": "not here"}
@@ -678,7 +678,7 @@ class Peers:
             await asyncio.sleep(period)
 
     def _local_keys(self) -> list[str]:
-        return [r.key for r in self.catalog.artifacts_now() if self.catalog.deny_reason(r.key) is None]
+        return [r.key for r in self.catalog.records_now() if self.catalog.deny_reason(r.key) is None]
 
     def status(self) -> dict[str, Any]:
         c = self.counters

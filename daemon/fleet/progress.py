@@ -2,7 +2,7 @@
 
 A ``PullProgress`` is shared by the pull's task (``hwr.daemon.fleet.pull``), the transfer
 threads that receive its bytes (``add``, ``check``), the acquirers that wait for it (their
-``waiting`` registration, shown by ``hwrctl status``; the peer channel's progress frames read it)
+``waiting`` registration, shown by ``hwrctl status``; the peer socket's progress frames read it)
 and ``hwrctl pull``'s progress stream.
 
 Phases: ``documents`` (READY.json, manifest.json), ``admission`` (a staging and its room in the

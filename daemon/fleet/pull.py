@@ -309,7 +309,7 @@ class Puller:
                                               wait_timeout=self.wait_timeout,
                                               format_metadata=plan.format_metadata or None, overlap=plan.overlap)
         if begun.publication is None:  # present already, or a local publisher committed it first
-            return await asyncio.to_thread(self.catalog.lookup_sync, key), "already_present"
+            return await asyncio.to_thread(self.catalog.record_blocking, key), "already_present"
         pub = begun.publication
         progress.enter("download")
         try:
@@ -333,7 +333,7 @@ class Puller:
         # Belt and braces: the headers are the planned ones and every tensor hashed as expected,
         # so the files (header + contiguous tensors) hash as the remote manifest says.
         if record.manifest.files != plan.manifest.files:
-            self.catalog.deny(key, "pulled bytes differ from the remote manifest's file digests")
+            self.catalog.deny_permanently(key, "pulled bytes differ from the remote manifest's file digests")
             raise ChecksumMismatch(f"remote {remote}: artifact {key[:16]} refused: file digests differ",
                                    details={"key": key, "remote": remote})
         log.info("pulled %s (%d bytes) from %s", key[:16], plan.size_bytes, remote)

@@ -181,18 +181,18 @@ class Pusher:
         if self.catalog.deny_reason(key) is not None:
             raise ArtifactDenied(f"artifact {key[:16]} is denied on this node; it is not pushed",
                                  details={"key": key})
-        record = self.catalog.lookup_sync(key)
+        record = self.catalog.record_blocking(key)
         name = self.remote.location.object_name
         if self.remote.exists(name(key, READY_FILE)):
             self._drop(key)
             return "already_present", 0
         manifest_bytes = record.manifest.to_json()
         sizes = {f.name: f.size for f in record.manifest.files}
-        files = [f.name for f in record.manifest.files]
-        fds = self.catalog.open_payloads(record)  # in manifest file order
+        opened = self.catalog.open_payloads(record)  # in manifest file order
+        fds = [fd for _name, fd in opened]
         total = 0
         try:
-            for file, fd in zip(files, fds, strict=True):
+            for file, fd in opened:
                 self.remote.put_file(name(key, file), fd, sizes[file])
                 total += sizes[file]
         finally:

@@ -1,10 +1,10 @@
 """The fleet tier as the daemon sees it: one remote, its puller and pusher, and their counters.
 
-The wiring (``hwr.daemon.app.server``) builds at most one ``Fleet`` (only when ``remote`` is
-configured), and it is called from three places: the read API's ``Catalog.lookup`` after a local
-miss (``pull_on_miss``, the catalog's ``MissFetcher``; both transports' acquires and so the
-vLLM-Omni plugin's lookups pass there), ``Publishing``' commit hook (``committed``; pulls
-excluded) and the remote RPCs (``hwr.daemon.rpc.remote``).
+The service graph (``hwr.daemon.app.graph``) builds at most one ``Fleet`` (only when ``remote``
+is configured), and it is called from three places: the read API's ``Catalog.record_or_pull``
+after a local miss (``pull_on_miss``, the catalog's ``MissFetcher``; both transports' acquires
+and so the vLLM-Omni plugin's lookups pass there), ``Publishing``' commit hook (``committed``;
+pulls excluded) and the remote RPCs (``hwr.daemon.rpc.remote``).
 
 A miss and a pull (``pull_on_miss``, as the caller's ``MissPolicy`` says): a pull of the key
 already running is joined by anyone who may acquire (waiting stages nothing); starting one

@@ -1,4 +1,4 @@
-"""One peer connection of the peer channel (``hwr.daemon.peer.channel``): its session, its read
+"""One peer connection of the peer socket (``hwr.daemon.peer.server``): its session, its read
 buffer and frame watch, the requests it serves in order, and its replies with descriptors.
 
 Reading: bytes accumulate in ``buf``; every complete frame is served in order (``_pump``): a
@@ -27,7 +27,7 @@ from hwr.daemon.peer.limits import READ_SIZE, FrameWatch, InflightFds
 from hwr.daemon.service.sessions import Session
 
 if TYPE_CHECKING:
-    from hwr.daemon.peer.channel import PeerServer
+    from hwr.daemon.peer.server import PeerServer
 
 __all__ = ["LATER", "Later", "PeerConnection", "Served"]
 

@@ -1,4 +1,4 @@
-"""What one peer connection, and one uid, can make hwrd hold (used by ``hwr.daemon.peer.channel``).
+"""What one peer connection, and one uid, can make hwrd hold (used by ``hwr.daemon.peer.server``).
 
 A local client that is careless or hostile must not be able to deny service to the others:
 

@@ -1,10 +1,10 @@
-"""Publication on the peer channel: ``publish_begin`` / ``publish_commit`` / ``publish_abort``.
+"""Publication on the peer socket: ``publish_begin`` / ``publish_commit`` / ``publish_abort``.
 
 The same operations as the ``BeginPublication`` / ``CommitPublication`` / ``AbortPublication``
 RPCs (one domain implementation: ``hwr.daemon.service.publishing``; the same request validation:
 ``hwr.daemon.service.publication_checks``), without gRPC's per-call cost, and with the staging descriptors in the
 ``publish_begin`` reply instead of a second round trip. Requests (JSON frames, see
-``hwr.daemon.peer.channel``)::
+``hwr.daemon.peer.server``)::
 
     publish_begin   identity         canonical identity JSON (a string)
                     tensors          [[name, dtype, shape, kind, role], ...]; dtype a safetensors
@@ -38,7 +38,7 @@ request) are opened by the service (``Publishing.staging_descriptors``: sealed m
 small publication, else the staging files); this module only sends them. Each operation needs
 the publish role, checked on every operation as the RPCs do.
 
-Limit: the peer channel serves one request per connection at a time, so a request that waits
+Limit: the peer socket serves one request per connection at a time, so a request that waits
 (another publisher of the same identity is building; a commit hashing gigabytes) holds up that
 client's other peer operations and is bounded by its socket timeout. The client therefore uses
 these operations only for publications it knows are small and with ``wait_timeout_ms`` 0,

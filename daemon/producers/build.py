@@ -89,7 +89,7 @@ async def build_rank(
     specs = [StagedTensor(o.name, o.dtype, o.shape, kind=o.kind, role=o.role) for o in outputs]  # type: ignore[arg-type]
     begun = await publications.begin(None, identity, specs, wait_timeout=wait_timeout)
     if begun.publication is None:
-        record = await asyncio.to_thread(catalog.lookup_sync, begun.key)
+        record = await asyncio.to_thread(catalog.record_blocking, begun.key)
         return BuiltArtifact(begun.key, rank, begun.outcome, record.size_bytes,
                              record.manifest.artifact_content_sha256)
     pub = begun.publication

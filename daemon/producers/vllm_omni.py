@@ -86,6 +86,6 @@ async def build_vllm_omni(*, checkpoints: Checkpoints, catalog: Catalog, ckpt: C
     key, outcome = str(done.get("key", "")), str(done.get("outcome", ""))
     if len(key) != 64 or outcome not in _OUTCOMES:
         raise InvalidRequest("the vllm-omni producer reported no artifact", details={"outcome": outcome[:40]})
-    record = await asyncio.to_thread(catalog.lookup_sync, key)
+    record = await asyncio.to_thread(catalog.record_blocking, key)
     return BuiltArtifact(key, 0, outcome, record.size_bytes, record.manifest.artifact_content_sha256,
                          int(done.get("peak_rss_bytes", 0)), time.monotonic() - started)

@@ -74,9 +74,7 @@ class CheckpointsMixin(Handlers):
     async def acquire_checkpoint(self, request: pb.AcquireRequest, context: Ctx) -> pb.AcquireResponse:
         """``Acquire`` of a ``CheckpointRef`` (called by ``Servicer.Acquire``, whose ``@rpc`` maps errors)."""
         session = self._session(context)
-        ckpt = self.c.checkpoints.get(request.artifact.checkpoint.checkpoint_id)
-        await asyncio.to_thread(self.c.checkpoints.check, ckpt)
-        lease = self.c.registry.add_lease(session, LEASE_PREFIX + ckpt.checkpoint_id)
+        lease, ckpt = await self.c.leasing.grant_checkpoint(session, request.artifact.checkpoint.checkpoint_id)
         return pb.AcquireResponse(
             lease_id=lease.lease_id, lease_token=lease.token, key=ckpt.checkpoint_id, manifest_json=b"",
             files=[pb.PayloadFile(name=f.name, size=f.fingerprint.size) for f in ckpt.files])

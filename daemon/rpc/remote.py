@@ -117,7 +117,7 @@ class RemoteRpc(Handlers):
                     yield pb.PullArtifactResponse(done_bytes=progress.done_bytes, total_bytes=progress.total_bytes)
             record, outcome = task.result()
             # The wait on an eviction round, as an acquire does after a pull (the record stays valid).
-            record = await self.c.catalog.lookup(key, pull=False)
+            record = await self.c.catalog.record_or_pull(key, how=None)
         except HwrError as exc:
             await abort_with(context, exc)
             return
@@ -129,7 +129,7 @@ class RemoteRpc(Handlers):
         self._authorize(context, OPERATOR, "push")
         fleet = _fleet(self.c.fleet)
         key = await self.c.catalog.resolve(request.key)
-        record = await self.c.catalog.lookup(key, pull=False)  # ArtifactNotFound / ArtifactDenied first
+        record = await self.c.catalog.record_or_pull(key, how=None)  # ArtifactNotFound / ArtifactDenied first
         outcome = await fleet.pusher.push(key)
         return pb.PushArtifactResponse(key=key, outcome=outcome, size_bytes=record.size_bytes)
 

@@ -24,7 +24,7 @@ from hwr.daemon.rpc.messages import artifact_info, denied_info, lease_infos
 from hwr.daemon.rpc.remote import RemoteRpc, remote_status
 from hwr.daemon.rpc.store_admin import StoreAdminRpc
 from hwr.daemon.rpc.support import rpc
-from hwr.daemon.service.leasing import key_of, parse_identity
+from hwr.daemon.service.leasing import ArtifactRef, parse_identity
 from hwr.daemon.service.publication_checks import RequestedTensor, format_metadata, tensor_specs, wait_timeout_s
 from hwr.daemon.service.roles import PUBLISH
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
@@ -73,8 +73,8 @@ class Servicer(ChannelsRpc, RemoteRpc, StoreAdminRpc, CheckpointsMixin, Handlers
             return await self.acquire_checkpoint(request, context)  # hwr.daemon.rpc.checkpoints
         session = self._session(context)
         ref = request.artifact
-        key = self._channel_service().resolve(ref.channel) if ref.WhichOneof("ref") == "channel" else _ref_key(ref)
-        # The peer channel's grant; gRPC carries no descriptors (they come on the peer channel).
+        key = self.c.leasing.key_for(_artifact_ref(ref))
+        # The peer socket's grant; gRPC carries no descriptors (they come on the peer socket).
         grant = await self.c.leasing.grant(session, key, descriptors=False)
         return pb.AcquireResponse(
             lease_id=grant.lease_id, lease_token=grant.token, key=grant.key, manifest_json=grant.manifest,
@@ -194,7 +194,7 @@ class Servicer(ChannelsRpc, RemoteRpc, StoreAdminRpc, CheckpointsMixin, Handlers
     async def GetStatus(self, request: pb.GetStatusRequest, context: Ctx) -> pb.GetStatusResponse:
         self._session(context)
         c = self.c
-        records = await c.catalog.artifacts()
+        records = await c.catalog.records()
         return pb.GetStatusResponse(
             version=__version__, root=str(c.settings.config.root), socket=str(c.socket_path),
             artifacts=len(records), leases=c.registry.lease_count(),
@@ -212,8 +212,11 @@ def _reuse_base(base: str) -> str | None:
     return base or None
 
 
-def _ref_key(ref: pb.ArtifactRef) -> str:
+def _artifact_ref(ref: pb.ArtifactRef) -> ArtifactRef:
+    """The request's reference, decoded (``Leasing.key_for`` resolves it)."""
     which = ref.WhichOneof("ref")
     if which == "identity_json":
-        return key_of(identity_json=bytes(ref.identity_json))
-    return key_of(key=ref.key if which == "key" else None)
+        return ArtifactRef(identity_json=bytes(ref.identity_json))
+    if which == "channel":
+        return ArtifactRef(channel=ref.channel)
+    return ArtifactRef(key=ref.key if which == "key" else None)

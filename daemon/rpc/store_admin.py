@@ -72,7 +72,7 @@ class StoreAdminRpc(Handlers):
         try:
             record = job.result()
         except HwrError as exc:
-            self.c.metrics.count_verification_failure(exc.code)
+            self.c.metrics.count_check_failure(exc.code)
             quarantined = exc.code == "CHECKSUM_MISMATCH"
             yield pb.VerifyArtifactResponse(
                 key=key, finished=True, ok=False, error_code=exc.code, message=exc.message,
@@ -87,7 +87,7 @@ class StoreAdminRpc(Handlers):
         if not request.reason or len(request.reason) > 1000:
             raise InvalidRequest("a deny needs a reason of at most 1000 characters", details={"field": "reason"})
         key = await self.c.catalog.resolve(request.key)
-        await asyncio.to_thread(self.c.catalog.deny, key, request.reason)
+        await asyncio.to_thread(self.c.catalog.deny_permanently, key, request.reason)
         return pb.DenyArtifactResponse(key=key, affected_leases=_lease_infos(self.c.registry, key))
 
     @rpc

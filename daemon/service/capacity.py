@@ -7,8 +7,9 @@ A publication passes here before its staging exists (``hwr.daemon.service.publis
 floor (``policy.capacity``), evicting LRU artifacts to make room (``Evictor.round``: a round that
 only retires; see ``reserve`` for when the retired bytes are deleted). A request that does not
 fit while other publications hold reservations waits for room, oldest first (``signal_room``).
-The same object evicts by hand (``evict``), collects garbage (``collect_garbage``) and observes
-leases (``on_lease``: the lease journal, the mapping-scan cache, the LRU clock, the room queue).
+The same object evicts by hand (``evict``) and collects garbage (``collect_garbage``); a key that
+lost its last lease wakes the room queue (``signal_room``, called by ``Leasing``, which journals
+its leases itself).
 
 The retired files never leave this module and its helpers (``evictor``, ``purger``): a
 publication's ``Claim`` keeps them, and the publication only says when its staging is about to
@@ -39,13 +40,15 @@ import collections
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hwr.client.errors import ActiveBuildTimeout
 from hwr.daemon.policy.capacity import CapacityPolicy, Reservation, Reservations, Usage, assess, shortfall_error
-from hwr.daemon.service.evictor import EvictionMarks, EvictionReport, Evictor
+from hwr.daemon.service.eviction_marks import EvictionMarks
+from hwr.daemon.service.evictor import EvictionReport, Evictor
 from hwr.daemon.service.purger import Purger
 
 if TYPE_CHECKING:
@@ -54,7 +57,7 @@ if TYPE_CHECKING:
     from hwr.daemon.service.mapping_scan import MappingScan
     from hwr.daemon.service.pinning import PinSet
     from hwr.daemon.service.recency import Recency
-    from hwr.daemon.service.sessions import LeaseRecord, Registry
+    from hwr.daemon.service.sessions import Registry
     from hwr.daemon.store.root import Store
     from hwr.daemon.system.config import DaemonConfig
 
@@ -121,48 +124,28 @@ LEASE_GRACE_S = 1.0
 
 class Capacity:
     """The store's capacity (see the module contract). ``marks`` are the eviction marks that the
-    read API (``hwr.daemon.service.catalog``) waits on; ``evictor.on_evict`` (a metrics hook)
-    and ``evictor.protected`` (a channel's keys) are set by the wiring."""
+    read API (``hwr.daemon.service.catalog``) waits on; ``on_evict`` (a metrics hook) and
+    ``protected`` (a channel's keys, ``Channels.protects``) go to the evictor."""
 
     #: Retired bytes a publication may leave on disk until its commit (``reserve``).
     PURGE_AFTER_COMMIT_MAX_BYTES = 64 << 20
 
     def __init__(self, config: DaemonConfig, store: Store, catalog: Catalog, registry: Registry, *,
                  marks: EvictionMarks, pins: PinSet, holds: LeaseHolds, recency: Recency,
-                 scan: MappingScan) -> None:
-        self.catalog = catalog
-        self.registry = registry
-        self.holds = holds
-        self.recency = recency
-        self.scan = scan
+                 scan: MappingScan, protected: Callable[[str], bool] | None = None,
+                 on_evict: Callable[[str], None] | None = None) -> None:
+        self.recency = recency  # a committed key is the most recently used; the usage view reads it
+        self.holds = holds  # the usage view's "held by" (leases from before a restart)
         self.purger = Purger(store)
         self.policy = CapacityPolicy(config.store_limit_bytes, config.artifact_limit_bytes, config.min_free_bytes)
         self.reservations = Reservations()
         self.evictor = Evictor(store, catalog, marks, registry, recency, holds, scan, pins, self.purger,
-                               self.reservations)
+                               self.reservations, protected=protected, on_evict=on_evict)
         self._store = store  # store work: reclaim stale staging (gc)
         self.admission = Admission(serialized=config.serialized_admission)
         self.lock = asyncio.Lock()  # the capacity lock: see the lock order in the module docstring
         # Publications waiting for room, oldest first (see reserve and signal_room).
         self._room_waiters: collections.deque[asyncio.Event] = collections.deque()
-
-    # ------------------------------------------------------------------ leases
-    def on_lease(self, event: str, lease: LeaseRecord) -> None:
-        """The registry's lease observer: journal the lease (restart recovery), void the
-        mapping scan's "nobody maps it", note the use for the LRU order, and wake a publication
-        waiting for room when a key lost its last lease (only now can it be evicted)."""
-        try:
-            if event == "acquire":
-                # Before the descriptor leaves: a cached "nobody maps it" is void from now on.
-                self.scan.leased(lease.key)
-                self.holds.acquired(lease)
-            else:
-                self.holds.released(lease)
-                if not self.registry.lease_count(lease.key):
-                    self.signal_room()
-            self.recency.touch(lease.key)
-        except OSError as exc:
-            log.error("lease journal write failed: %s", exc)
 
     # ------------------------------------------------------------------ publications
     async def admit(self, key: str, need: int, wait_timeout: float) -> Claim:
@@ -235,7 +218,7 @@ class Capacity:
     def _disk_usage(self) -> tuple[int, int, int]:
         """(committed bytes, free bytes, what the filesystem holds for us when empty: its size
         less the blocks reserved for root, which an unprivileged daemon cannot use)."""
-        committed = self.catalog.committed_bytes()
+        committed = self._store.usage.total()
         st = os.statvfs(self._store.root)
         reserved_for_root = st.f_bfree - st.f_bavail
         return committed, st.f_bavail * st.f_frsize, max(0, st.f_blocks - reserved_for_root) * st.f_frsize

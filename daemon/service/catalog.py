@@ -5,31 +5,39 @@ checks it): both transports (through ``hwr.daemon.service.leasing``), the admin 
 tier, the producers' builds, channels, pins and the scrub read records only through a
 ``Catalog``, so a key means the same thing everywhere and every acquire obeys the eviction wait:
 
-- ``lookup_now(key)``: the cached validated record when ``key`` can be leased right now (not
-  marked by an eviction round, and ``RecordCache.cached``'s cheap guard holds), else None;
-  never blocks, never touches the payloads. Read from the record cache itself (no forward).
-- ``lookup_settled(key)``: the validated record (``RecordCache.lookup``, in a worker thread), waiting
-  while an eviction round has marked ``key``. No await follows the final check, so a caller
-  that leases or pins right after it runs before any later round can mark the key.
-- ``lookup(key)``: ``lookup_settled``, and on a miss with a remote tier (``fetcher``) a pull
-  first as the caller's ``MissPolicy`` says (whether it may start a pull, whether it waits for
-  one, who waits). A record that fails validation counts in ``hwr_verification_failures_total``
-  and raises its typed error.
-- ``open_payloads(record)``: read-only descriptors in manifest order, each re-checked by
-  ``fstat`` (a changed payload is denied: ``MANIFEST_CORRUPT``); the caller closes them.
+Four ways to get one record, each named by what it waits for:
+
+- ``record_now(key)``: waits for nothing. The cached validated record when ``key`` can be leased
+  right now (not marked by an eviction round, and ``RecordCache.cached``'s cheap guard holds),
+  else None; never blocks, never touches the payloads.
+- ``record_blocking(key)``: waits for the disk in the calling thread (the cached record, else
+  the full validation); for a key a lease holds, or a worker thread's reads (pins, reuse bases,
+  builds, pushes).
+- ``await record_settled(key)``: waits for an eviction round that marked ``key`` (validation in
+  a worker thread). No await follows the final check, so a caller that leases or pins right
+  after it runs before any later round can mark the key.
+- ``await record_or_pull(key, how=...)``: ``record_settled``, and on a miss with a remote tier
+  a pull first as the caller's ``MissPolicy`` says (whether it may start a pull, whether it
+  waits for one, who waits; ``how=None``: no pull). A record that fails validation counts in
+  the metadata-validation failure counter and raises its typed error.
+
+And around them:
+
+- ``open_payloads(record)``: (name, read-only descriptor) pairs in manifest order, each
+  re-checked by ``fstat`` (a changed payload is denied: ``MANIFEST_CORRUPT``); the caller
+  closes them. The same shape as ``RecordCache.open_payloads``.
 - ``resolve(prefix)``: one namespace for every admin command and ``hwrctl show``: the keys
   present in ``artifacts/``, the denied ones (with or without their directory) and the pinned
   ones. So a denied key resolves for ``show``, ``allow`` and ``evict`` alike.
-- ``entries(include_denied)`` / ``record_any_state(key)``: the listing, ready and denied.
+- ``records()`` / ``records_now()``, ``entries(include_denied)`` / ``record_any_state(key)``:
+  the listing (ready; ready and denied).
 - ``manifest(record)``: the manifest's JSON bytes and their SHA-256, computed once per record.
-- ``lookup_sync(key)``: the cached record, else the full lookup, in the calling thread (a key a
-  lease holds; a worker thread's reads: pins, reuse bases, builds).
-- the operator's record commands: ``verify`` (re-hash every byte), ``deny``, ``allow`` (then
-  re-validate, so listings show it again at once), ``rescan_usage`` (the disk's sizes).
-- blocking reads for the service's own bookkeeping (capacity, recency, publishing, metrics):
-  ``listed``, ``absent_now``, ``committed_bytes``, ``inspected``,
-  ``open_named_payloads``, ``take_added``, ``artifacts_now``, ``deny_reason``, ``is_volatile``:
-  the store's answers as they are, read here so that the store's records have one reader.
+- the operator's record commands: ``verify`` (re-hash every byte), ``deny_permanently``,
+  ``allow`` (then re-validate, so listings show it again at once), ``rescan_usage``.
+- reads for the service's own bookkeeping (capacity, recency, publishing, metrics):
+  ``listed_record``, ``absent_now``, ``inspected``, ``take_added``, ``deny_reason``,
+  ``is_volatile``: the store's answers as they are, read here so that the store's records have
+  one reader.
 
 The eviction marks come from whoever runs eviction rounds, as an ``EvictionMarks``: the keys a
 round has marked (``evicting``) and the event set when a round ends (``settled``, replaced each
@@ -57,8 +65,7 @@ from hwr.daemon.policy.key_prefix import unique_prefix
 from hwr.daemon.store.inspection import ArtifactRecord, inspect_artifact
 
 if TYPE_CHECKING:
-    from hwr.daemon.service.evictor import EvictionMarks
-    from hwr.daemon.service.mapping_scan import PayloadFiles
+    from hwr.daemon.service.eviction_marks import EvictionMarks
     from hwr.daemon.store.root import Store
 
 __all__ = ["WAIT", "ArtifactRecord", "Catalog", "Entry", "MissFetcher", "MissPolicy",
@@ -122,6 +129,10 @@ class MissFetcher(Protocol):
     def pulling(self, key: str) -> PullState | None: ...
 
 
+def _no_fetcher() -> MissFetcher | None:
+    return None
+
+
 @dataclass(frozen=True)
 class Entry:
     """One listed artifact: its key and its record (None for a denied key whose directory is
@@ -133,27 +144,31 @@ class Entry:
 
 class Catalog:
     def __init__(self, store: Store, marks: EvictionMarks, *, pins: PinnedKeys | None = None,
-                 on_verification_failure: Callable[[str], None] | None = None) -> None:
+                 on_check_failure: Callable[[str], None] | None = None,
+                 fetcher: Callable[[], MissFetcher | None] | None = None) -> None:
         self._store = store
         self._records = store.records  # the record cache, read directly on the acquire hot path
         self._marks = marks  # an acquire of a key an eviction round marked waits for the round
         self._pins = pins  # None: nothing is pinned (a catalog without the node service's pins)
-        self._on_verification_failure = on_verification_failure
-        #: Filled by the wiring when a remote tier is configured (it is built after the catalog).
-        self.fetcher: MissFetcher | None = None
+        self._on_check_failure = on_check_failure
+        # The remote tier's puller, asked for at each miss: the tier is built after the catalog
+        # (over it), so the graph hands a getter; None: no remote tier.
+        self._fetcher = fetcher or _no_fetcher
         # key -> (manifest object, its JSON bytes, sha256 hex of the bytes): rebuilt when the
         # store's record (and so its manifest object) changes.
         self._manifests: dict[str, tuple[object, bytes, str]] = {}
 
     # ---------------------------------------------------------------- lookups
-    def lookup_now(self, key: str) -> ArtifactRecord | None:
+    def record_now(self, key: str) -> ArtifactRecord | None:
         """The cached validated record when ``key`` can be leased right now without waiting or
-        touching the disk, else None: then await ``lookup``. Nothing awaits between this check
+        touching the disk, else None: then await ``record_or_pull`` (or ``record_settled``).
+        Waits for nothing. Nothing awaits between this check
         and the caller's lease, so no eviction round can mark ``key`` in between."""
         return None if key in self._marks.evicting else self._records.cached(key)
 
-    async def lookup_settled(self, key: str) -> ArtifactRecord:
-        """``RecordCache.lookup`` that waits while ``key`` is being evicted (no pull, no metric). No
+    async def record_settled(self, key: str) -> ArtifactRecord:
+        """The validated record (``RecordCache.lookup`` in a worker thread), once no eviction
+        round has ``key`` marked: waits for the round, never for a pull (no metric). No
         await follows the final check, so the caller's lease or pin runs before any later
         eviction round can mark it."""
         record = await asyncio.to_thread(self._records.lookup, key)
@@ -162,33 +177,39 @@ class Catalog:
             record = await asyncio.to_thread(self._records.lookup, key)
         return record
 
-    async def lookup(self, key: str, *, pull: bool = True, how: MissPolicy = WAIT) -> ArtifactRecord:
-        """``pull=False``: a miss stays a miss (an operator's push names a local artifact)."""
+    async def record_or_pull(self, key: str, *, how: MissPolicy | None = WAIT) -> ArtifactRecord:
+        """``record_settled``, and on a miss a pull from the remote tier as ``how`` says (waits
+        for the eviction round, then for the pull); ``how=None``: a miss stays a miss (an
+        operator's push names a local artifact). A validation failure is counted."""
         try:
-            return await self.lookup_settled(key)
+            return await self.record_settled(key)
         except ArtifactNotFound:
-            if self.fetcher is None or not pull:
+            fetcher = self._fetcher()
+            if fetcher is None or how is None:
                 raise
-            await self.fetcher.pull_on_miss(key, how)  # a miss here: pull it from the remote tier, then
-            return await self.lookup_settled(key)  # wait out an eviction round again
+            await fetcher.pull_on_miss(key, how)  # a miss here: pull it from the remote tier, then
+            return await self.record_settled(key)  # wait out an eviction round again
         except (ManifestCorrupt, ManifestIncompatible, ChecksumMismatch) as exc:
-            if self._on_verification_failure is not None:
-                self._on_verification_failure(exc.code)
+            if self._on_check_failure is not None:
+                self._on_check_failure(exc.code)
             raise
 
     def pulling(self, key: str) -> PullState | None:
         """The pull of ``key`` in flight, if a remote tier runs one."""
-        return None if self.fetcher is None else self.fetcher.pulling(key)
+        fetcher = self._fetcher()
+        return None if fetcher is None else fetcher.pulling(key)
 
-    def lookup_sync(self, key: str) -> ArtifactRecord:
-        """For a key a lease already holds (the peer channel's descriptor request, off the
-        await path) or a worker thread (a push): the cached record, else the store's full
-        lookup in this thread."""
-        return self.lookup_now(key) or self._records.lookup(key)
+    def record_blocking(self, key: str) -> ArtifactRecord:
+        """The cached record, else the store's full lookup in this thread (blocking; waits for
+        no eviction round and no pull): for a key a lease already holds (the peer socket's
+        descriptor request) or a worker thread (a push, a reuse base, a build)."""
+        return self.record_now(key) or self._records.lookup(key)
 
-    def open_payloads(self, record: ArtifactRecord) -> list[int]:
-        """Read-only payload descriptors in manifest order, each re-checked by ``fstat``."""
-        return [fd for _name, fd in self._records.open_payloads(record)]
+    def open_payloads(self, record: ArtifactRecord) -> list[tuple[str, int]]:
+        """(file name, read-only descriptor) of each payload in manifest order, each re-checked
+        by ``fstat`` (a changed payload is denied: ``MANIFEST_CORRUPT``); the caller closes them.
+        ``RecordCache.open_payloads``'s contract, read here so the store's records have one reader."""
+        return self._records.open_payloads(record)
 
     def manifest(self, record: ArtifactRecord) -> tuple[bytes, str]:
         cached = self._manifests.get(record.key)
@@ -217,12 +238,12 @@ class Catalog:
         """Keys present in ``artifacts/`` or carrying a deny marker."""
         return await asyncio.to_thread(self._store.known_keys)
 
-    async def artifacts(self) -> list[ArtifactRecord]:
-        """Every validated, not denied artifact, by key."""
+    async def records(self) -> list[ArtifactRecord]:
+        """Every validated, not denied artifact, by key (in a worker thread)."""
         return await asyncio.to_thread(self._records.artifacts)
 
-    def artifacts_now(self) -> list[ArtifactRecord]:
-        """``artifacts`` in the calling thread (the metrics scrape, the sd_notify status line)."""
+    def records_now(self) -> list[ArtifactRecord]:
+        """``records`` in the calling thread (the metrics scrape, the sd_notify status line)."""
         return self._records.artifacts()
 
     def take_added(self) -> list[str]:
@@ -230,7 +251,7 @@ class Catalog:
         return self._records.take_added()
 
     async def entries(self, include_denied: bool = False) -> list[Entry]:
-        records = await self.artifacts()
+        records = await self.records()
         entries = [Entry(r.key, r) for r in records]
         if include_denied:  # inspected from disk (not cached): denied artifacts are few
             entries += [Entry(k, r) for k, r in await asyncio.to_thread(self._store.denied_records)]
@@ -239,7 +260,7 @@ class Catalog:
     async def record_any_state(self, key: str) -> ArtifactRecord | None:
         """The record of ``key``, ready or denied; None for a denied key whose directory is
         gone; ``ArtifactNotFound`` when it is neither."""
-        for record in await self.artifacts():
+        for record in await self.records():
             if record.key == key:
                 return record
         for denied, record in await asyncio.to_thread(self._store.denied_records):
@@ -248,15 +269,12 @@ class Catalog:
         raise ArtifactNotFound("no artifact with that key", details={"key": key})
 
     # ---------------------------------------------------------------- capacity's reads (blocking unless said)
-    def listed(self, key: str) -> ArtifactRecord | None:
-        """The record of a validated, listed artifact from memory (no disk), else None."""
+    def listed_record(self, key: str) -> ArtifactRecord | None:
+        """The record of a validated, listed artifact from memory (no disk, no wait, eviction
+        marks ignored: capacity's and recency's bookkeeping), else None."""
         return self._records.listed(key)
 
-    def committed_bytes(self) -> int:
-        """Bytes of the artifacts in ``artifacts/`` (the store's in-memory accounting)."""
-        return self._store.usage.total()
-
-    def inspected(self, key: str) -> PayloadFiles | None:
+    def inspected(self, key: str) -> ArtifactRecord | None:
         """The validated record, else a fresh inspection of a denied artifact (its payload
         inodes, for the mapping scan); None when neither reads."""
         try:
@@ -269,12 +287,8 @@ class Catalog:
             return None
 
     def absent_now(self, key: str) -> bool:
-        """True when ``key`` provably has no artifact (one ``lstat``); False: ask ``lookup``."""
+        """True when ``key`` provably has no artifact (one ``lstat``); False: ask ``record_settled``."""
         return self._records.absent_now(key)
-
-    def open_named_payloads(self, record: ArtifactRecord) -> list[tuple[str, int]]:
-        """``open_payloads`` with each descriptor's file name (a reuse base's, ``store.reuse``)."""
-        return self._records.open_payloads(record)
 
     # ---------------------------------------------------------------- the operator's record commands
     async def verify(self, key: str, progress: Callable[[int, int], None] | None = None) -> ArtifactRecord:
@@ -283,8 +297,9 @@ class Catalog:
         from that thread."""
         return await asyncio.to_thread(self._store.verify, key, progress)
 
-    def deny(self, key: str, reason: str) -> None:
-        """Deny ``key`` by an operator (a later publication will not replace it); blocking (the
+    def deny_permanently(self, key: str, reason: str) -> None:
+        """Deny ``key`` for good, as an operator does (code ``OPERATOR_DENIED``: a later publication
+        will not replace it; also a pull whose bytes differ from the remote manifest); blocking (the
         marker's write and fsync), and on the loop it takes effect before any other step runs."""
         self._store.deny(key, reason)
 
@@ -295,7 +310,7 @@ class Catalog:
         was = self._store.denylist.reason(key) is not None
         await asyncio.to_thread(self._records.allow, key)
         with contextlib.suppress(HwrError):
-            await self.lookup_settled(key)
+            await self.record_settled(key)
         return was
 
     async def rescan_usage(self) -> dict[str, int]:

@@ -96,7 +96,7 @@ class Channels:
 
     ``volatile(key)``: whether ``key`` is a non-durable artifact (``VolatileSet.marked``);
     ``lookup(key)``: the ready artifact's record, waiting out an eviction round that marked it
-    (``Catalog.lookup_settled``); typed errors (``ArtifactNotFound``, ``ArtifactDenied``, ...).
+    (``Catalog.record_settled``); typed errors (``ArtifactNotFound``, ``ArtifactDenied``, ...).
     """
 
     def __init__(self, path: Path, states: dict[str, ChannelState], counter: int,

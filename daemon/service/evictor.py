@@ -6,7 +6,7 @@ capacity lock)::
     1. candidates = artifacts that are not leased, pinned, a channel's, held (journal),
        publishing or denied
     2. mark them EVICTING: an Acquire of a marked key waits until the round ends
-       (``Catalog.lookup_settled`` waits on ``settled``)
+       (``Catalog.record_settled`` waits on ``settled``)
     3. scan /proc/*/maps once for their payload (dev, inode)s, off the event loop; skipped for
        keys never leased (nobody can map them) and for keys a scan found unmapped that nobody
        acquired since (``MappingScan``)
@@ -45,6 +45,7 @@ from hwr.daemon.policy.eviction import Candidate, Plan, plan
 if TYPE_CHECKING:
     from hwr.daemon.policy.capacity import Reservations
     from hwr.daemon.service.catalog import Catalog
+    from hwr.daemon.service.eviction_marks import EvictionMarks
     from hwr.daemon.service.lease_journal import LeaseHolds
     from hwr.daemon.service.mapping_scan import MappingScan, PayloadFiles
     from hwr.daemon.service.pinning import PinSet
@@ -54,24 +55,9 @@ if TYPE_CHECKING:
     from hwr.daemon.store.inspection import ArtifactRecord
     from hwr.daemon.store.root import Store
 
-__all__ = ["EvictionMarks", "EvictionReport", "Evictor"]
+__all__ = ["EvictionReport", "Evictor"]
 
 log = logging.getLogger("hwrd.store")
-
-
-class EvictionMarks:
-    """The keys an eviction round (or an eviction by hand) has marked, and the event set when
-    they are unmarked. The read API waits on them (an acquire of a marked key waits for the
-    round to end); a round never waits on a reader. ``settled`` is replaced at each ``settle``:
-    a waiter waits on the event it read."""
-
-    def __init__(self) -> None:
-        self.evicting: set[str] = set()
-        self.settled = asyncio.Event()
-
-    def settle(self) -> None:
-        self.settled.set()
-        self.settled = asyncio.Event()
 
 
 @dataclass
@@ -87,14 +73,15 @@ class Evictor:
 
     ``reservations``: the capacity's ledger; a key reserved by a publication (from its admission
     until it is finished, its build included) is never an eviction candidate.
-    ``protected(key)``: True while a channel needs ``key`` (``Channels.protects``; set by the
-    daemon, none by default).
+    ``protected(key)``: True while a channel needs ``key`` (``Channels.protects``; given by the
+    service graph, none by default).
     """
 
     def __init__(self, store: Store, catalog: Catalog, marks: EvictionMarks, registry: Registry, recency: Recency,
                  holds: LeaseHolds, scan: MappingScan, pins: PinSet, purger: Purger,
-                 reservations: Reservations) -> None:
-        self.store = store  # removals only; records come from ``catalog``
+                 reservations: Reservations, *, protected: Callable[[str], bool] | None = None,
+                 on_evict: Callable[[str], None] | None = None) -> None:
+        self.store = store  # removals and the usage rescan; records come from ``catalog``
         self.catalog = catalog
         self.marks = marks
         self.registry = registry
@@ -104,8 +91,8 @@ class Evictor:
         self.pins = pins
         self.purger = purger
         self.reservations = reservations
-        self.on_evict: Callable[[str], None] | None = None  # metrics hook: reason is a fixed word
-        self.protected: Callable[[str], bool] = _nothing_protected
+        self.on_evict = on_evict  # metrics hook: reason is a fixed word
+        self.protected: Callable[[str], bool] = protected or _nothing_protected
         self.evictions = 0
 
     def is_busy(self, key: str) -> bool:
@@ -151,7 +138,7 @@ class Evictor:
                         break
                     popped.append(entry)
                     last, key = entry
-                    record = self.catalog.listed(key)
+                    record = self.catalog.listed_record(key)
                     if record is None:  # removed or denied since: it comes back through Recency.sync
                         lru.forget(key)
                         continue
@@ -248,7 +235,7 @@ class Evictor:
     async def evict(self, key: str) -> int:
         """Evict ``key`` by hand (the caller holds the capacity lock); ``ActiveLease``
         (details.reason) when anything uses it."""
-        sizes = await self.catalog.rescan_usage()
+        sizes = await asyncio.to_thread(self.store.rescan_usage)
         if key not in sizes:
             raise ArtifactNotFound("no artifact with that key", details={"key": key})
         c = self.flags(key, sizes[key], 0.0)

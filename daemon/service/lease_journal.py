@@ -28,7 +28,7 @@ cache outlives a killed process, and after a machine crash there is no process l
 
 Group commit: records are buffered in memory and written with one ``os.write`` per ``flush``.
 The daemon flushes (a) before any payload descriptor leaves it (``hwr.daemon.service.leasing`` calls
-``flush`` right before the peer channel sends descriptors) and (b) once per event-loop tick for
+``flush`` right before the peer socket sends descriptors) and (b) once per event-loop tick for
 whatever else was buffered (``schedule`` arms a ``call_soon``). Why that keeps the lease
 guarantee (a restart, clean or SIGKILL, never lets eviction remove an artifact that a live
 process maps): a process can only map an artifact through descriptors, and no descriptor is sent

@@ -20,7 +20,7 @@ Contract: ``pin`` is idempotent and reports ``locked`` or ``prefaulted`` (budget
 memory pressure (they come back at the next touch); residency is re-established at daemon start
 in the background. ``Pinning`` runs on the daemon's event loop; the pins file and the residency's system calls run in
 worker threads. Records and payload descriptors come from the read API
-(``hwr.daemon.service.catalog``). A pin takes effect on the loop right after ``Catalog.lookup_settled``'s
+(``hwr.daemon.service.catalog``). A pin takes effect on the loop right after ``Catalog.record_settled``'s
 final check, which waits out an eviction round that marked the key, so no later round can choose
 a pinned key.
 
@@ -204,10 +204,10 @@ class Pinning:
 
     async def hold_resident(self, key: str, record: ArtifactRecord | None = None) -> str:
         if record is None:
-            record = await asyncio.to_thread(self.catalog.lookup_sync, key)
+            record = await asyncio.to_thread(self.catalog.record_blocking, key)
 
         def hold() -> str:
-            fds = self.catalog.open_payloads(record)
+            fds = [fd for _name, fd in self.catalog.open_payloads(record)]
             try:
                 return self.residency.hold(key, fds)
             finally:
@@ -219,12 +219,12 @@ class Pinning:
 
     async def pin(self, key: str) -> tuple[bool, int, int, str]:
         """Pin ``key``: (already pinned, size, locked bytes, residency). The pin takes effect
-        on the loop right after ``lookup``'s final check (which waits out an eviction round that
+        on the loop right after ``Catalog.record_settled``'s final check (which waits out an eviction round that
         has marked the key, so the artifact is either gone, ``ArtifactNotFound``, or present and
         unmarked), before any await: no later round can choose the key. A pin that fails
         (pins.json not written, payloads not mappable) leaves the key as it was; a cancelled
         one may stand."""
-        record = await self.catalog.lookup_settled(key)  # waits out a round that marked the key
+        record = await self.catalog.record_settled(key)  # waits out a round that marked the key
         added = self.pins.add(key)
         try:
             if added:

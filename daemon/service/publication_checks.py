@@ -1,6 +1,6 @@
 """A publication request checked before anything is sized, reserved or staged (transport-neutral).
 
-Both transports decode their own wire form (gRPC ``TensorSpec`` messages; the peer channel's JSON
+Both transports decode their own wire form (gRPC ``TensorSpec`` messages; the peer socket's JSON
 ``[name, dtype, shape, kind, role]`` lists) into ``RequestedTensor`` values, then call
 ``tensor_specs`` and ``format_metadata`` here, so a publication is held to the same limits
 whichever way it arrives. Every refusal is ``InvalidRequest`` naming the field or tensor.

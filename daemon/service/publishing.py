@@ -122,12 +122,18 @@ class BeginResult:
         return sorted(pub.reuse.tensors) if pub is not None and pub.reuse is not None else []
 
 
+def _root_is_operator(session: Session) -> bool:
+    return session.cred.uid == 0
+
+
 class Publishing:
     """Publications in flight of one store (see the module docstring)."""
 
     def __init__(self, store: Store, catalog: Catalog, *, on_commit: Callable[[str], None] | None = None,
                  capacity: Capacity | None = None, commit_threads: int = COMMIT_THREADS,
-                 on_phase: Callable[[str, float], None] | None = None) -> None:
+                 on_phase: Callable[[str, float], None] | None = None,
+                 memfd_staging: MemfdStagings | None = None, channels: Channels | None = None,
+                 is_operator: Callable[[Session], bool] | None = None) -> None:
         self._store = store  # writes: begin, commit, abort
         self._catalog = catalog  # reads: whether a key is present, a reuse base's record and payloads
         # ``on_phase(phase, seconds)`` after each successful phase of a publication (admission,
@@ -146,22 +152,22 @@ class Publishing:
         self._prehash_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="hwr-prehash")
         self.committed = 0
         self.failed = 0
-        # Sealed memfd staging of small client publications (hwr.daemon.store.writer_bounds), set by
-        # the daemon; None: every publication writes its staging files.
-        self.memfd_staging: MemfdStagings | None = None
-        # The channels a publication may set (hwr.daemon.service.channels), set by the daemon;
-        # None: a publication that names a channel is refused.
-        self.channels: Channels | None = None
+        # Sealed memfd staging of small client publications (hwr.daemon.store.writer_bounds);
+        # None: every publication writes its staging files.
+        self.memfd_staging = memfd_staging
+        # The channels a publication may set (hwr.daemon.service.channels); None: a publication
+        # that names a channel is refused.
+        self.channels = channels
         # Whether a session's caller holds the operator role (the daemon's current roles, read at
         # each call): an operator's publication may repoint any channel (policy.channel_rights).
-        self.is_operator: Callable[[Session], bool] = lambda session: session.cred.uid == 0
+        self.is_operator: Callable[[Session], bool] = is_operator or _root_is_operator
 
     def active(self) -> list[Publication]:
         return list(self._by_id.values())
 
     def _exists(self, key: str) -> bool:
         try:
-            self._catalog.lookup_sync(key)
+            self._catalog.record_blocking(key)
         except ArtifactNotFound:
             return False
         return True
@@ -273,8 +279,8 @@ class Publishing:
         (evicted, denied): the writer then writes every tensor. A request that names tensors
         the base does not have as specified is ``InvalidRequest``."""
         try:
-            record = self._catalog.lookup_sync(base)
-            fds = self._catalog.open_named_payloads(record)
+            record = self._catalog.record_blocking(base)
+            fds = self._catalog.open_payloads(record)
         except InvalidRequest:
             raise
         except HwrError:

@@ -62,7 +62,7 @@ class Recency:
         """Note the artifacts validated since the last call (all of them at the first) in the
         LRU index, at their recorded last use or else their creation time."""
         for key in self._catalog.take_added():
-            record = self._catalog.listed(key)
+            record = self._catalog.listed_record(key)
             if record is not None:
                 self.lru.note(key, self.access.get(key, record.created_at))
 

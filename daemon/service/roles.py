@@ -1,7 +1,7 @@
 """Roles: who may acquire, who may publish, who may operate the store.
 
 Three allow-lists, each a set of uids plus a set of gids (a caller's primary gid or any of its
-supplementary groups, as the peer channel read them at connect, matches):
+supplementary groups, as the peer socket read them at connect, matches):
 
 - ``acquire``: ``allow_uids`` / ``allow_gids`` (``hwr.daemon.system.peercred``): connect, open a
   session, acquire and release leases, list and inspect;

@@ -48,7 +48,7 @@ class Scrubber:
         """Verify every artifact at the configured bandwidth cap; returns the keys found corrupt."""
         rate = self.config.scrub_bandwidth_mib_s * (1 << 20)
         bad = []
-        for record in await self.catalog.artifacts():
+        for record in await self.catalog.records():
             started = time.monotonic()
 
             def throttle(done: int, _total: int, started: float = started) -> None:

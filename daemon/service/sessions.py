@@ -1,6 +1,6 @@
 """Sessions and leases: the daemon's in-memory registry.
 
-A session is born when a client connects to the peer channel and dies when that connection
+A session is born when a client connects to the peer socket and dies when that connection
 closes (process exit, SIGKILL, explicit close). Every lease and publication belongs to exactly
 one session and ends with it.
 
@@ -9,7 +9,9 @@ Lease states (enforced here)::
     (none) --acquire--> HELD --release | session end--> RELEASED   (terminal, at most once)
 
 Contract: methods are called from the daemon's event loop thread only (no locks); ids and tokens
-are unguessable (``secrets``); tokens are compared in constant time. Limit: the registry is not
+are unguessable (``secrets``); tokens are compared in constant time. The table only: granting,
+releasing and journaling a lease is ``hwr.daemon.service.leasing.Leasing``'s (nothing else calls
+``add_lease``/``release``/``close_session``). Limit: the registry is not
 persistent, so a daemon restart ends every session (clients reconnect and re-acquire).
 """
 
@@ -19,7 +21,6 @@ import hmac
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hwr.client.errors import InvalidRequest, PermissionDeniedError, SessionInvalid
@@ -68,9 +69,6 @@ class Registry:
         self.max_leases_per_uid = max_leases_per_uid
         self.leases_granted = 0
         self.leases_released = 0
-        # Called with ("acquire" | "release", lease) after each change (the persistent lease
-        # journal and LRU access times listen here); must not raise.
-        self.observers: list[Callable[[str, LeaseRecord], None]] = []
 
     # sessions -----------------------------------------------------------------------------
     def open_session(self, cred: PeerCred) -> Session:
@@ -131,8 +129,6 @@ class Registry:
         self._per_key[key] += 1
         self._per_uid[lease.uid] += 1
         self.leases_granted += 1
-        for observer in self.observers:
-            observer("acquire", lease)
         return lease
 
     def lease_for_fds(self, session: Session, lease_id: str, token: str) -> LeaseRecord:
@@ -161,8 +157,6 @@ class Registry:
         if self._per_uid[lease.uid] <= 0:
             del self._per_uid[lease.uid]
         self.leases_released += 1
-        for observer in self.observers:
-            observer("release", lease)
         return lease
 
     def leases(self) -> list[LeaseRecord]:

@@ -149,7 +149,9 @@ class Installer:
         kinds: Mapping[str, str] | None = None,
         max_file_bytes: int | None = None,
     ) -> ArtifactRecord:
-        """Convenience: ``begin`` + write CPU tensors + ``commit`` (aborts on any failure)."""
+        """``begin`` + write CPU tensors (``write_tensor``) + ``commit``, aborting on any failure:
+        for tests and benchmarks that seed a store in their own process, without a daemon. hwrd
+        itself never calls it (its publications are ``hwr.daemon.service.publishing``'s)."""
         specs = [
             StagedTensor(n, t.dtype, tuple(t.shape), kind=(kinds or {}).get(n, "parameter"))  # type: ignore[arg-type]
             for n, t in tensors.items()

@@ -65,7 +65,6 @@ import os
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from hwr.client.errors import ArtifactNotFound, HwrError, StoreIOError, StoreLocked
 from hwr.client.identity import is_key
@@ -84,9 +83,6 @@ from hwr.daemon.store.usage import UsageLedger, listing_changes, scan_sizes
 from hwr.daemon.store.volatile import VolatileSet
 from hwr.daemon.store.writer_bounds import StagingReaper
 from hwr.daemon.system import fsguard
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
     "CORRUPTION_CODES",
@@ -299,10 +295,6 @@ class Store:
         and reclaim discarded stagings a writer held (``StagingReaper.sweep``)."""
         live = self.installer.open_ids()
         return self.reaper.sweep() + recovery.reclaim_trash(self.root / "tmp", live)
-
-    def staging_entries(self) -> list[str]:
-        """Names in ``tmp/`` (open stagings and trash), sorted; one ``listdir``."""
-        return sorted(os.listdir(self.root / "tmp"))
 
     # ----------------------------------------------------------------- deny and remove
     def is_denied(self, key: str) -> bool:

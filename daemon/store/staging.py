@@ -283,7 +283,10 @@ def write_tensor(staging: Staging, name: str, tensor: torch.Tensor, fd: int | No
     file_name, offset, nbytes = staging.placements[name]
     if nbytes == 0:
         return
-    import torch  # only writers that hold tensors call this (producers, store.installer.publish in tests)
+    # Only a writer holding CPU tensors in hwrd's own process calls this: ``Installer.publish``,
+    # which tests and benchmarks use to seed a store without a daemon. hwrd never does (clients
+    # write their staging descriptors, producers write through ``producers.blocks.TensorSink``).
+    import torch
 
     raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
     own = fd is None

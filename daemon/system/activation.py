@@ -11,7 +11,7 @@ variables are removed from ``os.environ`` so children do not inherit them), and
 an inherited socket bound to ...   serves
 =================================  ========================================================
 ``<socket>`` or named ``grpc``     gRPC, through ``GrpcRelay`` (below; hwrd's own socket too)
-``<socket>.peer`` or named ``peer`` the peer channel, accepted directly by ``PeerServer``
+``<socket>.peer`` or named ``peer`` the peer socket, accepted directly by ``PeerServer``
 anything else                      nothing: logged and closed
 =================================  ========================================================
 

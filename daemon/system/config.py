@@ -55,7 +55,7 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     allow_gids: tuple[int, ...] = ()
     max_leases_per_session: int = 4096
     max_leases_per_uid: int = 65536  # over all the uid's sessions (hwr.daemon.service.sessions)
-    # --- peer channel limits against careless or hostile local clients (hwr.daemon.peer.limits) ---
+    # --- peer socket limits against careless or hostile local clients (hwr.daemon.peer.limits) ---
     # Open sessions (peer connections) per uid; a connection past it gets a typed refusal.
     max_sessions_per_uid: int = 1024
     # Descriptors sent to a client that it has not received yet (the kernel refuses every

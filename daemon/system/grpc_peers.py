@@ -6,7 +6,7 @@ socket. So the public gRPC socket is served by ``activation.GrpcRelay``, which a
 about each accepted connection before it reads a byte: ``admit(sock)`` reads ``SO_PEERCRED``
 and returns a ``RelayTicket`` (the relay reports the connection's activity to it and releases
 it when the connection ends), or None to close the connection unread. Refused: a uid the
-allow-list does not admit (``peercred.peer_allowed``, the peer channel's rule), a uid that
+allow-list does not admit (``peercred.peer_allowed``, the peer socket's rule), a uid that
 already has ``max_per_uid`` gRPC connections open (``max_grpc_connections_per_uid``), and, when
 the node-wide budget is full, a uid that holds as many as the biggest holder less one
 (``hwr.daemon.policy.connection_share``; otherwise the biggest holder's least recently active

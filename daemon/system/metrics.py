@@ -17,7 +17,9 @@ Exposed (all names prefixed ``hwr_``)::
     leases_released_total          counter  leases released since start (explicit or session end)
     publications_total{outcome}    counter  outcome = committed | failed
     evictions_total{reason}        counter  reason chosen by the evicting code (a fixed word)
-    verification_failures_total{code}  counter  code = the typed error code (MANIFEST_CORRUPT, ...)
+    artifact_check_failures_total{code}  counter  artifacts refused by a check: the metadata
+                                   validation of a lookup, or an operator's verify (the full
+                                   re-hash); code = the typed error code (MANIFEST_CORRUPT, ...)
     remote_pulls_total{outcome}    counter  fleet tier (only with a remote): pulled | already_present |
                                    miss | invalid | unavailable | denied | failed
     remote_pushes_total{outcome}   counter  pushed | already_present | skipped | unavailable | failed
@@ -254,9 +256,10 @@ class MetricsServer:
 class Instruments:
     """The daemon's own counters (the rest are read from the registry and store at scrape time).
 
-    ``count_eviction(reason)`` and ``count_verification_failure(code)`` are for the components
-    that evict or verify; ``observe_acquire`` for the Acquire handler; ``observe_publication_phase``
-    for ``hwr.daemon.service.publishing`` (its ``on_phase`` hook).
+    ``count_eviction(reason)`` and ``count_check_failure(code)`` are for the components that
+    evict or check artifacts (a lookup's validation, an operator's verify); ``observe_acquire``
+    for the Acquire handler; ``observe_publication_phase`` for ``hwr.daemon.service.publishing``
+    (its ``on_phase`` hook).
     """
 
     def __init__(self) -> None:
@@ -267,12 +270,13 @@ class Instruments:
         for phase in PUBLICATION_PHASES:
             self.publication_phases.touch(phase)
         self.evictions = Counter("hwr_evictions_total", "Artifacts evicted from the store.", "reason")
-        self.verification_failures = Counter(
-            "hwr_verification_failures_total", "Artifacts that failed validation or verification.", "code")
+        self.check_failures = Counter(
+            "hwr_artifact_check_failures_total",
+            "Artifacts refused by a check: a lookup's metadata validation or an operator's verify.", "code")
         # Zero series for the known values, so rate() and alerts work before the first event.
         self.evictions.inc("capacity", 0)
         for code in ("MANIFEST_CORRUPT", "MANIFEST_INCOMPATIBLE", "CHECKSUM_MISMATCH"):
-            self.verification_failures.inc(code, 0)
+            self.check_failures.inc(code, 0)
 
     def observe_acquire(self, seconds: float) -> None:
         self.acquire.observe(seconds)
@@ -283,5 +287,5 @@ class Instruments:
     def count_eviction(self, reason: str = "capacity") -> None:
         self.evictions.inc(reason)
 
-    def count_verification_failure(self, code: str) -> None:
-        self.verification_failures.inc(code)
+    def count_check_failure(self, code: str) -> None:
+        self.check_failures.inc(code)

@@ -4,7 +4,7 @@ Protocol (systemd's ``sd_notify(3)``): one datagram of newline-separated ``KEY=V
 the ``AF_UNIX``/``SOCK_DGRAM`` socket named by ``$NOTIFY_SOCKET``; a leading ``@`` names an
 abstract socket. hwrd sends::
 
-    READY=1 + STATUS=...   once gRPC and the peer channel accept connections (never before)
+    READY=1 + STATUS=...   once gRPC and the peer socket accept connections (never before)
     STATUS=...             when something an operator should see changes (reload)
     RELOADING=1 ... READY=1 around a SIGHUP reload
     WATCHDOG=1             every ``watchdog_interval(env)`` seconds (half of $WATCHDOG_USEC)

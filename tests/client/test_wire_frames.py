@@ -24,7 +24,7 @@ from hwr.client.wire import (
     send_frame,
     take_frame,
 )
-from hwr.daemon.peer.channel import _failure_frame
+from hwr.daemon.peer.server import _failure_frame
 
 
 def _pipes(n: int) -> list[int]:

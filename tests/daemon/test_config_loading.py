@@ -139,7 +139,7 @@ def test_variable_text_round_trips(uids: list[int], level: str, mode: int) -> No
 
 def test_commit_threads_sizes_the_publication_pool(tmp_path: Path) -> None:
     from hwr.daemon.service.catalog import Catalog
-    from hwr.daemon.service.evictor import EvictionMarks
+    from hwr.daemon.service.eviction_marks import EvictionMarks
     from hwr.daemon.service.publishing import COMMIT_THREADS, Publishing
     from hwr.daemon.store.root import Store
 

@@ -27,7 +27,7 @@ from hwr.daemon.fleet.remote import RemoteObjectInvalid, parse_location
 from hwr.daemon.fleet.remote_file import FileRemote
 from hwr.daemon.fleet.sink import DownloadSink
 from hwr.daemon.service.catalog import Catalog
-from hwr.daemon.service.evictor import EvictionMarks
+from hwr.daemon.service.eviction_marks import EvictionMarks
 from hwr.daemon.service.publishing import Publishing
 from hwr.daemon.store import fileio
 from hwr.daemon.store.root import Store

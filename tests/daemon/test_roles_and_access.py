@@ -136,13 +136,15 @@ def test_role_keys_are_applied_by_a_reload(short_tmp: Path) -> None:
     import msgspec
 
     from hwr.daemon.app.reload import Reloader, plan_reload
+    from hwr.daemon.service.settings import RunningSettings
 
     old = load_config(env={"HWR_ROOT": str(short_tmp), "HWR_SOCKET": str(short_tmp / "s")})
     new = msgspec.structs.replace(old, operator_uids=(1000,), publish_gids=(7,))
-    daemon = SimpleNamespace(config=old, roles=roles_from(old))
+    daemon = SimpleNamespace(settings=RunningSettings(old))
     reloader = Reloader.__new__(Reloader)  # only the decision and its application are exercised
     reloader.daemon = daemon
     plan = plan_reload(old, new, reloader.can_apply)
     assert set(plan.applied) == {"operator_uids", "publish_gids"} and not plan.refused
     reloader._apply(plan)
-    assert daemon.roles.grants(cred(1000), OPERATOR) and not daemon.roles.grants(cred(1001, gid=8), PUBLISH)
+    roles = daemon.settings.roles
+    assert roles.grants(cred(1000), OPERATOR) and not roles.grants(cred(1001, gid=8), PUBLISH)

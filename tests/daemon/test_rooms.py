@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hwr.daemon import ROOMS
+from hwr.daemon import ROOMS, SERVICE_FLOORS
 
 DAEMON = Path(__file__).resolve().parents[2] / "daemon"
 RANK = {room: rank for rank, siblings in enumerate(ROOMS) for room in siblings}
@@ -179,7 +179,7 @@ def test_the_transport_check_catches_a_store_import(tmp_path: Path, room: str, s
 #: the operator's commands (``verify``, ``deny``, ``allow``), ``is_volatile`` and the lifecycle.
 RECORD_READS = frozenset({
     "lookup", "cached", "listed", "absent_now", "open_payloads", "artifacts", "known_keys",
-    "denied_records", "denied_keys", "deny_reason", "is_denied", "take_added", "records",
+    "denied_records", "deny_reason", "is_denied", "take_added", "records",
 })
 #: The rooms above the store; in them only the read API reads ``Store``'s records.
 READER_ROOMS = ("service", "producers", "fleet", "peer", "rpc", "app")
@@ -345,3 +345,106 @@ def test_the_torch_check_skips_lazy_and_type_only_imports(tmp_path: Path) -> Non
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n"
         "def f():\n    import torch\n")
     assert eager_torch_imports(tmp_path) == []
+
+
+# --- the service room's inner floors ---------------------------------------------------------------
+def _service_imports(root: Path) -> dict[str, list[tuple[int, str]]]:
+    """Each module of ``<root>/service`` -> ``(line, service module)`` it imports (any kind)."""
+    found: dict[str, list[tuple[int, str]]] = {}
+    for path in sorted((root / "service").glob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        targets = []
+        for line, dotted in _imported_modules(tree, f"hwr.daemon.service.{path.stem}", False):
+            parts = dotted.split(".")
+            if parts[:3] == ["hwr", "daemon", "service"] and len(parts) > 3 and parts[3] != path.stem:
+                targets.append((line, parts[3]))
+        found[path.stem] = targets
+    return found
+
+
+def floor_violations(root: Path = DAEMON,
+                     floors: tuple[tuple[str, tuple[str, ...]], ...] = SERVICE_FLOORS) -> list[str]:
+    """Every service module on no floor (or two), every import of a floor above the importer's,
+    and every circle of imports between service modules (top-level, lazy and type-only alike)."""
+    level = {}
+    found: list[str] = []
+    for rank, (_floor, modules) in enumerate(floors):
+        for module in modules:
+            if module in level:
+                found.append(f"service/{module}.py: on two floors")
+            level[module] = rank
+    imports = _service_imports(root)
+    name = {rank: floor for rank, (floor, _m) in enumerate(floors)}
+    for module, targets in imports.items():
+        if module not in level:
+            found.append(f"service/{module}.py: on no floor of hwr.daemon.SERVICE_FLOORS")
+            continue
+        for line, target in targets:
+            if target in level and level[target] > level[module]:
+                found.append(f"service/{module}.py:{line}: the {name[level[module]]} floor imports upwards "
+                             f"from the {name[level[target]]} floor ({target})")
+    # Circles: a depth-first walk over the import graph; each circle reported once.
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    seen_cycles: set[frozenset[str]] = set()
+
+    def walk(module: str) -> None:
+        state[module] = 1
+        stack.append(module)
+        for _line, target in imports.get(module, []):
+            if state.get(target) == 1:
+                cycle = stack[stack.index(target):]
+                if frozenset(cycle) not in seen_cycles:
+                    seen_cycles.add(frozenset(cycle))
+                    found.append("service imports in a circle: " + " -> ".join([*cycle, target]))
+            elif target in imports and not state.get(target):
+                walk(target)
+        stack.pop()
+        state[module] = 2
+
+    for module in sorted(imports):
+        if not state.get(module):
+            walk(module)
+    return found
+
+
+def test_the_service_room_imports_only_down_its_floors() -> None:
+    assert floor_violations() == []
+
+
+TOY_FLOORS = (("bottom", ("reader",)), ("middle", ("leasing",)), ("top", ("publishing",)))
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        ({"reader": "from hwr.daemon.service.leasing import Leasing\n"},
+         "service/reader.py:1: the bottom floor imports upwards from the middle floor (leasing)"),
+        ({"leasing": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                     "    from hwr.daemon.service.publishing import Publishing\n"},
+         "service/leasing.py:3: the middle floor imports upwards from the top floor (publishing)"),
+        ({"reader": "def f():\n    from hwr.daemon.service import publishing\n"},
+         "the bottom floor imports upwards from the top floor (publishing)"),
+        ({"stray": ""}, "service/stray.py: on no floor"),
+    ],
+)
+def test_the_floor_check_catches_an_import_up_the_floors(tmp_path: Path, files: dict[str, str],
+                                                         expected: str) -> None:
+    (tmp_path / "service").mkdir()
+    for module in ("reader", "leasing", "publishing"):
+        (tmp_path / "service" / f"{module}.py").write_text("")
+    for module, text in files.items():
+        (tmp_path / "service" / f"{module}.py").write_text(text)
+    found = floor_violations(tmp_path, TOY_FLOORS)
+    assert len(found) >= 1 and any(expected in f for f in found), found
+
+
+def test_the_floor_check_catches_a_circle_on_one_floor(tmp_path: Path) -> None:
+    (tmp_path / "service").mkdir()
+    (tmp_path / "service" / "reader.py").write_text("from hwr.daemon.service.marks import M\n")
+    (tmp_path / "service" / "marks.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from hwr.daemon.service.reader import R\n")
+    found = floor_violations(tmp_path, (("bottom", ("reader", "marks")),))
+    assert found == ["service imports in a circle: marks -> reader -> marks"], found

@@ -17,21 +17,18 @@ import threading
 from pathlib import Path
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 import torch
 
 from hwr.client.identity import ArtifactIdentity
+from hwr.daemon.app.graph import ServiceGraph
 from hwr.daemon.service.capacity import Capacity
-from hwr.daemon.service.catalog import Catalog
-from hwr.daemon.service.evictor import EvictionMarks
 from hwr.daemon.service.housekeeping import Housekeeping
-from hwr.daemon.service.lease_journal import LeaseHolds, LeaseJournal
-from hwr.daemon.service.mapping_scan import MappingScan
-from hwr.daemon.service.pinning import PinSet
-from hwr.daemon.service.recency import AccessTimes, Recency
-from hwr.daemon.service.sessions import Registry
+from hwr.daemon.service.settings import RunningSettings
 from hwr.daemon.store.root import Store
 from hwr.daemon.store.staging import StagedTensor, write_tensor
+from hwr.daemon.system.config import load_config
 
 
 def test_a_commit_between_the_disk_read_and_the_reservation_drop_is_still_counted(tmp_path: Path) -> None:
@@ -65,7 +62,7 @@ def test_a_commit_between_the_disk_read_and_the_reservation_drop_is_still_counte
             usage = await service.usage()
         finally:
             store.usage.total = real  # type: ignore[method-assign]
-            service.holds.close()
+            service.evictor.holds.close()
         return usage.committed_bytes + usage.reserved_bytes, staging.files[0][2]
 
     try:
@@ -102,7 +99,7 @@ def test_retired_bytes_of_a_publication_that_never_commits_are_deleted_or_left_f
         second = Claim("k2", False, ledger.add("k2", 1),
                        [store.retirement.retire(ArtifactIdentity.simple("b").key)], True)
         service.finished(second, committed=False)  # pool shut down: no exception, trash stays
-        service.holds.close()
+        service.evictor.holds.close()
         return after_first, sorted(p.name for p in (store.root / "tmp").iterdir())
 
     try:
@@ -116,14 +113,10 @@ def test_retired_bytes_of_a_publication_that_never_commits_are_deleted_or_left_f
 
 
 def _capacity(config: SimpleNamespace, store: Store) -> Capacity:
-    """The store's ``Capacity`` with its collaborators, wired as hwrd wires them."""
-    root = Path(store.root)
-    pins, marks = PinSet.open(root), EvictionMarks()
-    catalog = Catalog(store, marks, pins=pins)
-    holds = LeaseHolds(LeaseJournal.open(root / "leases.journal"))
-    recency = Recency(AccessTimes(root / "access.json"), catalog)
-    return Capacity(config, store, catalog, Registry(), marks=marks, pins=pins,  # type: ignore[arg-type]
-                    holds=holds, recency=recency, scan=MappingScan(holds))
+    """The store's ``Capacity`` as hwrd builds it (``ServiceGraph.build``), under ``config``'s values."""
+    running = load_config(env={"HWR_ROOT": str(store.root), "HWR_SOCKET": str(store.root / "hwrd.sock")})
+    settings = RunningSettings(msgspec.structs.replace(running, **vars(config)))
+    return ServiceGraph.build(settings, store).capacity
 
 
 def _publish(store: Store, name: str, elements: int) -> str:
@@ -273,7 +266,7 @@ def test_publications_waiting_for_room_are_woken_one_at_a_time_in_arrival_order(
         service.reservations.drop(holder)
         service.signal_room()
         await asyncio.wait_for(asyncio.gather(*tasks), 30)
-        service.holds.close()
+        service.evictor.holds.close()
         return served, [waiting_tries, tries]
 
     try:
@@ -395,7 +388,7 @@ def test_housekeeping_feeds_the_lru_index_without_eviction_rounds(tmp_path: Path
     async def scenario() -> tuple[list[str], int]:
         service = _capacity(config, store)
         tick = asyncio.get_running_loop().create_task(
-            Housekeeping(config, store, service.holds, service.recency).run(None))
+            Housekeeping(config, store, service.evictor.holds, service.recency).run(None))
         try:
             for i in range(5):
                 await asyncio.to_thread(_publish, store, f"kept-{i}", 256)
@@ -406,7 +399,7 @@ def test_housekeeping_feeds_the_lru_index_without_eviction_rounds(tmp_path: Path
             with contextlib.suppress(asyncio.CancelledError):
                 await tick
             service.recency.access.flush()
-            service.holds.close()
+            service.evictor.holds.close()
             service.close()
 
     try:

@@ -53,7 +53,7 @@ from .test_store_adoption import _lay_out_upstream_root
 
 RECORDER = Path(__file__).resolve().parent / "import_recorder.py"
 SERVICE = pb.DESCRIPTOR.services_by_name["HostWeightRuntime"]
-#: The peer channel's operations (``hwr.daemon.peer.channel``).
+#: The peer channel's operations (``hwr.daemon.peer.server``).
 PEER_OPS = {"hello", "ping", "acquire", "release", "fds", "staging_fds", "publish_begin", "publish_commit",
             "publish_abort"}
 

@@ -261,7 +261,7 @@ def test_idle_connections_of_many_uids(artifact: Callable[..., tuple[DaemonProce
     limit, and an innocent client (another uid) opens sessions, lists, sets and watches channels,
     publishes and acquires throughout. A gRPC connection that sends no byte at all is closed
     after ``FIRST_BYTES_TIMEOUT_S``."""
-    from hwr.daemon.peer.channel import SESSION_SHARE
+    from hwr.daemon.peer.server import SESSION_SHARE
     from hwr.daemon.system.activation import FIRST_BYTES_TIMEOUT_S
     from hwr.daemon.system.grpc_peers import FDS_PER_CONNECTION, SHARE
 

@@ -1,4 +1,4 @@
-"""The peer channel: authentication, session liveness, descriptor passing, and the lease hot path.
+"""The peer socket: authentication, session liveness, descriptor passing, and the lease hot path.
 
 One SOCK_STREAM Unix socket at ``<socket>.peer``. Per connection:
 
@@ -88,8 +88,7 @@ from hwr.daemon.system.peercred import AllowList, peer_allowed, read_peercred
 
 if TYPE_CHECKING:
     from hwr.daemon.peer.publication_frames import PublicationFrames
-    from hwr.daemon.service.channels import Channels
-    from hwr.daemon.service.leasing import Grant, Leasing
+    from hwr.daemon.service.leasing import ArtifactRef, Grant, Leasing
 
 __all__ = ["PeerServer"]
 
@@ -103,7 +102,7 @@ MIN_SESSION_BUDGET = 64
 
 
 class PeerServer:
-    """The peer channel's server (see the module docstring).
+    """The peer socket's server (see the module docstring).
 
     Connections are ``asyncio.Protocol`` objects: a request whose work is synchronous (every
     operation except an ``acquire`` that must wait for validation or an eviction round) is
@@ -123,17 +122,15 @@ class PeerServer:
         mode: int = 0o660,
         listen_sock: socket.socket | None = None,
         leasing: Leasing | None = None,
-        publishing: PublicationFrames | None = None,
+        publication_frames: PublicationFrames | None = None,
         limits: PeerLimits | None = None,
-        channels: Channels | None = None,
     ) -> None:
         self.path = path
         self._registry = registry
         self._allow = allow
         self._on_session_end = on_session_end
         self._leasing = leasing  # acquire/release/lease descriptors; None: refused
-        self._publishing = publishing  # publish_* and staging descriptors; None: refused
-        self._channels = channels  # acquire through a channel; None: refused
+        self._publication_frames = publication_frames  # publish_* and staging descriptors; None: refused
         self._mode = mode
         self._sock = listen_sock
         self._task: asyncio.Task[None] | None = None
@@ -255,8 +252,10 @@ class PeerServer:
         op = req.get("op")
         try:
             if op == "acquire":
-                key = _acquire_key(req, self._channels)
-                now = self._leasing.grant_now(session, key, have=_have(req)) if self._leasing is not None else None
+                if self._leasing is None:
+                    return LATER  # refused there
+                key = self._leasing.key_for(_artifact_ref(req))
+                now = self._leasing.grant_now(session, key, have=_have(req))
                 if now is None:
                     return LATER
                 return _granted(now)
@@ -277,13 +276,13 @@ class PeerServer:
         op = req.get("op")
         try:
             if op in _PUBLISH_OPS:
-                if self._publishing is None:
+                if self._publication_frames is None:
                     raise PermissionDeniedError(f"peer operation {op!r} is not served here")
-                reply, fds = await getattr(self._publishing, _PUBLISH_OPS[op])(session, req)
+                reply, fds = await getattr(self._publication_frames, _PUBLISH_OPS[op])(session, req)
                 return reply, fds, b""
-            key = _acquire_key(req, self._channels)
             if self._leasing is None:
                 raise PermissionDeniedError("peer operation 'acquire' is not served here")
+            key = self._leasing.key_for(_artifact_ref(req))
             pull = req.get("pull")
             if pull not in (None, "wait", "fallback"):
                 raise InvalidRequest("pull must be 'wait' or 'fallback'", details={"field": "pull"})
@@ -305,7 +304,7 @@ class PeerServer:
             await asyncio.wait({acquiring}, timeout=interval)
             if acquiring.done():
                 return
-            progress = self._leasing.catalog.pulling(key)
+            progress = self._leasing.pulling(key)
             if progress is None:
                 continue  # validating or waiting out an eviction round: short, no report
             if not notify({"ok": True, "pending": "pull", "key": key, "remote": progress.remote,
@@ -340,33 +339,35 @@ class PeerServer:
                 raise InvalidRequest("lease_id is required")
             return {"ok": True, "released": self._leasing.release(session, lease_id)}, []
         if op == "publish_file_done":
-            if self._publishing is None:
+            if self._publication_frames is None:
                 raise PermissionDeniedError(f"peer operation {op!r} is not served here")
-            return self._publishing.file_done(session, req), []
+            return self._publication_frames.file_done(session, req), []
         if op == "staging_fds":
-            if self._publishing is None:
+            if self._publication_frames is None:
                 raise PermissionDeniedError(f"peer operation {op!r} is not served here")
-            fds = self._publishing.staging_fds(session, _str(req, "publication_id"), _str(req, "publication_token"))
+            frames = self._publication_frames
+            fds = frames.staging_fds(session, _str(req, "publication_id"), _str(req, "publication_token"))
             return {"ok": True, "count": len(fds)}, fds
         raise PermissionDeniedError(f"unknown peer operation {str(op)[:40]!r}")
 
 
-def _acquire_key(req: dict[str, Any], channels: Channels | None) -> str:
-    from hwr.daemon.service.leasing import key_of
+def _artifact_ref(req: dict[str, Any]) -> ArtifactRef:
+    """The acquire's reference, decoded (``Leasing.key_for`` resolves it; a channel to the key it
+    points to now, in the same loop step as the lease)."""
+    from hwr.client.channels import check_channel_name
+    from hwr.daemon.service.leasing import ArtifactRef
 
     channel = req.get("channel")
-    if channel is not None:  # the key it points to now (resolved in the same loop step as the lease)
-        if channels is None:
-            raise InvalidRequest("this hwrd serves no channels", details={"field": "channel"})
-        return channels.resolve(channel)
+    if channel is not None:
+        return ArtifactRef(channel=check_channel_name(channel))
     key, identity = req.get("key"), req.get("identity")
     if identity is not None:
         if not isinstance(identity, str) or len(identity) > MAX_FRAME:
             raise InvalidRequest("identity must be canonical identity JSON text", details={"field": "identity"})
-        return key_of(identity_json=identity.encode())
+        return ArtifactRef(identity_json=identity.encode())
     if key is not None and not isinstance(key, str):
         raise InvalidRequest("key must be 64 lowercase hex digits", details={"field": "artifact.key"})
-    return key_of(key=key)
+    return ArtifactRef(key=key)
 
 
 def _have(req: dict[str, Any]) -> str | None:
