@@ -1,7 +1,7 @@
 """Leases from hwrd: acquire on the peer channel, and reattach after a reconnect.
 
 An ``Acquirer`` turns an identity, key or channel name into a ``Lease`` (one peer request and one
-reply: the lease id, the manifest and the payload descriptors, see ``hwr.daemon.peer.channel``),
+reply: the lease id, the manifest and the payload descriptors, see ``hwr.daemon.peer.server``),
 and keeps the table of open leases that a reconnect reattaches. Checkpoint leases
 (``Client.acquire_checkpoint``) are not in that table: they are never reattached.
 

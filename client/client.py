@@ -2,7 +2,7 @@
 
 A ``Client`` owns two connections: the peer channel (``<socket>.peer``: authentication, the
 session's liveness, descriptor passing, and the lease hot path: ``acquire`` and ``release`` are
-one request/one reply each there, see ``hwr.daemon.peer.channel``) and a gRPC channel (control calls
+one request/one reply each there, see ``hwr.daemon.peer.server``) and a gRPC channel (control calls
 carrying the session token), opened lazily on the first call that needs it: a client that only
 acquires and releases never opens one. Closing the client, or the process exiting, ends the
 session and the daemon releases every lease it still holds.

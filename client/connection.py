@@ -2,7 +2,7 @@
 
 A ``Connection`` is what a ``Client`` holds of the daemon: the peer channel (``<socket>.peer``:
 authentication, the session's liveness, descriptor passing, and the lease hot path, see
-``hwr.daemon.peer.channel``), the session token that control calls carry, and a gRPC channel opened on
+``hwr.daemon.peer.server``), the session token that control calls carry, and a gRPC channel opened on
 the first call that needs it (a client that only acquires and releases never opens one).
 Closing it, or the process exiting, ends the session and the daemon releases every lease the
 session still holds. Every connection of the peer channel (the first and each reconnect) is

@@ -102,7 +102,7 @@ class _Reopen(Exception):
 
 
 @dataclass
-class _File:
+class _PullFile:
     name: str
     path: str
     size: int
@@ -116,7 +116,7 @@ class _File:
 
 @dataclass
 class _Chunk:
-    file: _File
+    file: _PullFile
     start: int
     end: int
     source: str = ""  # the node that served it, "store" for the store
@@ -161,7 +161,7 @@ def units_of(head_len: int, size: int, ranges: Sequence[tuple[str, int, int]]) -
     return units
 
 
-def chunks_of(file: _File, limit: int = CHUNK) -> list[_Chunk]:
+def chunks_of(file: _PullFile, limit: int = CHUNK) -> list[_Chunk]:
     """Whole units packed up to ``limit`` bytes; a larger unit split in ``limit``-byte pieces."""
     out: list[_Chunk] = []
     start = end = 0
@@ -206,7 +206,7 @@ class _RangeSink:
         self.sink.check()
 
 
-def _hash_from_disk(file: _File) -> tuple[str, dict[str, str]] | None:
+def _hash_from_disk(file: _PullFile) -> tuple[str, dict[str, str]] | None:
     digests = InOrderDigests(file.fd, file.size, file.ranges)
     offset = 0
     while offset < file.size:
@@ -247,7 +247,7 @@ class PeerFill:
         before = sorted((h for h in holders if h.partial and (h.since, h.node) < me), key=lambda h: (h.since, h.node))
         return full + before[-PARTIAL_SOURCES:]
 
-    async def _download(self, progress: PullProgress, plan: RemotePlan, files: list[_File], partial: Partial,
+    async def _download(self, progress: PullProgress, plan: RemotePlan, files: list[_PullFile], partial: Partial,
                         me: tuple[float, str], store_copy: StoreCopy) -> ProducerDigests | object | None:
         key = progress.key
         try:
@@ -309,7 +309,7 @@ class PeerFill:
                 with contextlib.suppress(HwrError):
                     await self.peers.agent.request("close", path=f.path)
 
-    def _files(self, pub: Publication) -> list[_File]:
+    def _files(self, pub: Publication) -> list[_PullFile]:
         staging = pub.staging
         heads = {p.name: p.head for p in staging.plans}
         entries = {p.name: p.entries for p in staging.plans}
@@ -317,12 +317,12 @@ class PeerFill:
         for name, path, size in staging.files:
             head = heads[name]
             ranges = [(e.name, len(head) + e.begin, len(head) + e.end) for e in entries[name]]
-            f = _File(name, str(path), size, head, ranges)
+            f = _PullFile(name, str(path), size, head, ranges)
             f.units = units_of(len(head), size, ranges)
             files.append(f)
         return files
 
-    async def _pull(self, progress: PullProgress, plan: RemotePlan, files: list[_File], peers: list[_Peer],
+    async def _pull(self, progress: PullProgress, plan: RemotePlan, files: list[_PullFile], peers: list[_Peer],
                     state: dict[str, Any], store_copy: StoreCopy, partial: Partial,
                     discover: Callable[[Callable[[_Peer], None]], Any]) -> ProducerDigests:
         expected_tensors = {t.name: t.sha256 for t in plan.manifest.tensors}
@@ -331,7 +331,7 @@ class PeerFill:
         def moved(n: int) -> None:
             state["done_bytes"] += n
 
-        def advertiser(f: _File) -> Callable[[str, str], None]:
+        def advertiser(f: _PullFile) -> Callable[[str, str], None]:
             spans = {name: (start, end) for start, end, name in f.units if name not in ("", "~")}
 
             def verified(name: str, digest: str) -> None:  # on the hashing thread
@@ -387,7 +387,7 @@ class PeerFill:
                                "rounds (peers and the store)", details={"key": progress.key})
 
     @staticmethod
-    def _digests(f: _File) -> tuple[str, dict[str, str]] | None:
+    def _digests(f: _PullFile) -> tuple[str, dict[str, str]] | None:
         assert f.sink is not None
         if f.fresh:
             f.fresh = False
@@ -397,7 +397,7 @@ class PeerFill:
         return _hash_from_disk(f)
 
     @staticmethod
-    def _bad_units(f: _File, digests: tuple[str, dict[str, str]] | None, tensors: dict[str, str],
+    def _bad_units(f: _PullFile, digests: tuple[str, dict[str, str]] | None, tensors: dict[str, str],
                    files: dict[str, str]) -> list[tuple[int, int, str]]:
         if digests is None:
             return list(f.units)

@@ -31,7 +31,7 @@ Pieces, all on hwrd's event loop except the data plane:
   new grants (``reopen``: the reader stops reading it, and finds the committed artifact here
   through the listing), wait for the reads in flight, and unmap its staging files
   (``Peers.release_partial``).
-- ``PeerServer``: the control connections (TCP on ``fleet_peer_listen``). After the membership
+- ``PeerControlServer``: the control connections (TCP on ``fleet_peer_listen``). After the membership
   proofs (``hwr.daemon.fleet.peer_wire``) a peer may ``open`` a key: a committed, not denied
   artifact of this node's store, or one this node is pulling (``Partial``); its payload files
   are exposed read-only by the transfer process (the same immutable files leases map) and their addresses sent back with
@@ -78,8 +78,20 @@ if TYPE_CHECKING:
     from hwr.daemon.service.catalog import Catalog
     from hwr.daemon.system.config import DaemonConfig
 
-__all__ = ["RESTART_MAX_S", "RESTART_MIN_S", "RESTART_RESET_S", "AgentGone", "AgentProcess", "Holder", "Holders",
-           "Partial", "PeerCounters", "PeerServer", "Peers", "parse_address"]
+__all__ = [
+    "RESTART_MAX_S",
+    "RESTART_MIN_S",
+    "RESTART_RESET_S",
+    "AgentGone",
+    "AgentProcess",
+    "Holder",
+    "Holders",
+    "Partial",
+    "PeerControlServer",
+    "PeerCounters",
+    "Peers",
+    "parse_address",
+]
 
 log = logging.getLogger("hwrd.peers")
 
@@ -361,7 +373,7 @@ class Holders:
         return sorted(found, key=lambda h: -h.expires_at)
 
 
-class PeerServer:
+class PeerControlServer:
     """The control connections of this node's serving (see the module docstring)."""
 
     def __init__(self, agent: AgentProcess, catalog: Catalog, secret: bytes, counters: PeerCounters,
@@ -548,7 +560,7 @@ class Peers:
         self.networks = peer_networks(config.fleet_peer_networks)
         self.holders = Holders(remote, self.node, self.address, config.fleet_peer_holder_ttl_s, self.networks)
         self.catalog = catalog
-        self.server: PeerServer | None = None
+        self.server: PeerControlServer | None = None
         self.partial: dict[str, Partial] = {}  # keys being pulled here, served while they are
         self._refresh: asyncio.Task[None] | None = None
         self._supervisor: asyncio.Task[None] | None = None
@@ -562,7 +574,7 @@ class Peers:
     async def start(self) -> None:
         await self.agent.start()
         if self.listen is not None:
-            self.server = PeerServer(self.agent, self.catalog, self.secret, self.counters,
+            self.server = PeerControlServer(self.agent, self.catalog, self.secret, self.counters,
                                      self.config.fleet_peer_serve_max_bytes_per_s, self.node, self.networks,
                                      self.partial)
             await self.server.start(*self.listen)

@@ -15,7 +15,7 @@ import pytest
 
 from hwr.client.errors import ConfigError
 from hwr.daemon.fleet import peer_wire
-from hwr.daemon.fleet.peer_fill import _File, chunks_of, units_of
+from hwr.daemon.fleet.peer_fill import _PullFile, chunks_of, units_of
 from hwr.daemon.fleet.peer_tier import Holders, TokenBucket, parse_address
 from hwr.daemon.fleet.remote import open_remote, parse_location
 from hwr.daemon.system.config import DaemonConfig
@@ -29,7 +29,7 @@ def test_units_cover_the_file_and_chunks_respect_unit_boundaries() -> None:
     assert units[0] == (0, 100, "") and units[-1] == (40_000, 40_100, "~")
     assert all(a[1] == b[0] for a, b in itertools.pairwise(units))  # contiguous, no overlap
     assert (10_150, 10_160, "~") in units
-    f = _File("model-00001.safetensors", "/dev/null", 40_100, b"h" * 100, ranges, units=units)
+    f = _PullFile("model-00001.safetensors", "/dev/null", 40_100, b"h" * 100, ranges, units=units)
     chunks = chunks_of(f, limit=8_000)
     assert chunks[0].start == 0 and chunks[-1].end == 40_100
     assert all(a.end == b.start for a, b in itertools.pairwise(chunks))
