@@ -1,4 +1,4 @@
-"""Leases from hwrd: acquire on the peer channel, and reattach after a reconnect.
+"""Leases from hwrd: acquire on the peer socket, and reattach after a reconnect.
 
 An ``Acquirer`` turns an identity, key or channel name into a ``Lease`` (one peer request and one
 reply: the lease id, the manifest and the payload descriptors, see ``hwr.daemon.peer.server``),
@@ -115,7 +115,7 @@ class Acquirer:
                      channel: str | None = None, wait_for_pull: bool = True,
                      on_pull: Callable[[PullReport], None] | None = None,
                      ) -> tuple[str, str, Manifest, list[int]]:
-        """The peer channel's ``acquire`` of ``key`` (sent as ``identity``, its canonical bytes,
+        """The peer socket's ``acquire`` of ``key`` (sent as ``identity``, its canonical bytes,
         when given; or of the key ``channel`` points to, then ``key`` is the one it pointed to
         last, or "") within ``deadline`` (``time.monotonic()``; None: the connection's timeout;
         while hwrd reports a pull of the key, the deadline bounds each silence instead, see the

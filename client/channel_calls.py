@@ -4,7 +4,7 @@
 through the client's ``Connection``, its answer converted to a plain dict (what ``hwrctl channel
 ... --json`` prints: ``name``, ``key``, ``generation``, ``durable``, ``durable_key``,
 ``switches``, ``watchers``, ``created_at``, ``updated_at``, ``history``). Acquiring through a
-channel is ``Client.acquire_channel`` (the peer channel's lease path); publishing to one is
+channel is ``Client.acquire_channel`` (the peer socket's lease path); publishing to one is
 ``Client.publish(..., channel=NAME)``.
 
 Contract: every failure raises the typed ``HwrError`` of the RPC's status; a missing channel is

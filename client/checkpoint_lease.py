@@ -2,7 +2,7 @@
 
 Built by ``Client.acquire_checkpoint``: the daemon checks the checkpoint is unchanged since
 registration, records a lease (key ``checkpoint:<id>`` in ``hwrctl leases``) and hands over
-read-only descriptors of its files on the peer channel. The lease maps each one (``PROT_READ``,
+read-only descriptors of its files on the peer socket. The lease maps each one (``PROT_READ``,
 ``MAP_SHARED``), re-parses its header from the descriptor and exposes zero-copy views, so every
 worker on the node shares the page cache of the one original copy (the direct-mmap path).
 

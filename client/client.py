@@ -1,6 +1,6 @@
 """``hwr.client.connect()``: a session with hwrd, leases and publication.
 
-A ``Client`` owns two connections: the peer channel (``<socket>.peer``: authentication, the
+A ``Client`` owns two connections: the peer socket (``<socket>.peer``: authentication, the
 session's liveness, descriptor passing, and the lease hot path: ``acquire`` and ``release`` are
 one request/one reply each there, see ``hwr.daemon.peer.server``) and a gRPC channel (control calls
 carrying the session token), opened lazily on the first call that needs it: a client that only
@@ -156,7 +156,7 @@ class Client(ChannelCalls, AdminCalls):
     def acquire_checkpoint(self, checkpoint_id: str, *, populate: bool = False,
                            timeout: float | None = None) -> CheckpointLease:
         """Lease the canonical tensors of a registered checkpoint (id or unique prefix): the
-        ``Acquire`` RPC, then its descriptors on the peer channel (released again when that
+        ``Acquire`` RPC, then its descriptors on the peer socket (released again when that
         fails). Not reattached after a reconnect."""
         ref = pb.ArtifactRef(checkpoint=pb.CheckpointRef(checkpoint_id=checkpoint_id))
         response: pb.AcquireResponse = self._connection.call("Acquire", pb.AcquireRequest(artifact=ref), timeout)

@@ -1,17 +1,17 @@
 """The session with hwrd: the peer socket, the gRPC channel, reconnection and fork handling.
 
-A ``Connection`` is what a ``Client`` holds of the daemon: the peer channel (``<socket>.peer``:
+A ``Connection`` is what a ``Client`` holds of the daemon: the peer socket (``<socket>.peer``:
 authentication, the session's liveness, descriptor passing, and the lease hot path, see
 ``hwr.daemon.peer.server``), the session token that control calls carry, and a gRPC channel opened on
 the first call that needs it (a client that only acquires and releases never opens one).
 Closing it, or the process exiting, ends the session and the daemon releases every lease the
-session still holds. Every connection of the peer channel (the first and each reconnect) is
+session still holds. Every connection of the peer socket (the first and each reconnect) is
 checked before a byte is sent on it: the daemon's uid and the place of both sockets
 (``hwr.client.daemon_trust``; ``UntrustedDaemon`` otherwise).
 
 Contract:
 - ``call`` (gRPC) and ``exchange`` (one peer request/reply) raise a typed ``HwrError`` for every
-  failure; a broken peer channel is ``DaemonUnavailable``. ``call`` returns the RPC's response
+  failure; a broken peer socket is ``DaemonUnavailable``. ``call`` returns the RPC's response
   message (the generated gRPC stub is untyped: the caller names the response type).
 - ``close()`` is idempotent, and safe on a connection whose constructor failed half-way.
 - Fork: a child inherits the parent's sockets; the connection closes its copy of the peer socket
@@ -252,7 +252,7 @@ class Connection:
             raise DaemonUnavailable("this client belongs to the parent process; connect() again after fork")
 
     def _hello_request(self) -> dict[str, Any]:
-        # The peer channel's ``hello`` names the session (what the OpenSession RPC does).
+        # The peer socket's ``hello`` names the session (what the OpenSession RPC does).
         return {"op": "hello", "client_name": (self._client_name or f"pid-{os.getpid()}")[:128],
                 "client_version": __version__}
 
@@ -291,7 +291,7 @@ class Connection:
     def exchange(self, request: dict[str, Any], *, want_fds: bool, timeout: float | None = None,
                  on_pending: Callable[[dict[str, Any]], None] | None = None,
                  ) -> tuple[dict[str, Any], list[int], bytes]:
-        """One request/reply on the peer channel: (reply, descriptors, raw tail bytes).
+        """One request/reply on the peer socket: (reply, descriptors, raw tail bytes).
 
         An error frame raises its typed error (descriptors closed); a broken channel raises
         ``DaemonUnavailable``. ``timeout``: this exchange's bound instead of the connection's
@@ -322,14 +322,14 @@ class Connection:
                 # acquire reconnects and reattaches the open leases).
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
-                raise DaemonUnavailable(f"peer channel to hwrd broke: {exc}") from None
+                raise DaemonUnavailable(f"peer socket to hwrd broke: {exc}") from None
         if not reply.get("ok"):
             close_fds(fds)
             raise error_from_frame(reply)
         return reply, fds, tail
 
     def with_reconnect(self, exchange: Callable[[], R], deadline: float | None = None) -> R:
-        """``exchange()`` on the peer channel; when the channel broke (a daemon restart ends the
+        """``exchange()`` on the peer socket; when the channel broke (a daemon restart ends the
         session), reconnect once and run it again, as ``call`` does for gRPC. Only for requests
         that do not belong to the old session (acquire, publish_begin). Past ``deadline``
         (``time.monotonic()``) a broken channel is ``DeadlineExceeded`` and is not retried."""
@@ -455,7 +455,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 def open_session(socket_path: Path, timeout: float,
                  hello_request: dict[str, Any]) -> tuple[socket.socket, dict[str, Any]]:
-    """Connect the peer channel, read the daemon's greeting and name the session (``hello``)."""
+    """Connect the peer socket, read the daemon's greeting and name the session (``hello``)."""
     peer = open_peer(socket_path, timeout)
     try:
         hello, _ = recv_frame(peer)

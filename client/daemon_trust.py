@@ -3,7 +3,7 @@
 Any local user can run an hwrd of their own. The default socket of a user without
 ``XDG_RUNTIME_DIR`` is ``/tmp/hwrd-$UID/hwrd.sock``, and ``/tmp`` lets anyone create that
 directory first; ``HWR_SOCKET`` can name any path. So before a session is opened the client
-checks the daemon answering on the peer channel (its uid, read with ``SO_PEERCRED``) and the
+checks the daemon answering on the peer socket (its uid, read with ``SO_PEERCRED``) and the
 place of both sockets (``<socket>`` and ``<socket>.peer``), and refuses with
 ``UntrustedDaemon`` (a ``DaemonUnavailable``: vLLM-Omni's ``preferred`` mode falls back to
 canonical loading, ``required`` fails) when one rule fails. With ``me`` the client's effective
@@ -21,7 +21,7 @@ separated list the client's user sets to accept the daemons of those users; empt
    place, and a daemon there is that user's: accepted only when ``O`` is ``me`` or opted in.
 4. ``D`` is not writable by group or others, unless sticky: then each socket file belongs to a
    trusted uid or to the daemon's.
-5. **The daemon's uid** (``SO_PEERCRED`` of the peer channel; ``0`` for sockets systemd made) is
+5. **The daemon's uid** (``SO_PEERCRED`` of the peer socket; ``0`` for sockets systemd made) is
    trusted or is ``O``.
 
 So a root hwrd under ``/run/hwrd``, the unit's ``hwrd`` user in its own ``/run/hwrd``, and one's

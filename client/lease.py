@@ -1,6 +1,6 @@
 """A lease on an artifact: read-only shared mappings of its payload files, as CPU tensors.
 
-Built by ``Client.acquire``: the daemon hands over read-only descriptors on the peer channel; the
+Built by ``Client.acquire``: the daemon hands over read-only descriptors on the peer socket; the
 lease maps each one (``PROT_READ``, ``MAP_SHARED``; or ``MAP_PRIVATE`` copy-on-write when asked),
 closes the descriptor, re-parses every safetensors header from the mapping's file and checks it
 against the manifest the daemon sent, then exposes zero-copy tensor views.

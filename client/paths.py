@@ -13,7 +13,7 @@ default (whose error then names every place looked at, ``SocketChoice.hint``). S
 added to the service's group reaches it with no configuration, and a user who runs an hwrd of
 their own keeps reaching that one. For root both are ``/run/hwrd/hwrd.sock``.
 Root: ``$HWR_ROOT``, else ``/var/cache/hwr`` for root, else ``$XDG_CACHE_HOME/hwr`` (or
-``~/.cache/hwr``). The peer channel lives beside the socket at ``<socket>.peer``.
+``~/.cache/hwr``). The peer socket lives beside the socket at ``<socket>.peer``.
 A checkpoint reference is resolved on the caller's side by ``checkpoint_ref``.
 """
 

@@ -71,7 +71,7 @@ class TensorSpec:
         return pb.TensorSpec(name=self.name, dtype=code, shape=list(self.shape), kind=kind, role=self.role)
 
     def to_wire(self) -> list[Any]:
-        """The peer channel's form: [name, dtype code, shape, kind, role]."""
+        """The peer socket's form: [name, dtype code, shape, kind, role]."""
         code = _CODE_BY_DTYPE.get(self.dtype)
         if code is None:
             raise InvalidRequest(f"dtype {self.dtype} cannot be published", details={"tensor": self.name})
@@ -103,7 +103,7 @@ def specs_for(tensors: dict[str, torch.Tensor], buffers: Sequence[str] = ()) -> 
 
 
 #: Publications at most this large (and with at most ``PEER_MAX_TENSORS`` tensors) go over the
-#: peer channel (``hwr.daemon.peer.publication_frames``): one round trip to stage, with the staging
+#: peer socket (``hwr.daemon.peer.publication_frames``): one round trip to stage, with the staging
 #: descriptors in the reply, and one to commit, instead of two gRPC calls plus a descriptor fetch.
 #: Larger ones use the RPCs: their commit hashes and fsyncs for longer than a peer exchange should
 #: hold up this client's other peer operations (leases), and their request may not fit a frame.

@@ -2,11 +2,11 @@
 the staged ones the session's end aborts (``Client.publisher``/``Client.publish`` use it).
 
 ``SessionPublications`` starts each ``Publisher`` (``hwr.client.publisher``) on one connection, wiring
-it to the peer channel (small publications: one round trip to stage, one to commit) and to the
+it to the peer socket (small publications: one round trip to stage, one to commit) and to the
 RPCs, and keeps the staged ones not yet finished: the session's end aborts them in the daemon,
 so ``abandon_unfinished`` drops their staging descriptors when the client closes.
 
-Contract: a ``publish_begin`` on the peer channel is retried once after a reconnect (it does not
+Contract: a ``publish_begin`` on the peer socket is retried once after a reconnect (it does not
 belong to the old session); commit and abort are never retried. A publication in flight when
 the daemon restarts is lost: its commit fails, publish again.
 
@@ -91,7 +91,7 @@ class SessionPublications:
         commit of another publication of this client needs that connection: when that other
         publication is the build (or holds the room) the begin waits for, the wait could only
         end at its timeout. So while any other publication of this client is beginning, or
-        staged and not finished, a begin does not wait on the peer channel; it waits through
+        staged and not finished, a begin does not wait on the peer socket; it waits through
         the RPC instead (no connection held)."""
         with self._lock:
             return self._beginning <= 1 and all(p.finished for p in self._staged)

@@ -270,7 +270,7 @@ def recv_reply(sock: socket.socket, *, want_fds: bool) -> tuple[dict[str, Any], 
         else:
             data = sock.recv(_READ)
         if not data:
-            raise ConnectionError("peer channel closed")
+            raise ConnectionError("peer socket closed")
         buf = bytearray(data)
         _fill(sock, buf, _LEN.size)
         end = _checked_size(buf)
@@ -306,7 +306,7 @@ def recv_final_reply(sock: socket.socket, *, want_fds: bool,
         else:
             data = sock.recv(_READ)
         if not data:
-            raise ConnectionError("peer channel closed")
+            raise ConnectionError("peer socket closed")
         buf.extend(data)
 
     try:
@@ -349,7 +349,7 @@ def _recv_with_fds(sock: socket.socket, size: int) -> tuple[bytes, list[int]]:
         raise ConnectionError("hwrd sent more descriptors than one message can carry")
     if not data:
         close_fds(fds)
-        raise ConnectionError("peer channel closed")
+        raise ConnectionError("peer socket closed")
     return data, fds
 
 
@@ -359,7 +359,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     while len(buf) < n:
         chunk = sock.recv(n - len(buf))
         if not chunk:
-            raise ConnectionError("peer channel closed")
+            raise ConnectionError("peer socket closed")
         buf += chunk
     return bytes(buf)
 
@@ -369,7 +369,7 @@ def _fill(sock: socket.socket, buf: bytearray, n: int) -> None:
     while len(buf) < n:
         chunk = sock.recv(max(n - len(buf), _READ))
         if not chunk:
-            raise ConnectionError("peer channel closed")
+            raise ConnectionError("peer socket closed")
         buf += chunk
 
 

@@ -150,7 +150,7 @@ class PeerServer:
             sock.listen(512)
             self._sock = sock
         self._sock.setblocking(False)
-        self._acceptor = Acceptor(self._sock, "peer channel", refuse=_refuse)
+        self._acceptor = Acceptor(self._sock, "peer socket", refuse=_refuse)
         self._task = asyncio.get_running_loop().create_task(self._accept_loop())
 
     async def stop_accepting(self) -> None:

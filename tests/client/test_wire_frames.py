@@ -1,4 +1,4 @@
-"""The peer channel's one frame codec (``hwr.client.wire``), as the client and hwrd use it:
+"""The peer socket's one frame codec (``hwr.client.wire``), as the client and hwrd use it:
 frames and descriptors cross a real socket pair, hwrd's buffer parser reads what the client
 encodes, and an error frame turns back into the same typed error."""
 

@@ -1,5 +1,5 @@
 """Socket activation: hwrd serves on listening sockets inherited through LISTEN_FDS (gRPC through
-the relay, the peer channel directly), never unlinks them, and a restarted hwrd serves a client
+the relay, the peer socket directly), never unlinks them, and a restarted hwrd serves a client
 that connected while no daemon was running (the connection waited in the inherited backlog)."""
 
 from __future__ import annotations

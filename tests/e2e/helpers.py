@@ -128,7 +128,7 @@ def rpc_error(daemon: DaemonProcess, token: str, method: str, request: Any) -> A
 
 
 def peer_error(client: Any, request: dict[str, Any]) -> Any:
-    """The typed error (``HwrError``) that the peer channel answers ``request`` with."""
+    """The typed error (``HwrError``) that the peer socket answers ``request`` with."""
     import pytest
 
     from hwr.client.errors import HwrError

@@ -51,7 +51,7 @@ def main(argv: list[str]) -> int:
             with client.acquire(key) as lease:
                 return len(lease.tensors)
 
-        def raw_begin() -> None:  # the gRPC form of publishing (client.publish uses the peer channel)
+        def raw_begin() -> None:  # the gRPC form of publishing (client.publish uses the peer socket)
             identity = ArtifactIdentity.simple("roles/raw").canonical_bytes
             client._connection.call("BeginPublication", pb.BeginPublicationRequest(
                 identity_json=identity, tensors=[pb.TensorSpec(name="w", dtype="F32", shape=[4])]))

@@ -55,7 +55,7 @@ def test_a_second_hwrd_on_a_served_socket_refuses_and_the_first_keeps_serving(sh
         assert "Traceback" not in result.stderr
         for path in (first.socket, Path(f"{first.socket}.peer"), Path(f"{first.socket}.grpc")):
             assert answers(path), f"{path} was taken from the first hwrd"
-        with connect(first.socket, timeout=10) as client:  # served end to end: peer channel and gRPC
+        with connect(first.socket, timeout=10) as client:  # served end to end: peer socket and gRPC
             assert client.status()["root"] == str(first.root)
     finally:
         assert first.stop() == 0

@@ -15,7 +15,7 @@ file, which nothing in the process can take back) and drives every operation tha
 - every gRPC method of ``hwr.v1.HostWeightRuntime`` (read from the service descriptor: a new RPC
   fails this test until it is called here; each call is recorded by a client interceptor),
   gRPC health and reflection, and every peer-channel operation, both publication paths
-  (peer channel and gRPC) with a commit and an abort each;
+  (peer socket and gRPC) with a commit and an abort each;
 - a metrics scrape and a SIGHUP reload.
 
 Then, while the daemon still runs: its record holds no module ``torch`` (or ``torch.*``) loaded by
@@ -53,7 +53,7 @@ from .test_store_adoption import _lay_out_upstream_root
 
 RECORDER = Path(__file__).resolve().parent / "import_recorder.py"
 SERVICE = pb.DESCRIPTOR.services_by_name["HostWeightRuntime"]
-#: The peer channel's operations (``hwr.daemon.peer.server``).
+#: The peer socket's operations (``hwr.daemon.peer.server``).
 PEER_OPS = {"hello", "ping", "acquire", "release", "fds", "staging_fds", "publish_begin", "publish_commit",
             "publish_abort"}
 
@@ -191,7 +191,7 @@ def test_no_operation_of_hwrd_loads_torch(short_tmp: Path, spawn_daemon: Callabl
             assert lease.tensors["blocks.0.weight"].shape == (8, 8)
         assert client.keepalive()["lease_count"] == 0
 
-        # Publications on the peer channel (small) and through gRPC (more tensors than the peer takes).
+        # Publications on the peer socket (small) and through gRPC (more tensors than the peer takes).
         small = {"w": torch.arange(256, dtype=torch.float32)}
         key_small = client.publish(ArtifactIdentity.simple("no-torch/small"), small)
         assert client.publish(ArtifactIdentity.simple("no-torch/small"), small) == key_small

@@ -3,7 +3,7 @@ refusal while it is out, and are served again once descriptors are free.
 
 The daemon's open-files limit is lowered from outside (``prlimit``, the OS boundary) to 64
 after it started, then clients connect until the daemon has no descriptor left. Before the fix
-the peer channel's accept loop died on the first ``EMFILE``: clients timed out, and no session
+the peer socket's accept loop died on the first ``EMFILE``: clients timed out, and no session
 was ever accepted again, even after every connection had closed.
 """
 

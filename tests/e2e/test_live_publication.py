@@ -31,7 +31,7 @@ def revision(seed: int, count: int = 10, mib: int = 8) -> dict[str, torch.Tensor
 
 @pytest.mark.timeout(240)
 def test_a_large_revision_is_hashed_file_by_file_while_written(shared_hwrd: DaemonProcess) -> None:
-    tensors = revision(1)  # 80 MiB: past the peer channel's size, several files
+    tensors = revision(1)  # 80 MiB: past the peer socket's size, several files
     with connect(shared_hwrd.socket) as client:
         handed: list[int] = []
         pub = client.publisher(ArtifactIdentity.simple("live/files"), specs_for(tensors), channel="live-files",

@@ -1,6 +1,6 @@
-"""Acceptance: acquire and release on the peer channel (the client's hot path).
+"""Acceptance: acquire and release on the peer socket (the client's hot path).
 
-The peer channel's ``acquire``/``release`` share one daemon-side implementation with the gRPC
+The peer socket's ``acquire``/``release`` share one daemon-side implementation with the gRPC
 ``Acquire``/``Release`` RPCs (``hwr.daemon.service.leasing``): same lease table, same typed errors (code,
 message, details), same deny checks. A client that only leases never opens a gRPC channel; the
 journal holds a lease's record before its descriptors arrive; the manifest crosses the socket

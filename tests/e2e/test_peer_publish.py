@@ -1,4 +1,4 @@
-"""Acceptance: publication on the peer channel (``hwr.daemon.peer.publication_frames``).
+"""Acceptance: publication on the peer socket (``hwr.daemon.peer.publication_frames``).
 
 Small publications stage and commit in two peer round trips (the staging descriptors arrive in
 the ``publish_begin`` reply); larger ones, and waits longer than ``PEER_MAX_WAIT_S``, go through
@@ -127,7 +127,7 @@ def test_a_second_publisher_waits_past_the_peer_cap_through_the_rpc_and_joins(sh
 
 def test_one_client_publishing_an_identity_from_two_threads_does_not_stall(shared_hwrd) -> None:
     """Thread A of a client has staged an identity; thread B of the same client publishes it
-    too. B's begin used to wait on the peer channel (up to PEER_MAX_WAIT_S) while holding the
+    too. B's begin used to wait on the peer socket (up to PEER_MAX_WAIT_S) while holding the
     client's connection, which A's commit needed: A could not finish the build B waited for
     until B's peer wait ran out. B now waits through the RPC, A commits at once, B joins."""
     specs = [TensorSpec("w", torch.float32, (8,))]

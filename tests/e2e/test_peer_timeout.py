@@ -1,4 +1,4 @@
-"""The peer channel's timeout (``connect(timeout=)``): a daemon that stops answering (SIGSTOP)
+"""The peer socket's timeout (``connect(timeout=)``): a daemon that stops answering (SIGSTOP)
 makes an exchange fail with ``DaemonUnavailable`` after about that long, never hang; once it
 answers again the same client leases as before (it reconnects). ``acquire(timeout=)`` bounds one
 acquire below that: past it ``DeadlineExceeded``, without waiting for a reconnect."""

@@ -1,4 +1,4 @@
-"""Acceptance: the peer channel's SO_PEERCRED allow-list decides who gets a session.
+"""Acceptance: the peer socket's SO_PEERCRED allow-list decides who gets a session.
 
 The client runs in a process that drops to ``nobody`` (uid/gid 65534) before connecting; the
 sockets are world-connectable (``--socket-mode 666`` under a 0755 directory) so that only the

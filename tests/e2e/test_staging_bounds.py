@@ -51,7 +51,7 @@ def staged(client: object, name: str) -> tuple[object, int]:
 
 
 def commit_raw(client: object, pub: object) -> str:
-    """``publish_commit`` on the peer channel, keeping the publication if it fails (as
+    """``publish_commit`` on the peer socket, keeping the publication if it fails (as
     ``Publisher.commit`` would not: it aborts on a failure)."""
     request = {"op": "publish_commit", "publication_id": pub._publication_id}  # type: ignore[attr-defined]
     reply, _fds, _tail = client._connection.exchange(request, want_fds=False)  # type: ignore[attr-defined]

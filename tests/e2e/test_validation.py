@@ -1,5 +1,5 @@
 """Acceptance: malformed and out-of-range requests are refused with a typed status and details,
-garbage on the peer channel closes only that connection, and hwrd keeps serving throughout."""
+garbage on the peer socket closes only that connection, and hwrd keeps serving throughout."""
 
 from __future__ import annotations
 

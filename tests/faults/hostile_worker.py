@@ -1,4 +1,4 @@
-"""A hostile local client of hwrd's peer channel, as a separate process (stdlib only).
+"""A hostile local client of hwrd's peer socket, as a separate process (stdlib only).
 
 ``python hostile_worker.py [--as-nobody] ATTACK PEER_SOCKET ARGS...`` speaks the peer framing by
 hand (u32 big-endian length + JSON) the way a careless or malicious program would, prints

@@ -310,7 +310,7 @@ def test_wall_clock_jumps_do_not_move_the_stalled_publication_deadline(spawn, fa
 
 def test_a_slow_disk_does_not_time_out_a_small_publication_on_the_peer_channel(spawn, fault_tmp: Path,
                                                                                outcome: Outcome) -> None:
-    """A small publication commits over the peer channel; with every fsync slow its commit takes
+    """A small publication commits over the peer socket; with every fsync slow its commit takes
     longer than the client's connection timeout. The commit exchange has its own, longer bound,
     so the publication lands and the session (with the client's other lease) survives: a timed-out
     peer exchange would have ended the session and dropped that lease until a reconnect."""
@@ -326,7 +326,7 @@ def test_a_slow_disk_does_not_time_out_a_small_publication_on_the_peer_channel(s
         took = time.monotonic() - began
         control.set()
         assert took > 1.0, f"the fsyncs were not slowed ({took:.2f} s): the test proves nothing"
-        assert client._connection.channel is None, "the publication must have used the peer channel"
+        assert client._connection.channel is None, "the publication must have used the peer socket"
         assert client.reconnects == 0 and not held.closed
         assert [x["lease_id"] for x in client.leases() if x["session_id"] == client.session_id] == [held.lease_id]
         with client.acquire(key) as lease:

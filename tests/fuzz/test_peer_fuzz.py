@@ -1,4 +1,4 @@
-"""Fuzzing the peer channel's frames (``hwr.daemon.peer.server``): random ops and field values, and raw
+"""Fuzzing the peer socket's frames (``hwr.daemon.peer.server``): random ops and field values, and raw
 byte soup, sent to a live hwrd.
 
 Every well-formed frame (a JSON object) must be answered by exactly one frame: ``ok: true`` or a
