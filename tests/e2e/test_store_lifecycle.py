@@ -1,4 +1,4 @@
-"""The store as a node service, end to end: real hwrd processes, real workers, real files.
+"""An artifact's life in the store, end to end: real hwrd processes, real workers, real files.
 
 Capacity and LRU eviction that never touches a leased, pinned or mapped artifact (even one whose
 mapping process's session died), concurrent publications under a store limit, the stalled
