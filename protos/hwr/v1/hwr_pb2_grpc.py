@@ -197,7 +197,7 @@ class HostWeightRuntimeServicer:
     """
 
     def OpenSession(self, request, context):
-        """Names the session opened on the peer socket (client name/version for `hwrctl leases`).
+        """Names the session opened on the peer channel (client name/version for `hwrctl leases`).
         Status: OK; UNAUTHENTICATED; INVALID_ARGUMENT (name longer than 128 bytes).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -215,7 +215,7 @@ class HostWeightRuntimeServicer:
 
     def Acquire(self, request, context):
         """Takes a read-only lease on a committed artifact, validated at metadata level. The response
-        carries the manifest; the client then asks the peer socket for the payload descriptors with
+        carries the manifest; the client then asks the peer channel for the payload descriptors with
         (lease_id, lease_token). Status: OK; NOT_FOUND (LOCAL_MISS: no artifact, a miss);
         FAILED_PRECONDITION (ARTIFACT_DENIED: denied or quarantined); DATA_LOSS (MANIFEST_CORRUPT,
         CHECKSUM_MISMATCH, MANIFEST_INCOMPATIBLE: the artifact was just denied, do not retry);
@@ -241,7 +241,7 @@ class HostWeightRuntimeServicer:
     def BeginPublication(self, request, context):
         """Starts a publication: the daemon reserves a staging file laid out for the given tensors and
         returns where each tensor's bytes go; the client fetches a writable descriptor of the staging
-        files on the peer socket, writes, closes every descriptor and mapping, then commits. Only
+        files on the peer channel, writes, closes every descriptor and mapping, then commits. Only
         one publication per identity runs at a time: a second publisher waits up to wait_timeout_ms
         and is answered ALREADY_PRESENT or JOINED (no staging) once the first commits.
         Status: OK; INVALID_ARGUMENT (bad identity, duplicate/invalid tensor specs);
