@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 from typing import Any
 
@@ -21,7 +20,7 @@ from hwr.daemon.ctl import cli as ctl
 
 from . import test_fleet_peers as base
 from .helpers import MIB
-from .test_fleet_peers import held, peers_of, publish, pull_and_check, tensors_of, wait_until
+from .test_fleet_peers import held, peers_of, publish, pull_and_check, pulling, tensors_of, wait_until
 
 pytestmark = base.pytestmark  # its skips: root, iproute2, the peers extra
 fleet = base.fleet  # its fixture: the fabric and the nodes on it
@@ -43,15 +42,7 @@ def test_a_killed_transfer_process_is_restarted_and_the_pull_in_flight_completes
     key = publish(a, tensors)
     wait_until("a's upload and holder record", lambda: held(fleet["remote"], key, "a"))
     errors: list[BaseException] = []
-
-    def pull() -> None:
-        try:
-            pull_and_check(b, key, tensors)  # bit-identical, whatever the transfer process did
-        except BaseException as exc:
-            errors.append(exc)
-
-    worker = threading.Thread(target=pull)
-    worker.start()
+    worker = pulling(b, key, errors, tensors)  # bit-identical, whatever the transfer process did
     wait_until("b's peer pull to move bytes", lambda: peers_of(b)["fetched_bytes"] > 4 * MIB)
     old = peers_of(b)["agent_pid"]
     assert old > 0

@@ -129,6 +129,20 @@ def pull_and_check(node: DaemonProcess, key: str, tensors: dict[str, torch.Tenso
             assert digests(lease.tensors) == digests(tensors)  # bit-identical, tensor by tensor
 
 
+def pulling(node: DaemonProcess, key: str, errors: list[BaseException], tensors: dict[str, torch.Tensor]
+            ) -> threading.Thread:
+    """``pull_and_check`` on a started thread; what it raises lands in ``errors``."""
+    def run() -> None:
+        try:
+            pull_and_check(node, key, tensors)
+        except BaseException as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    return worker
+
+
 @pytest.mark.timeout(300)
 def test_a_node_pulls_from_its_peer_bit_identical(fleet: dict[str, Any]) -> None:
     a = fleet["make"]("a")
@@ -170,15 +184,7 @@ def test_a_peer_killed_mid_pull_costs_a_retry_from_the_store(fleet: dict[str, An
     key = publish(a, tensors)
     wait_until("a's upload and holder record", lambda: held(fleet["remote"], key, "a"))
     errors: list[BaseException] = []
-
-    def pull() -> None:
-        try:
-            pull_and_check(b, key, tensors)
-        except BaseException as exc:
-            errors.append(exc)
-
-    worker = threading.Thread(target=pull)
-    worker.start()
+    worker = pulling(b, key, errors, tensors)
     wait_until("b's peer pull to move bytes", lambda: peers_of(b)["fetched_bytes"] > 4 * MIB)
     a.kill()
     worker.join(240)

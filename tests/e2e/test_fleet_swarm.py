@@ -22,7 +22,7 @@ import torch
 from hwr.daemon.app.launcher import DaemonProcess
 
 from .helpers import MIB, patterned
-from .test_fleet_peers import fleet, held, peers_of, publish, pull_and_check, pytestmark, wait_until
+from .test_fleet_peers import fleet, held, peers_of, publish, pulling, pytestmark, wait_until
 
 __all__ = ["fleet", "pytestmark"]  # the fixture and the skip conditions, shared
 
@@ -32,18 +32,6 @@ def layered(seed: int) -> dict[str, torch.Tensor]:
     return {f"layers.{i}.weight": patterned(4 * MIB, seed + i, torch.bfloat16).reshape(-1, 64)
             for i in range(12)}
 
-
-def pulling(node: DaemonProcess, key: str, errors: list[BaseException], tensors: dict[str, torch.Tensor]
-            ) -> threading.Thread:
-    def run() -> None:
-        try:
-            pull_and_check(node, key, tensors)
-        except BaseException as exc:
-            errors.append(exc)
-
-    worker = threading.Thread(target=run)
-    worker.start()
-    return worker
 
 
 def partial_record(remote: Path, key: str, node: str) -> bool:
