@@ -38,14 +38,15 @@ def free_port() -> int:
 class S3Server:
     """moto's standalone S3 server in a subprocess; ``stop``/``start`` simulate an outage."""
 
-    def __init__(self, log: Path, port: int | None = None) -> None:
+    def __init__(self, log: Path, port: int | None = None, env: dict[str, str] | None = None) -> None:
         self.port = port or free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.log = log
         self.proc: subprocess.Popen[bytes] | None = None
+        self.env = S3_ENV if env is None else env  # over os.environ, for the server process
 
     def start(self, timeout: float = 60.0) -> S3Server:
-        env = {**os.environ, **S3_ENV}
+        env = {**os.environ, **self.env}
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
                                           str(self.port)], stdout=out, stderr=subprocess.STDOUT, env=env)

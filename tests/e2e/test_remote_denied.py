@@ -10,13 +10,7 @@ remote ls``, ``hwrctl push``, ``hwrctl pull`` and a client's acquire (a pull on 
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +21,7 @@ from hwr.client import connect
 from hwr.client.errors import RemoteDenied, RemoteUnavailable
 from hwr.daemon.app.launcher import DaemonProcess
 from hwr.daemon.ctl import cli as ctl
-from tests.e2e.fleet_fixtures import free_port
+from tests.e2e.fleet_fixtures import S3Server, free_port
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -40,33 +34,18 @@ _BASE_ENV = {"AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "tr
              "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/hwr-test", "AWS_CONFIG_FILE": "/nonexistent/hwr-test"}
 
 
-class CheckingS3:
+class CheckingS3(S3Server):
     """moto's S3 server with signature checks on, one user whose key may do everything."""
 
     def __init__(self, log: Path) -> None:
-        self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        self.proc: subprocess.Popen[bytes] | None = None
+        super().__init__(log, env={**_BASE_ENV, "INITIAL_NO_AUTH_ACTION_COUNT": str(UNSIGNED_SETUP_REQUESTS)})
         self.key_id = self.secret = ""
         self.bucket = "hwr-denied-test"
 
     def start(self, timeout: float = 60.0) -> CheckingS3:
         import boto3
 
-        env = {**os.environ, **_BASE_ENV, "INITIAL_NO_AUTH_ACTION_COUNT": str(UNSIGNED_SETUP_REQUESTS)}
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                         stdout=out, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"moto server exited: {self.log.read_text()[-2000:]}")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.5):
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError("moto server did not come up")
-            time.sleep(0.1)
+        super().start(timeout)
         setup = boto3.session.Session(aws_access_key_id="setup", aws_secret_access_key="setup",
                                       region_name="us-east-1")
         iam = setup.client("iam", endpoint_url=self.endpoint)
@@ -76,11 +55,6 @@ class CheckingS3:
         setup.client("s3", endpoint_url=self.endpoint).create_bucket(Bucket=self.bucket)
         self.key_id, self.secret = key["AccessKeyId"], key["SecretAccessKey"]
         return self
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
 
 
 @pytest.fixture(scope="module")
