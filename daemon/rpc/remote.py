@@ -65,7 +65,7 @@ def peer_status(fleet: Fleet) -> pb.PeerTierStatus | None:
     s = fleet.peers.status()
     pulls = [pb.PeerPull(key=p["key"], peers=p["peers"], done_bytes=p["done_bytes"], total_bytes=p["total_bytes"],
                          started_at=p["started_at"], from_store_bytes=p["from_store_bytes"],
-                         verified_bytes=p.get("verified_bytes", 0)) for p in s["pulls"]]
+                         verified_bytes=p["verified_bytes"]) for p in s["pulls"]]
     return pb.PeerTierStatus(
         node=s["node"], address=s["address"], serve=s["serve"], fetch=s["fetch"], served_bytes=s["served_bytes"],
         serving_peers=s["serving_peers"], fetched_bytes=s["fetched_bytes"], fallback_bytes=s["fallback_bytes"],
