@@ -10,76 +10,21 @@ elsewhere (tests/e2e, tests/daemon).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
-import msgspec
 import pytest
 import torch
 from safetensors.torch import save_file
+from service_graph import publish, read_all, run, service, session_of
 
 from hwr.client.errors import ActiveLease, ArtifactNotFound, ChannelNotFound, SessionInvalid
 from hwr.client.identity import ArtifactIdentity
-from hwr.daemon.app.graph import ServiceGraph
 from hwr.daemon.service.catalog import MissPolicy
 from hwr.daemon.service.leasing import CHECKPOINT_LEASE_PREFIX, ArtifactRef
-from hwr.daemon.service.sessions import Session
-from hwr.daemon.service.settings import RunningSettings
-from hwr.daemon.store.root import Store
 from hwr.daemon.store.staging import StagedTensor
-from hwr.daemon.system.config import load_config
-from hwr.daemon.system.peercred import PeerCred
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@contextlib.asynccontextmanager
-async def service(root: Path, **config: Any) -> AsyncIterator[ServiceGraph]:
-    """The node service over a store at ``root``, built as hwrd builds it, closed after."""
-    base = load_config(env={"HWR_ROOT": str(root), "HWR_SOCKET": str(root.parent / "hwrd.sock")})
-    settings = RunningSettings(msgspec.structs.replace(base, **config))
-    with Store.open(root) as store:
-        graph = ServiceGraph.build(settings, store)
-        try:
-            yield graph
-        finally:
-            await graph.close()
-
-
-def session_of(graph: ServiceGraph) -> Session:
-    return graph.registry.open_session(PeerCred(pid=os.getpid(), uid=os.getuid(), gid=os.getgid()))
-
-
-async def publish(graph: ServiceGraph, session: Session, name: str, fill: int = 1, elements: int = 256) -> str:
-    """One artifact published as a client does it: begin, write the staging descriptors, commit."""
-    begun = await graph.publications.begin(session, ArtifactIdentity.simple(name),
-                                           [StagedTensor("w", torch.float32, (elements,))], wait_timeout=5)
-    pub = begun.publication
-    assert begun.outcome == "staged" and pub is not None
-    fds = graph.publications.staging_descriptors(session, pub.publication_id, pub.token)
-    try:
-        _file, offset, nbytes = pub.staging.placements["w"]
-        os.pwrite(fds[0], bytes([fill]) * nbytes, offset)
-    finally:
-        for fd in fds:
-            os.close(fd)
-    record, _ = await graph.publications.commit(session, pub.publication_id, {})
-    return record.key
-
-
-def read_all(fds: list[int]) -> bytes:
-    try:
-        return b"".join(os.pread(fd, os.fstat(fd).st_size, 0) for fd in fds)
-    finally:
-        for fd in fds:
-            os.close(fd)
-
-
-def run(test: Callable[[], Awaitable[None]]) -> None:
-    asyncio.run(test())
 
 
 # --- grant ------------------------------------------------------------------------------------------
