@@ -1,17 +1,22 @@
-"""Acceptance: one publisher per identity on the node; the others join its artifact."""
+"""Acceptance: one publisher per identity on the node; the others join its artifact.
+
+Through a real hwrd: two publisher processes, the gRPC status of a zero-wait refusal, a client
+that waits beyond its own per-call timeout. The service's side of it (zero wait, a waiting
+publisher joining, a publication that can never fit) runs in-process in
+tests/service/test_publication_admission.py.
+"""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 
 import grpc
 import pytest
 import torch
 
-from hwr.client import ArtifactIdentity, HwrError, connect
-from hwr.client.publisher import TensorSpec, specs_for
+from hwr.client import ArtifactIdentity, connect
+from hwr.client.publisher import specs_for
 from hwr.client.wire import ERROR_CODE_KEY, SESSION_KEY
 from hwr.daemon.app.launcher import DaemonProcess
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
@@ -103,20 +108,3 @@ def test_second_publisher_with_zero_wait_is_told_to_come_back(shared_hwrd: Daemo
             key = pub.commit()
         # Once the first committed, the identity is simply present.
         assert second.publish(identity, tensors) == key
-
-
-@pytest.mark.usefixtures("daemon_user")  # root and the unit's unprivileged user
-@pytest.mark.timeout(60)
-def test_publication_that_can_never_fit_evicts_nothing(spawn_daemon: Callable[..., DaemonProcess]) -> None:
-    daemon = spawn_daemon()
-    tensors = {"w": torch.arange(4096, dtype=torch.float32)}
-    with connect(daemon.socket) as client:
-        key = client.publish(ArtifactIdentity.simple("e2e/bystander"), tensors)
-        huge = [TensorSpec("w", torch.float32, (1 << 40,))]  # 4 TiB: more than the filesystem holds
-        with pytest.raises(HwrError) as caught:
-            client.publisher(ArtifactIdentity.simple("e2e/too-big"), huge, wait_timeout=0)
-        # Larger than the whole filesystem: refused at once, not retryable, before any eviction.
-        assert caught.value.code == "EXCEEDS_FILESYSTEM" and not caught.value.retryable
-        assert key in {a["key"] for a in client.list_artifacts()}, "an unleased bystander was evicted"
-        with client.acquire(key) as lease:
-            assert digests(lease.tensors) == digests(tensors)
