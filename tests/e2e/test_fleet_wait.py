@@ -144,11 +144,14 @@ def test_a_client_waits_for_a_pull_over_the_transport_with_progress(slow_fleet: 
     assert artifact_dirs(b.root) == [key]
 
 
-def as_nobody(socket: Path, key: str) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, str(WORKER), str(NOBODY), str(socket), key], capture_output=True,
+def as_nobody(socket: Path, *keys: str) -> list[dict[str, Any]]:
+    """One acquire of each key in turn by a client process running as ``NOBODY``: its reports."""
+    done = subprocess.run([sys.executable, str(WORKER), str(NOBODY), str(socket), *keys], capture_output=True,
                           text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    reports = [json.loads(line) for line in done.stdout.strip().splitlines()[-len(keys):]]
+    assert len(reports) == len(keys), done.stdout
+    return reports
 
 
 @pytest.mark.slow
@@ -164,16 +167,21 @@ def test_only_the_publish_role_starts_a_pull_but_anyone_may_wait_for_one(slow_fl
     env["base"].chmod(0o755)
     key, expected = published(env, "wait/roles", 81, 2 * MIB)
     b = env["start_b"]("--socket-mode", "666", "--allow-uid", str(NOBODY), "--publish-uids", "0")
-    refused = as_nobody(b.socket, key)  # acquire role only: may not make hwrd stage anything
+    absent = secrets.token_hex(32)
+    # acquire role only: may not make hwrd stage anything; and a key no pull fetches is refused
+    # without asking the remote
+    refused, other = as_nobody(b.socket, key, absent)
     assert (refused["ok"], refused["code"], refused["role"]) == (False, "PERMISSION_DENIED", "publish"), refused
     assert refused["details"]["remote"] == env["remote"] and refused["details"]["key"] == key
+    assert (other["code"], other["role"]) == (PermissionDeniedError.code, "publish"), other
+    assert absent not in env["server"].log.read_text(errors="replace")
     assert env["link"].sent["down"] == 0 and artifact_dirs(b.root) == [] and staging_dirs(b.root) == []
     env["link"].pause(after=256 << 10)  # the pull root starts cannot end before the acquire-only uid joins it
     with connect(b.socket) as client:  # root starts the pull (and does not wait for it) ...
         with pytest.raises(ArtifactNotFound):
             client.acquire(key, timeout=30, wait_for_pull=False)
         joining: dict[str, Any] = {}
-        joiner = threading.Thread(target=lambda: joining.update(as_nobody(b.socket, key)))
+        joiner = threading.Thread(target=lambda: joining.update(as_nobody(b.socket, key)[0]))
         joiner.start()  # ... which the acquire-only uid may wait for
         wait_until(lambda: [w["uid"] for p in client.status()["remote"]["pulls"] for w in p["waiters"]] == [NOBODY],
                    120)
@@ -182,8 +190,5 @@ def test_only_the_publish_role_starts_a_pull_but_anyone_may_wait_for_one(slow_fl
         joined = joining
         assert joined.get("ok"), joined
         assert joined["digests"] == {name: d["sha256"] for name, d in expected.items()}
-    absent = secrets.token_hex(32)
-    other = as_nobody(b.socket, absent)  # a key no pull fetches: refused without asking the remote
-    assert (other["code"], other["role"]) == (PermissionDeniedError.code, "publish"), other
-    assert absent not in env["server"].log.read_text(errors="replace")
+    assert absent not in env["server"].log.read_text(errors="replace")  # nor later
     assert artifact_dirs(b.root) == [key]
