@@ -32,7 +32,13 @@ from e2e import fleet_fixtures
 from e2e.fleet_fixtures import S3_ENV, S3Server, SlowLink, artifact_dirs, staging_dirs
 from service_graph import publish, read_all, run, service, session_of
 
-from hwr.client.errors import ArtifactNotFound, PermissionDeniedError, RemoteUnavailable
+from hwr.client.errors import (
+    ArtifactNotFound,
+    ChecksumMismatch,
+    ManifestCorrupt,
+    PermissionDeniedError,
+    RemoteUnavailable,
+)
 from hwr.daemon.app.graph import ServiceGraph
 from hwr.daemon.fleet.pull import Puller
 from hwr.daemon.rpc.remote import remote_status
@@ -96,15 +102,22 @@ async def node(root: Path, fleet: FleetEnv, *, slow: bool = True, **config: obje
 
 async def published(fleet: FleetEnv, name: str, fill: int, nbytes: int = SIZE) -> tuple[str, str]:
     """An artifact node A published and pushed to the remote: (key, SHA-256 of its payload bytes)."""
+    return (await published_all(fleet, [(name, fill)], nbytes))[0]
+
+
+async def published_all(fleet: FleetEnv, artifacts: list[tuple[str, int]], nbytes: int) -> list[tuple[str, str]]:
+    """``published`` for several (name, fill) artifacts, all pushed before it returns."""
+    out = []
     async with node(fleet.base / "a", fleet, slow=False) as origin:
         session = session_of(origin)
-        key = await publish(origin, session, name, fill=fill, elements=nbytes // 4)
-        grant = origin.leasing.grant_now(session, key)
-        assert grant is not None
-        payload = hashlib.sha256(read_all(grant.fds)).hexdigest()
-        await until(lambda: origin.fleet is not None and origin.fleet.pushes["pushed"] == 1, 60)
+        for name, fill in artifacts:
+            key = await publish(origin, session, name, fill=fill, elements=nbytes // 4)
+            grant = origin.leasing.grant_now(session, key)
+            assert grant is not None
+            out.append((key, hashlib.sha256(read_all(grant.fds)).hexdigest()))
+        await until(lambda: origin.fleet is not None and origin.fleet.pushes["pushed"] == len(artifacts), 60)
         origin.leasing.end_session(session)
-    return key, payload
+    return out
 
 
 async def until(condition: Callable[[], bool], timeout: float) -> None:
@@ -275,5 +288,59 @@ def test_misses_of_an_absent_key_are_remembered(fleet: FleetEnv) -> None:
             await until(lambda: asked() >= 2, 10)
             assert asked() == 2 and b.fleet.pulls["miss"] == 2
             assert session.leases == {} and artifact_dirs(b.store.root) == []
+
+    run(scenario)
+
+
+# --- a pull verifies what it fetches ------------------------------------------------------------
+def object_name(fleet: FleetEnv, key: str, file: str) -> tuple[str, str]:
+    """(bucket, object key) of ``file`` of ``key`` in ``fleet``'s remote."""
+    bucket, prefix = fleet.remote.removeprefix("s3://").split("/", 1)
+    return bucket, f"{prefix}/artifacts/{key}/{file}"
+
+
+@pytest.mark.parametrize("case", ["flipped_byte", "truncated", "swapped_manifest", "wrong_identity"])
+def test_a_tampered_remote_artifact_is_refused_remembered_and_leaves_nothing(fleet: FleetEnv, case: str) -> None:
+    async def scenario() -> None:
+        (key, _), (other, _) = await published_all(fleet, [(f"tamper/{case}", 21), (f"tamper/{case}-other", 22)],
+                                                   nbytes=256 << 10)
+        s3 = fleet.server.client()
+
+        def get(of: str, file: str) -> bytes:
+            bucket, name = object_name(fleet, of, file)
+            return bytes(s3.get_object(Bucket=bucket, Key=name)["Body"].read())
+
+        def put(file: str, body: bytes) -> None:
+            bucket, name = object_name(fleet, key, file)
+            s3.put_object(Bucket=bucket, Key=name, Body=body)
+
+        data = get(key, "model-00001.safetensors")
+        expected: type[Exception] = ManifestCorrupt
+        if case == "flipped_byte":
+            flipped = bytearray(data)
+            flipped[len(flipped) // 2] ^= 0x01
+            put("model-00001.safetensors", bytes(flipped))
+            expected = ChecksumMismatch
+        elif case == "truncated":
+            put("model-00001.safetensors", data[: len(data) - 4096])
+        elif case == "swapped_manifest":  # another artifact's manifest under this key's READY.json
+            put("manifest.json", get(other, "manifest.json"))
+        else:  # another artifact's complete set of documents under this key: names another identity
+            for file in ("manifest.json", "READY.json"):
+                put(file, get(other, file))
+        async with node(fleet.base / "b", fleet, slow=False) as b:
+            assert b.fleet is not None
+            session = session_of(b)
+            with pytest.raises(expected) as info:
+                await b.leasing.grant(session, key)
+            assert info.value.details.get("remote") == fleet.remote  # type: ignore[attr-defined]
+            assert fleet.remote in str(info.value)
+            # nothing was committed or left in staging
+            await until(lambda: staging_dirs(b.store.root) == [], 30)
+            assert artifact_dirs(b.store.root) == [] and await b.catalog.records() == []
+            assert b.fleet.pulls["invalid"] == 1
+            with pytest.raises(expected):  # remembered: the next acquire does not fetch it again
+                await b.leasing.grant(session, key)
+            assert b.fleet.pulls["invalid"] == 1 and session.leases == {}
 
     run(scenario)
