@@ -12,7 +12,9 @@ the role check by peer credentials, and progress frames reaching a real client.
 Use cases: a waiter gets its lease after a slow pull and sees its progress; a stalled pull fails
 every waiter with a typed error naming the remote after the stall timeout and leaves nothing
 behind; a caller that does not wait misses at once while the pull goes on; a caller without the
-publish role may not start a pull but may wait for one; misses of an absent key are remembered.
+publish role may not start a pull but may wait for one; misses of an absent key are remembered;
+and a pull verifies what it fetches: a tampered remote artifact is refused with a typed error
+naming the remote, the refusal is remembered, and nothing is committed or left in staging.
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ pytestmark = pytest.mark.timeout(120)
 
 s3_server = fleet_fixtures.s3_server  # the session's S3 server process (a fixture)
 MIB = 1 << 20
-SIZE = 6 * MIB  # one part (under the S3 tier's 16 MiB part size): one connection through the link
-RATE = 3 * MIB  # bytes/s through the slow link: a pull of SIZE takes ~2 s
+SIZE = 3 * MIB  # one part (under the S3 tier's 16 MiB part size): one connection through the link
+RATE = 2 * MIB  # bytes/s through the slow link: a pull of SIZE takes ~1.5 s
 STALL_S = 1.0  # remote_stall_timeout_s of the stalled node (hwrd's default is 60 s)
 NOBODY = 65534
 HOUSEKEEPING_S = 0.5  # housekeeping_interval_s (hwrd's default is 2 s): held staging is swept this often
@@ -169,13 +171,13 @@ def test_a_waiter_gets_its_lease_after_a_slow_pull_and_sees_its_progress(fleet: 
 
 def test_a_stalled_pull_fails_every_waiter_naming_the_remote_and_leaves_nothing(fleet: FleetEnv) -> None:
     async def scenario() -> None:
-        key, payload = await published(fleet, "wait/stalled", 61, nbytes=SIZE // 2)
+        key, payload = await published(fleet, "wait/stalled", 61)
         async with node(fleet.base / "b", fleet, remote_stall_timeout_s=STALL_S) as b:
             assert b.fleet is not None
             sessions = [session_of(b) for _ in range(2)]
             started = time.monotonic()
             waiting = [asyncio.ensure_future(b.leasing.grant(s, key)) for s in sessions]
-            await asyncio.to_thread(fleet.link.wait_bytes, "down", SIZE // 16)
+            await asyncio.to_thread(fleet.link.wait_bytes, "down", SIZE // 8)
             fleet.link.pause()  # the remote stops sending: no byte moves any more
             stalled_at = time.monotonic()
             errors = await asyncio.gather(*waiting, return_exceptions=True)
