@@ -137,7 +137,7 @@ def test_a_client_waits_for_a_pull_over_the_transport_with_progress(slow_fleet: 
     assert reports and all(r.key == key and r.remote == env["remote"] for r in reports)
     done = [r.done_bytes for r in reports]
     assert done == sorted(done) and reports[-1].total_bytes >= SIZE, done
-    assert seen["key"] == key and os.getpid() in [w["pid"] for w in seen["waiters"]], seen
+    assert seen["key"] == key and [w["pid"] for w in seen["waiters"]] == [os.getpid()] * 2, seen
     waiting = [line for line in table.splitlines() if "(waiting: pull" in line]
     assert len(waiting) == 2 and all(key[:16] in line and str(os.getpid()) in line for line in waiting), table
     assert link.sent["down"] < 2 * SIZE  # one pull for every acquire

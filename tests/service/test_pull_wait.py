@@ -37,6 +37,7 @@ from service_graph import publish, read_all, run, service, session_of
 from hwr.client.errors import (
     ArtifactNotFound,
     ChecksumMismatch,
+    HwrError,
     ManifestCorrupt,
     PermissionDeniedError,
     RemoteUnavailable,
@@ -317,7 +318,7 @@ def test_a_tampered_remote_artifact_is_refused_remembered_and_leaves_nothing(fle
             s3.put_object(Bucket=bucket, Key=name, Body=body)
 
         data = get(key, "model-00001.safetensors")
-        expected: type[Exception] = ManifestCorrupt
+        expected: type[HwrError] = ManifestCorrupt
         if case == "flipped_byte":
             flipped = bytearray(data)
             flipped[len(flipped) // 2] ^= 0x01
@@ -335,7 +336,7 @@ def test_a_tampered_remote_artifact_is_refused_remembered_and_leaves_nothing(fle
             session = session_of(b)
             with pytest.raises(expected) as info:
                 await b.leasing.grant(session, key)
-            assert info.value.details.get("remote") == fleet.remote  # type: ignore[attr-defined]
+            assert info.value.details.get("remote") == fleet.remote
             assert fleet.remote in str(info.value)
             # nothing was committed or left in staging
             await until(lambda: staging_dirs(b.store.root) == [], 30)
