@@ -123,7 +123,8 @@ class SlowLink:
     """A TCP relay from 127.0.0.1:``port`` to the S3 server that moves at most ``rate`` bytes/s
     each way and counts the bytes: a slow network at the OS boundary, so a test can kill hwrd in
     the middle of a transfer (``wait_bytes``) instead of racing a fast local one, or stall it
-    (``pause``: connections stay open, nothing moves, until ``resume``)."""
+    (``pause``: connections stay open, nothing moves, until ``resume``; or only the downloads
+    already past some bytes: a stalled transfer while small requests still get through)."""
 
     def __init__(self, target_port: int, rate: float) -> None:
         self.target_port = target_port
@@ -142,6 +143,7 @@ class SlowLink:
         self._lock = threading.Lock()
         self._moving = threading.Event()
         self._moving.set()
+        self._hold_after = 0  # while paused: 0 holds every connection, else downloads past this many bytes
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -169,9 +171,10 @@ class SlowLink:
                 data = src.recv(64 * 1024)
                 if not data:
                     break
-                while not self._moving.wait(0.1):  # paused: hold the bytes, keep the connection
+                while self._held(direction, moved):  # paused: hold the bytes, keep the connection
                     if self._closed:
                         return
+                    self._moving.wait(0.1)
                 dst.sendall(data)
                 moved += len(data)
                 with self._lock:
@@ -185,7 +188,17 @@ class SlowLink:
             with contextlib.suppress(OSError):
                 dst.shutdown(socket.SHUT_WR)
 
-    def pause(self) -> None:
+    def _held(self, direction: str, moved: int) -> bool:
+        """Whether a connection's pump that has moved ``moved`` bytes ``direction`` waits now."""
+        if self._moving.is_set():
+            return False
+        return self._hold_after == 0 or (direction == "down" and moved >= self._hold_after)
+
+    def pause(self, after: int = 0) -> None:
+        """Stop moving bytes until ``resume``: on every connection, or (``after`` > 0) only on
+        downloads that have moved ``after`` bytes already (one stalled transfer; the remote still
+        answers small requests, such as hwrd's reachability probe behind ``hwrctl status``)."""
+        self._hold_after = after
         self._moving.clear()
 
     def resume(self) -> None:

@@ -1,11 +1,15 @@
-"""Acquires that meet a pull in progress: two hwrd nodes on one real S3 server (moto's), node B
-reaching it through ``SlowLink`` (a throttled TCP relay: a slow network, or a stalled one).
+"""Acquires that meet a pull in progress, through a real hwrd and real clients: two hwrd nodes on
+one real S3 server (moto's), node B reaching it through ``SlowLink`` (a throttled TCP relay that a
+test can pause: a stalled network).
 
-A ``required`` acquire whose own timeout is far shorter than the pull waits for it while hwrd
-reports progress, and gets its lease; a pull that stops receiving bytes fails every waiter with
-a typed error naming the remote after hwrd's stall timeout and leaves nothing behind; a caller
-that chooses not to wait misses at once and the pull goes on; absent keys are remembered; and a
-uid with only the acquire role cannot start a pull but may wait for one that runs.
+What needs the daemon process is tested here: a client that waits for a pull gets hwrd's
+progress frames on the peer socket and its lease after the pull, while an operator sees the
+waiter (``hwrctl status``, ``hwrctl leases``), a caller that does not wait gets the typed miss at
+once, and a gRPC ``Acquire`` waits for the same pull; and the publish role, decided by the peer
+credentials of a client running as another uid: a uid with only the acquire role cannot start a
+pull but may wait for one that runs. The pull-wait use cases themselves (progress, stalls, the
+caller that does not wait, remembered misses) are tested in-process in
+tests/service/test_pull_wait.py.
 """
 
 from __future__ import annotations
@@ -22,10 +26,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from daemon_proc import requested_user
+from daemon_proc import HWRD, RunAs, requested_user
 
 from hwr.client import connect
-from hwr.client.errors import ArtifactNotFound, HwrError, PermissionDeniedError, RemoteUnavailable
+from hwr.client.errors import ArtifactNotFound, PermissionDeniedError
 from hwr.protos.hwr.v1 import hwr_pb2 as pb
 
 from . import fleet_fixtures
@@ -37,9 +41,8 @@ if TYPE_CHECKING:
     from hwr.client.acquisition import PullReport
 
 s3_server = fleet_fixtures.s3_server  # the session's S3 server process (a fixture)
-SIZE = 24 * MIB
-RATE = 4 * MIB  # bytes/s through the slow link: the pull takes ~6 s
-STALL_S = 3
+SIZE = 8 * MIB  # one part (under the S3 tier's 16 MiB part size): one connection through the link
+RATE = 4 * MIB  # bytes/s through the slow link: a pull takes ~2 s unless the link holds it
 NOBODY = 65534
 WORKER = Path(__file__).with_name("fleet_worker.py")
 HWRCTL = [sys.executable, "-c", "import sys; from hwr.daemon.ctl.cli import main; sys.exit(main())"]
@@ -81,157 +84,111 @@ def published(env: dict[str, Any], model: str, seed: int, nbytes: int = SIZE) ->
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_a_required_acquire_waits_for_a_slow_pull_with_progress(slow_fleet: dict[str, Any]) -> None:
+def test_a_client_waits_for_a_pull_over_the_transport_with_progress(slow_fleet: dict[str, Any]) -> None:
     env = slow_fleet
     key, expected = published(env, "wait/slow", 51)
     b = env["start_b"]()
+    link = env["link"]
+    with connect(b.socket) as client:
+        started = time.monotonic()
+        with pytest.raises(ArtifactNotFound) as info:  # a caller that does not wait starts the pull ...
+            client.acquire(key, timeout=30, wait_for_pull=False)
+        assert time.monotonic() - started < 3  # at once, not after the pull
+        assert info.value.details.get("pulling") is True and info.value.details.get("remote") == env["remote"]
+        assert [p["key"] for p in client.status()["remote"]["pulls"]] == [key]  # ... and leaves it running
+        with pytest.raises(ArtifactNotFound):  # a second caller that does not wait joins nothing
+            client.acquire(key, timeout=30, wait_for_pull=False)
     reports: list[PullReport] = []
-    seen: list[dict[str, Any]] = []
+    outcome: dict[str, Any] = {}
 
-    def watch() -> None:  # what an operator sees meanwhile (hwrctl status --json, hwrctl leases)
-        with connect(b.socket) as admin:
-            deadline = time.monotonic() + 60
-            while not seen and time.monotonic() < deadline:
-                pulls = admin.status()["remote"]["pulls"]
-                if pulls and pulls[0]["waiters"]:
-                    seen.append(pulls[0])
-                    table = subprocess.run([*HWRCTL, "--socket", str(b.socket), "leases"], capture_output=True,
-                                           text=True, timeout=60, check=True).stdout
-                    seen.append({"table": table})
-                time.sleep(0.1)
+    def acquire() -> None:  # waits with an acquire timeout far shorter than the pull (as long as frames come)
+        began = time.monotonic()
+        with connect(b.socket) as client, client.acquire(key, timeout=2, on_pull=reports.append) as lease:
+            outcome["waited"] = time.monotonic() - began
+            outcome["digests"] = digests(lease.tensors)
 
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    started = time.monotonic()
-    with connect(b.socket) as client, client.acquire(key, timeout=2, on_pull=reports.append) as lease:
-        waited = time.monotonic() - started
-        assert digests(lease.tensors) == expected
-    watcher.join(60)
-    assert waited > 2, waited  # longer than the acquire's own timeout: it waited for the pull
+    def acquire_grpc() -> None:  # gRPC waits too
+        with connect(b.socket) as client:
+            call = client._connection.call
+            granted = call("Acquire", pb.AcquireRequest(artifact=pb.ArtifactRef(key=key)), 60)
+            released = call("Release", pb.ReleaseRequest(lease_id=granted.lease_id)).released
+            outcome["grpc"] = (granted.key, bool(granted.lease_id), released)
+
+    waiter = threading.Thread(target=acquire)
+    waiter.start()
+    waiter_started = time.monotonic()
+    link.wait_bytes("down", MIB)  # into the payload's download ...
+    link.pause(after=MIB // 2)  # ... then held (hwrctl status still reaches the remote): the pull
+    # cannot end while the operator looks and the others join
+    grpc_waiter = threading.Thread(target=acquire_grpc)
+    grpc_waiter.start()
+    with connect(b.socket) as admin:  # what an operator sees meanwhile (hwrctl status --json, hwrctl leases)
+        wait_until(lambda: len(admin.status()["remote"]["pulls"][0]["waiters"]) == 2, 60)
+        seen = admin.status()["remote"]["pulls"][0]
+    table = subprocess.run([*HWRCTL, "--socket", str(b.socket), "leases"], capture_output=True, text=True,
+                           timeout=60, check=True).stdout
+    time.sleep(max(0.0, 2.5 - (time.monotonic() - waiter_started)))  # held past the acquire's own timeout
+    link.resume()
+    waiter.join(60)
+    grpc_waiter.join(60)
+    assert outcome.get("digests") == expected, outcome
+    assert outcome["waited"] > 2, outcome  # longer than the acquire's own timeout: it waited for the pull
+    assert outcome.get("grpc") == (key, True, True), outcome
     assert reports and all(r.key == key and r.remote == env["remote"] for r in reports)
     done = [r.done_bytes for r in reports]
     assert done == sorted(done) and reports[-1].total_bytes >= SIZE, done
-    assert seen and seen[0]["key"] == key and seen[0]["waiters"][0]["pid"] == os.getpid(), seen
-    waiting = [line for line in seen[1]["table"].splitlines() if "(waiting: pull" in line]
-    assert len(waiting) == 1 and key[:16] in waiting[0] and str(os.getpid()) in waiting[0], seen[1]
+    assert seen["key"] == key and [w["pid"] for w in seen["waiters"]] == [os.getpid()] * 2, seen
+    waiting = [line for line in table.splitlines() if "(waiting: pull" in line]
+    assert len(waiting) == 2 and all(key[:16] in line and str(os.getpid()) in line for line in waiting), table
+    assert link.sent["down"] < 2 * SIZE  # one pull for every acquire
     assert artifact_dirs(b.root) == [key]
 
 
-@pytest.mark.slow
-@pytest.mark.usefixtures("daemon_user")
-@pytest.mark.timeout(180)
-def test_a_stalled_pull_fails_every_waiter_naming_the_remote(slow_fleet: dict[str, Any]) -> None:
-    env = slow_fleet
-    key, expected = published(env, "wait/stalled", 61)
-    b = env["start_b"]("--remote-stall-timeout-s", str(STALL_S))
-    errors: list[tuple[HwrError, float]] = []
-
-    def acquire() -> None:
-        started = time.monotonic()
-        try:
-            with connect(b.socket) as client:
-                client.acquire(key, timeout=2).close()
-        except HwrError as exc:
-            errors.append((exc, time.monotonic() - started))
-
-    waiters = [threading.Thread(target=acquire) for _ in range(2)]
-    for t in waiters:
-        t.start()
-    env["link"].wait_bytes("down", 4 * MIB)
-    env["link"].pause()  # the remote stops sending: no byte moves any more
-    for t in waiters:
-        t.join(60)
-    assert len(errors) == 2, errors
-    for exc, took in errors:
-        assert isinstance(exc, RemoteUnavailable), exc
-        assert exc.details.get("reason") == "STALLED" and exc.details.get("remote") == env["remote"]
-        assert env["remote"] in exc.message and "stalled" in exc.message
-        assert took < 40, took
-    wait_until(lambda: staging_dirs(b.root) == [], 30)  # the stopped pull's staging is gone
-    assert artifact_dirs(b.root) == []
-    env["link"].resume()
-    time.sleep(2.5)  # past the 2 s a down remote is remembered
-    with connect(b.socket) as client, client.acquire(key, timeout=60) as lease:
-        assert digests(lease.tensors) == expected  # the next acquire pulls it afresh
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_a_caller_that_does_not_wait_misses_at_once_and_the_pull_goes_on(slow_fleet: dict[str, Any]) -> None:
-    env = slow_fleet
-    key, expected = published(env, "wait/fallback", 71)
-    b = env["start_b"]()
-    with connect(b.socket) as client:
-        started = time.monotonic()
-        with pytest.raises(ArtifactNotFound) as info:
-            client.acquire(key, timeout=30, wait_for_pull=False)
-        assert time.monotonic() - started < 3  # at once, not after the ~6 s pull
-        assert info.value.details.get("pulling") is True and info.value.details.get("remote") == env["remote"]
-        assert [p["key"] for p in client.status()["remote"]["pulls"]] == [key]  # left running
-        with pytest.raises(ArtifactNotFound):  # a second caller that does not wait joins nothing
-            client.acquire(key, timeout=30, wait_for_pull=False)
-        # gRPC waits too
-        granted = client._connection.call("Acquire", pb.AcquireRequest(artifact=pb.ArtifactRef(key=key)), 60)
-        assert granted.key == key and granted.lease_id
-        assert client._connection.call("Release", pb.ReleaseRequest(lease_id=granted.lease_id)).released
-        with client.acquire(key, timeout=60) as lease:
-            assert digests(lease.tensors) == expected
-    assert env["link"].sent["down"] < 2 * SIZE  # one pull for all three acquires
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.usefixtures("daemon_user")
-def test_misses_of_an_absent_key_are_remembered(slow_fleet: dict[str, Any]) -> None:
-    env = slow_fleet
-    b = env["start_b"]()
-    absent = secrets.token_hex(32)  # the server's log is shared by the session's tests
-    log = env["server"].log
-
-    def asked() -> int:
-        return log.read_text(errors="replace").count(f"/artifacts/{absent}/READY.json")
-
-    with connect(b.socket) as client:
-        for _ in range(40):
-            with pytest.raises(ArtifactNotFound) as info:
-                client.acquire(absent, timeout=30)
-            assert not isinstance(info.value, RemoteUnavailable)
-        wait_until(lambda: asked() >= 1, 10)
-        assert asked() == 1, asked()  # one remote request, not forty
-        time.sleep(5.5)  # the miss is remembered for 5 s, then asked again
-        with pytest.raises(ArtifactNotFound):
-            client.acquire(absent, timeout=30)
-        wait_until(lambda: asked() >= 2, 10)
-        assert asked() == 2
-
-
-def as_nobody(socket: Path, key: str) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, str(WORKER), str(NOBODY), str(socket), key], capture_output=True,
+def as_nobody(socket: Path, *keys: str) -> list[dict[str, Any]]:
+    """One acquire of each key in turn by a client process running as ``NOBODY``: its reports."""
+    done = subprocess.run([sys.executable, str(WORKER), str(NOBODY), str(socket), *keys], capture_output=True,
                           text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    reports = [json.loads(line) for line in done.stdout.strip().splitlines()[-len(keys):]]
+    assert len(reports) == len(keys), done.stdout
+    return reports
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="the acquire-only caller runs as another uid (needs root)")
-@pytest.mark.usefixtures("daemon_user")
+# hwrd as the unit's unprivileged user only: the role is decided by the caller's credentials, the
+# same rule whatever hwrd's uid, and this is the pull that hwrd stages and commits as that user
+# on an S3 remote (its own staging and artifact files).
+@pytest.mark.parametrize("daemon_user", [HWRD], ids=["unprivileged"])
 @pytest.mark.timeout(180)
-def test_only_the_publish_role_starts_a_pull_but_anyone_may_wait_for_one(slow_fleet: dict[str, Any]) -> None:
+def test_only_the_publish_role_starts_a_pull_but_anyone_may_wait_for_one(slow_fleet: dict[str, Any],
+                                                                         daemon_user: RunAs) -> None:
     env = slow_fleet
     env["base"].chmod(0o755)
-    key, expected = published(env, "wait/roles", 81)
+    key, expected = published(env, "wait/roles", 81, 2 * MIB)
     b = env["start_b"]("--socket-mode", "666", "--allow-uid", str(NOBODY), "--publish-uids", "0")
-    refused = as_nobody(b.socket, key)  # acquire role only: may not make hwrd stage anything
+    absent = secrets.token_hex(32)
+    # acquire role only: may not make hwrd stage anything; and a key no pull fetches is refused
+    # without asking the remote
+    refused, other = as_nobody(b.socket, key, absent)
     assert (refused["ok"], refused["code"], refused["role"]) == (False, "PERMISSION_DENIED", "publish"), refused
     assert refused["details"]["remote"] == env["remote"] and refused["details"]["key"] == key
+    assert (other["code"], other["role"]) == (PermissionDeniedError.code, "publish"), other
+    assert absent not in env["server"].log.read_text(errors="replace")
     assert env["link"].sent["down"] == 0 and artifact_dirs(b.root) == [] and staging_dirs(b.root) == []
+    env["link"].pause(after=256 << 10)  # the pull root starts cannot end before the acquire-only uid joins it
     with connect(b.socket) as client:  # root starts the pull (and does not wait for it) ...
         with pytest.raises(ArtifactNotFound):
             client.acquire(key, timeout=30, wait_for_pull=False)
-        joined = as_nobody(b.socket, key)  # ... which the acquire-only uid may wait for
-        assert joined["ok"], joined
+        joining: dict[str, Any] = {}
+        joiner = threading.Thread(target=lambda: joining.update(as_nobody(b.socket, key)[0]))
+        joiner.start()  # ... which the acquire-only uid may wait for
+        wait_until(lambda: [w["uid"] for p in client.status()["remote"]["pulls"] for w in p["waiters"]] == [NOBODY],
+                   120)
+        env["link"].resume()
+        joiner.join(120)
+        joined = joining
+        assert joined.get("ok"), joined
         assert joined["digests"] == {name: d["sha256"] for name, d in expected.items()}
-    absent = secrets.token_hex(32)
-    other = as_nobody(b.socket, absent)  # a key no pull fetches: refused without asking the remote
-    assert (other["code"], other["role"]) == (PermissionDeniedError.code, "publish"), other
-    assert absent not in env["server"].log.read_text(errors="replace")
+    assert absent not in env["server"].log.read_text(errors="replace")  # nor later
     assert artifact_dirs(b.root) == [key]
