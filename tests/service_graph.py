@@ -3,7 +3,8 @@
 ``service(root, **config)`` builds ``hwr.daemon.app.graph.ServiceGraph`` over a real store at
 ``root`` (config keys override hwrd's defaults, as its TOML would) and closes it after; the other
 helpers do what a client does through a transport, directly against the graph: open a session,
-publish an artifact through begin / staging descriptors / commit, read leased descriptors.
+publish an artifact through begin / staging descriptors / commit, read leased descriptors, and run
+the graph's background tasks (``running``: housekeeping, scrub, ...) on the test's loop as hwrd does.
 No daemon process, no transport: those are tested against a real hwrd in tests/e2e and tests/daemon.
 """
 
@@ -73,3 +74,17 @@ def read_all(fds: list[int]) -> bytes:
 
 def run(test: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(test())
+
+
+@contextlib.asynccontextmanager
+async def running(graph: ServiceGraph) -> AsyncIterator[None]:
+    """The graph's own background tasks, running on this loop as hwrd runs them; cancelled after."""
+    tasks = [asyncio.ensure_future(work) for work in graph.background()]
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

@@ -3,8 +3,9 @@
 A publication renames its artifact into ``artifacts/`` and only then drops its reservation. When
 the usage read the disk first and the reservations afterwards, a commit landing in between was
 in neither, and a concurrent publication could reserve past the store limit (seen as four 1 MiB
-artifacts on disk under a three-artifact limit in tests/e2e/test_store_lifecycle.py). Here the
-commit is made to land exactly in that window, deterministically, with a real store.
+artifacts on disk under a three-artifact limit in the concurrent-publications test, now in
+tests/service/test_store_lifecycle.py). Here the commit is made to land exactly in that window,
+deterministically, with a real store.
 """
 
 from __future__ import annotations

@@ -11,9 +11,8 @@ client does with the lease (reads the tensor through the descriptors) and its re
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
 import torch
 from safetensors.torch import load
@@ -24,7 +23,7 @@ from hwr.daemon.service.publishing import Publication
 from hwr.daemon.service.sessions import Session
 from hwr.daemon.store.staging import StagedTensor
 
-__all__ = ["MIB", "acquire", "begin_floats", "commit", "keys", "publish_floats", "running", "write_floats"]
+__all__ = ["MIB", "acquire", "begin_floats", "commit", "keys", "publish_floats", "write_floats"]
 
 MIB = 1 << 20
 
@@ -102,15 +101,3 @@ async def keys(graph: ServiceGraph) -> set[str]:
     return {r.key for r in await graph.catalog.records()}
 
 
-@contextlib.asynccontextmanager
-async def running(graph: ServiceGraph) -> AsyncIterator[None]:
-    """The graph's own background tasks, running on this loop as hwrd runs them; cancelled after."""
-    tasks = [asyncio.ensure_future(work) for work in graph.background()]
-    try:
-        yield
-    finally:
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 from e2e import fleet_fixtures
 from e2e.fleet_fixtures import S3_ENV, S3Server, SlowLink, artifact_dirs, staging_dirs
-from service_graph import publish, read_all, run, service, session_of
+from service_graph import publish, read_all, run, running, service, session_of
 
 from hwr.client.errors import (
     ArtifactNotFound,
@@ -91,16 +91,13 @@ async def node(root: Path, fleet: FleetEnv, *, slow: bool = True, **config: obje
         assert graph.fleet is not None
         # The node service's own tasks, as hwrd runs them: housekeeping reclaims the staging a
         # stopped pull's transfer thread still held when the pull was aborted.
-        tasks = [asyncio.ensure_future(work) for work in graph.background()]
-        await graph.fleet.start()
-        try:
-            yield graph
-        finally:
-            fleet.link.resume()  # a test that failed while the link was paused ends without its stall
-            await graph.fleet.stop()
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        async with running(graph):
+            await graph.fleet.start()
+            try:
+                yield graph
+            finally:
+                fleet.link.resume()  # a test that failed while the link was paused ends without its stall
+                await graph.fleet.stop()
 
 
 async def published(fleet: FleetEnv, name: str, fill: int, nbytes: int = SIZE) -> tuple[str, str]:

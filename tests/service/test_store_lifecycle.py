@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 from e2e.helpers import rot_a_byte
-from service_graph import run, service, session_of
-from store_steps import acquire, begin_floats, keys, publish_floats, running
+from service_graph import run, running, service, session_of
+from store_steps import acquire, begin_floats, keys, publish_floats
 
 from hwr.client.errors import ActiveLease, ArtifactDenied, HwrError, StoreLimitExceeded
 from hwr.daemon.app.graph import ServiceGraph

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 from e2e.helpers import rot_a_byte
-from service_graph import run, service, session_of
-from store_steps import MIB, acquire, begin_floats, commit, keys, publish_floats, running, write_floats
+from service_graph import run, running, service, session_of
+from store_steps import MIB, acquire, begin_floats, commit, keys, publish_floats, write_floats
 
 from hwr.client.errors import ActiveBuildTimeout, ArtifactDenied, ArtifactNotFound, StoreLimitExceeded
 from hwr.client.identity import ArtifactIdentity
