@@ -9,14 +9,16 @@ happens after the fork, in a real separate process with its own pid, its own glo
 own hwrd session.
 
 What a worker runs: a command line (``[python, script.py, ARGS...]``: the script as ``__main__``
-with that ``sys.argv`` and its directory as ``sys.path[0]``; ``[python, "-m", module, ARGS...]``),
-a named ``module:function`` called with ``sys.argv = ARGS``, or (``call``) a module-level
-function with pickled arguments, as a ``spawn``ed ``multiprocessing.Process`` runs its target.
-It gets the caller's environment, working directory and standard streams (``Zygote.popen`` takes
-``subprocess.Popen``'s stream arguments and returns a ``Forked``, which answers ``Popen``'s
-calls) and ends as an interpreter ends (non-daemon threads joined, ``atexit`` run, streams
-flushed; an uncaught exception is printed and exits 1). Run as a script, this module is the
-server (``main``).
+with that ``sys.argv`` and its directory as ``sys.path[0]``; ``[python, "-m", module, ARGS...]``)
+or (``call``) a module-level function with pickled arguments, as a ``spawn``ed
+``multiprocessing.Process`` runs its target; both end as an interpreter ends (non-daemon threads
+joined, ``atexit`` run, streams flushed; an uncaught exception is printed and exits 1), less the
+teardown of the inherited modules (``_exit``). Or (``main``) a preloaded ``module:function``
+called with ``sys.argv = ARGS``, whose return value is the exit status and after which the worker
+ends at once (``_main``). A worker gets the caller's environment, working directory and standard
+streams (``Zygote.popen`` takes ``subprocess.Popen``'s stream arguments and returns a
+``Forked``, which answers ``Popen``'s calls). Run as a script, this module is the server
+(``main``).
 
 Forking is safe only while the forking process has a single thread: a thread that holds a lock
 at the fork (torch's intra-op pool, a gloo group, gRPC's threads) leaves it held for good in the
@@ -56,6 +58,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -162,14 +165,10 @@ def serve(control: socket.socket) -> dict[str, Any] | None:
 
 
 def run(request: Mapping[str, Any]) -> int:
-    """In a forked worker: what ``python ARGV...`` runs (or the named ``module:function``)."""
+    """In a forked worker: what ``python ARGV...`` runs (or ``call``'s function)."""
     argv = list(request["argv"][1:])
     if request.get("call"):
         return _call(request["sys_path"], request["call"])
-    if request.get("main"):
-        module, _, function = request["main"].partition(":")
-        sys.argv = argv
-        return int(getattr(importlib.import_module(module), function)() or 0)
     if argv[0] == "-m":
         sys.argv = argv[1:]
         sys.path[0] = os.getcwd()
@@ -211,7 +210,26 @@ def main() -> int:
     request = serve(control)
     if request is None:
         return 0
+    if request.get("main"):
+        _main(request)
     _exit(request)
+
+
+def _main(request: Mapping[str, Any]) -> NoReturn:
+    """In a forked worker: ``module:function`` with ``sys.argv = ARGV``; its return value is the
+    exit status (1 if it raises, the traceback printed) and the worker ends right after it: streams
+    flushed, no ``atexit`` handler run, no thread waited for."""
+    code = 1
+    try:
+        module, _, function = request["main"].partition(":")
+        sys.argv = list(request["argv"][1:])
+        code = int(getattr(importlib.import_module(module), function)() or 0)
+    except BaseException:  # a worker must never return into the server's loop
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _exit(request: Mapping[str, Any]) -> NoReturn:
