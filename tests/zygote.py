@@ -87,6 +87,12 @@ def _send(control: socket.socket, message: dict[str, Any]) -> None:
     control.send(json.dumps(message).encode())
 
 
+def _tell(control: socket.socket, message: dict[str, Any]) -> None:
+    """The server's answer; a client that is gone is noticed at the next read (EOF)."""
+    with contextlib.suppress(OSError):
+        _send(control, message)
+
+
 def _reap(control: socket.socket, children: set[int]) -> None:
     while children:
         try:
@@ -96,7 +102,7 @@ def _reap(control: socket.socket, children: set[int]) -> None:
         if pid == 0:
             return
         children.discard(pid)
-        _send(control, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+        _tell(control, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
 def serve(control: socket.socket) -> dict[str, Any] | None:
@@ -120,11 +126,17 @@ def serve(control: socket.socket) -> dict[str, Any] | None:
             _reap(control, children)
         if control not in readable:
             continue
-        data, fds, _, _ = socket.recv_fds(control, PACKET, 3)
+        try:
+            data, fds, _, _ = socket.recv_fds(control, PACKET, 3)
+        except OSError:  # the client is gone (a reset reads as EOF)
+            data, fds = b"", []
         if not data:
             for pid in children:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+            for pid in children:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, 0)
             return None
         request = json.loads(data)
         if "signal" in request:  # only to a child not yet reaped: its pid cannot have been reused
@@ -134,7 +146,7 @@ def serve(control: socket.socket) -> dict[str, Any] | None:
         if threads_of() != 1:
             for fd in fds:
                 os.close(fd)
-            _send(control, {"error": f"{threads_of()} threads alive: not forking"})
+            _tell(control, {"error": f"{threads_of()} threads alive: not forking"})
             continue
         sys.stdout.flush()  # nothing buffered here may be written twice
         sys.stderr.flush()
@@ -161,7 +173,7 @@ def serve(control: socket.socket) -> dict[str, Any] | None:
         for fd in fds:
             os.close(fd)
         children.add(pid)
-        _send(control, {"pid": pid})
+        _tell(control, {"pid": pid})
 
 
 def run(request: Mapping[str, Any]) -> int:
