@@ -327,6 +327,7 @@ class Zygote:
         self._exits: dict[int, int] = {}
         self._changed = threading.Condition()
         self._closed = False
+        self._lost = False
         self._fork_lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, name="zygote-reader", daemon=True)
 
@@ -428,8 +429,14 @@ class Zygote:
                        "call": None if call is None else _payload(*call), "sys_path": sys.path}
             try:
                 with self._fork_lock:
+                    if self._lost:
+                        raise RuntimeError("an earlier fork went unanswered: this zygote forks no more")
                     socket.send_fds(self.control, [json.dumps(request).encode()], child_fds)
-                    answer = self._answers.get(timeout=60)
+                    try:
+                        answer = self._answers.get(timeout=60)
+                    except queue.Empty:
+                        self._lost = True  # a late answer would be taken for the next fork's
+                        raise RuntimeError(f"the zygote did not answer a fork in 60 s\n{self.tail()}") from None
             except BaseException:
                 for fd in ends:
                     os.close(fd)
