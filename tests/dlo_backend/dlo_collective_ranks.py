@@ -1,6 +1,6 @@
 """Rank programs: AllGather beside the model's and the caller's own collectives, shards from the lease.
 
-Run in spawned processes over a real gloo group (see ``dlo_ranks.run_ranks``); each writes
+Run in separate processes over a real gloo group (see ``dlo_ranks.run_ranks``); each writes
 ``<outdir>/rank<r>.json``.
 """
 

@@ -1,4 +1,4 @@
-"""Rank programs for the AllGather live-update tests (spawned processes, real gloo groups).
+"""Rank programs for the AllGather live-update tests (separate processes, real gloo groups).
 
 Every rank runs the same passes on its own input; updates reach the ranks at different passes
 (as separate watchers would deliver them). Each rank writes, per pass, the revision key it ran

@@ -1,13 +1,17 @@
-"""Rank programs for the AllGather tests, run in spawned processes over a real gloo group.
+"""Rank programs for the AllGather tests, run in separate processes over a real gloo group.
 
 Each program writes ``<outdir>/rank<r>.json`` with what it observed; the test asserts on it.
+Ranks are forked from the tests' zygote (``zygote.start_call``: torch and hwr imported once for
+the session, nothing else done there) and run their program as a spawned process would; where
+the zygote cannot serve they are fresh interpreters.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-import multiprocessing
+import subprocess
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -16,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from zygote import start_call
 
 
 def init_gloo(rank: int, world: int, rdzv: str, timeout_s: float) -> None:
@@ -34,30 +39,27 @@ _init, _write = init_gloo, write_result
 def run_ranks(
     program: Callable[..., None], world: int, tmp: Path, *args: Any, deadline: float = 60, wait_for: int | None = None
 ) -> list[dict[str, Any]]:
-    """Run ``program`` on ``world`` spawned ranks; kill whatever is left after ``deadline``.
+    """Run ``program`` on ``world`` ranks, all started at once (``zygote.start_call``); kill
+    whatever is left after ``deadline`` (only the first ``wait_for`` ranks are waited for).
 
     A rank that hangs (a deadlocked collective) is killed at the deadline and the caller's
     assertion that every rank wrote its result fails, so a hang fails a test instead of
     blocking the suite.
     """
-    ctx = multiprocessing.get_context("spawn")
-    procs = [
-        ctx.Process(target=program, args=(rank, world, str(tmp / "rdzv"), str(tmp), *args)) for rank in range(world)
-    ]
-    for proc in procs:
-        proc.start()
+    procs = [start_call(program, rank, world, str(tmp / "rdzv"), str(tmp), *args) for rank in range(world)]
     end = time.monotonic() + deadline
     waited = procs if wait_for is None else procs[:wait_for]
     for proc in waited:
-        proc.join(max(0.0, end - time.monotonic()))
+        with contextlib.suppress(subprocess.TimeoutExpired):  # killed below: its missing result fails
+            proc.wait(max(0.0, end - time.monotonic()))
     for proc in procs:
-        if proc.is_alive():
+        if proc.poll() is None:
             proc.kill()
-            proc.join()
+            proc.wait()
     results = []
     for rank in range(world):
         path = tmp / f"rank{rank}.json"
-        assert path.exists(), f"rank {rank} wrote no result (exit code {procs[rank].exitcode})"
+        assert path.exists(), f"rank {rank} wrote no result (exit code {procs[rank].returncode})"
         results.append(json.loads(path.read_text()))
     return results
 

@@ -162,11 +162,17 @@ def artifact_entries(root: Path) -> list[str]:
 
 # ------------------------------------------------------------------------------------ workers
 class Worker:
-    """A worker process running this script, with a line protocol over its stdin/stdout."""
+    """A worker process running this script, with a line protocol over its stdin/stdout.
 
-    def __init__(self, *args: str) -> None:
+    ``forked``: forked from the tests' zygote (``zygote.popen``: torch and hwr imported once)
+    instead of started as a fresh interpreter; it runs this script the same way. Tests that look
+    at what a fresh process inherits or how it starts keep the default."""
+
+    def __init__(self, *args: str, forked: bool = False) -> None:
+        from zygote import popen  # the test side's (tests/ is on its path, not on a worker's)
+
         self.args = args
-        self.proc = subprocess.Popen(
+        self.proc = (popen if forked else subprocess.Popen)(
             [sys.executable, str(SCRIPT), *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True, bufsize=1,
         )
@@ -252,8 +258,8 @@ class FaultDaemon(DaemonProcess):
 
 
 @contextlib.contextmanager
-def workers(*specs: tuple[str, ...]) -> Iterator[list[Worker]]:
-    started = [Worker(*spec) for spec in specs]
+def workers(*specs: tuple[str, ...], forked: bool = False) -> Iterator[list[Worker]]:
+    started = [Worker(*spec, forked=forked) for spec in specs]
     try:
         yield started
     finally:

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from zygote import popen
 
 from hwr.client import ArtifactIdentity, connect
 from hwr.daemon.app.launcher import DaemonProcess
@@ -82,12 +83,13 @@ class Publisher:
 
 # ------------------------------------------------------------------------------------ workers
 class LiveWorker:
-    """A ``live_worker.py`` process; its stdout lines are read by a thread."""
+    """A ``live_worker.py`` process (forked from the tests' zygote, which imported torch and hwr
+    once: ``zygote.popen``); its stdout lines are read by a thread."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
         self.spec = spec
-        self.proc = subprocess.Popen([sys.executable, str(WORKER), json.dumps(spec)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        self.proc = popen([sys.executable, str(WORKER), json.dumps(spec)], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
         self.on: str | None = None
         self.refused: list[str] = []
         self.lines: queue.Queue[str] = queue.Queue()

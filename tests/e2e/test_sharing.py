@@ -30,7 +30,7 @@ def test_bytes_equal_after_acquire_in_another_process(shared_hwrd: DaemonProcess
         key = client.publish(ArtifactIdentity.simple("e2e/bytes"), tensors, buffers=("mask",))
     assert key == ArtifactIdentity.simple("e2e/bytes").key
 
-    worker = Worker("digest", str(shared_hwrd.socket), key)
+    worker = Worker("digest", str(shared_hwrd.socket), key, forked=True)
     try:
         report = worker.result(timeout=60)
         assert worker.wait() == 0, worker.stderr
@@ -60,10 +60,11 @@ def test_workers_share_one_physical_copy(shared_hwrd: DaemonProcess) -> None:
         assert artifact_bytes >= ARTIFACT_BYTES
 
         artifacts_dir = daemon.root / "artifacts"
-        with workers(*[("hold", str(daemon.socket), key)] * WORKERS) as procs:
+        with workers(*[("hold", str(daemon.socket), key)] * WORKERS, forked=True) as procs:
             for w in procs:
                 w.expect("ready", timeout=90)
-            # After imports and connect, before acquire: torch alone is ~220 MiB PSS per process.
+            # After imports and connect, before acquire (forked from the zygote, the workers share
+            # torch's pages: about 50 MiB PSS each; about 180 MiB as fresh interpreters).
             before = [pss_kib(w.pid) for w in procs]
             for w in procs:
                 w.send("acquire")

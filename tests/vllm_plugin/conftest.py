@@ -1,8 +1,9 @@
 """Fixtures of the vLLM-Omni plugin tests (every test module skips without ``vllm_omni``).
 
 ``vo_hwrd``: one real hwrd per test module (tests use distinct identities). ``omni_zygote``: one
-fork server for the whole session that ``omni_harness.run`` forks its workers from (``omni_zygote``;
-None where it cannot serve: the harness then starts fresh interpreters). ``plugin``: the
+fork server for the whole session that ``omni_harness.run`` forks its workers from
+(``omni_harness.start_zygote``, a ``zygote.Zygote``; None where it cannot serve: the harness then
+starts fresh interpreters). ``plugin``: the
 plugin installed into ``HostWeightRuntime`` for one test and removed after it, with
 ``HWR_SOCKET``/``HWR_VLLM_PLUGIN`` cleared so each test states its own configuration.
 """
@@ -32,9 +33,9 @@ def vo_hwrd() -> Iterator[DaemonProcess]:
 @pytest.fixture(scope="session")
 def omni_zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     pytest.importorskip("vllm_omni")
-    from omni_harness import Zygote
+    from omni_harness import start_zygote
 
-    zygote = Zygote.start(tmp_path_factory.mktemp("omni-zygote") / "zygote.log")
+    zygote = start_zygote(tmp_path_factory.mktemp("omni-zygote") / "zygote.log")
     try:
         yield zygote
     finally:

@@ -24,9 +24,10 @@ all ranks share the start's seed. ``pipeline`` names an entry of ``omni_pipeline
 Limits: ranks run on one host (CPU); a run has one timeout for all its ranks and kills them all
 when it passes.
 
-With ``zygote`` (a ``Zygote``: ``omni_zygote``'s fork server, the tests' ``omni_zygote`` fixture)
+With ``zygote`` (a ``zygote.Zygote`` from ``start_zygote``, the tests' ``omni_zygote`` fixture)
 each worker is forked from a process that has imported torch, vLLM and vLLM-Omni and done nothing
-else, instead of a new interpreter that imports them; everything the worker does is the same.
+else, and runs ``omni_worker.main``, instead of a new interpreter that imports them; everything
+the worker does is the same.
 """
 
 from __future__ import annotations
@@ -34,8 +35,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import select
-import signal
 import socket
 import subprocess
 import sys
@@ -45,89 +44,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from zygote import Forked, Zygote
 
 WORKER = Path(__file__).resolve().parent / "omni_worker.py"
-ZYGOTE = Path(__file__).resolve().parent / "omni_zygote.py"
+# The heavy imports every worker makes before its first start (importing them runs no tensor op).
+PRELOAD = ("torch", "vllm", "vllm_omni", "diffusers", "transformers", "vllm.model_executor.model_loader",
+           "vllm_omni.diffusion.data", "vllm_omni.diffusion.model_loader.diffusers_loader",
+           "vllm_omni.diffusion.offloader", "omni_worker")
 
-__all__ = ["Start", "StartResult", "Topology", "WorkerResult", "Zygote", "run"]
+__all__ = ["Start", "StartResult", "Topology", "WorkerResult", "Zygote", "run", "start_zygote"]
 
 
-class Zygote:
-    """The client of one ``omni_zygote`` process (see its docstring): forks workers, reports exits.
-
-    ``start`` returns None when the zygote cannot serve (it did not start, or other threads were
-    alive after its imports): the harness then starts fresh interpreters as without it.
-    """
-
-    def __init__(self, proc: subprocess.Popen[bytes], log: Path) -> None:
-        self.proc, self.log = proc, log
-        self._pending = b""
-        self.exits: dict[int, int] = {}
-
-    @classmethod
-    def start(cls, log: Path, timeout: float = 900.0) -> Zygote | None:
-        env = {k: v for k, v in os.environ.items() if k not in {"HWR_SOCKET", "HWR_VLLM_PLUGIN"}}
-        with open(log, "wb") as sink:
-            proc = subprocess.Popen([sys.executable, str(ZYGOTE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=sink, env=env)
-        zygote = cls(proc, log)
-        ready = zygote._read(time.monotonic() + timeout)
-        if ready is None or not ready.get("ready") or ready.get("threads") != 1:
-            zygote.close()
-            return None
-        return zygote
-
-    def _read(self, deadline: float) -> dict[str, Any] | None:
-        """The next message (an exit is also recorded in ``exits``); None at the deadline or EOF."""
-        assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        while True:
-            if b"\n" in self._pending:
-                line, self._pending = self._pending.split(b"\n", 1)
-                message = json.loads(line)
-                if "exited" in message:
-                    self.exits[int(message["exited"])] = int(message["code"])
-                return message
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
-                return None
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                return None
-            self._pending += chunk
-
-    def fork(self, spec: Path, log: Path, env: dict[str, str]) -> int:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"spec": str(spec), "log": str(log), "env": env}).encode() + b"\n")
-        self.proc.stdin.flush()
-        deadline = time.monotonic() + 60
-        while (answer := self._read(deadline)) is not None and "exited" in answer:
-            pass
-        if answer is None or "pid" not in answer:
-            raise RuntimeError(f"the zygote did not fork a worker: {answer}\n{_tail(self.log)}")
-        return int(answer["pid"])
-
-    def wait(self, pid: int, deadline: float) -> int | None:
-        """The worker's exit code, or None when the deadline passes first."""
-        while pid not in self.exits:
-            if self._read(deadline) is None:
-                return None
-        return self.exits.pop(pid)
-
-    def kill(self, pid: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        self.wait(pid, time.monotonic() + 30)
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
+def start_zygote(log: Path, timeout: float = 900.0) -> Zygote | None:
+    """The tests' zygote (``zygote.Zygote``) with torch, vLLM, vLLM-Omni and ``omni_worker``
+    imported, its output in ``log``; None where it cannot serve (``run`` then starts fresh
+    interpreters). It starts without ``HWR_SOCKET``/``HWR_VLLM_PLUGIN``: imports see neither."""
+    env = {k: v for k, v in os.environ.items() if k not in {"HWR_SOCKET", "HWR_VLLM_PLUGIN"}}
+    return Zygote.start(PRELOAD, log, home=WORKER.parent, env=env, timeout=timeout)
 
 
 @dataclass(frozen=True)
@@ -245,7 +178,7 @@ def run(pipeline: str, *, checkpoint: Path, runtime_root: Path, out: Path, start
     result (a start that fails is a result, not an exception).
     """
     port = _free_port()
-    procs: list[tuple[int, subprocess.Popen[bytes] | int, Path, Path]] = []
+    procs: list[tuple[int, subprocess.Popen[bytes] | Forked, Path, Path]] = []
     base_env = {k: v for k, v in os.environ.items() if k not in {"HWR_SOCKET", "HWR_VLLM_PLUGIN"}}
     for rank in range(topology.world_size):
         rank_out = out / f"rank{rank}"
@@ -257,40 +190,33 @@ def run(pipeline: str, *, checkpoint: Path, runtime_root: Path, out: Path, start
         spec_path = rank_out / "spec.json"
         spec_path.write_text(json.dumps(spec, indent=1))
         log = rank_out / "worker.log"
-        if zygote is not None:
-            procs.append((rank, zygote.fork(spec_path, log, {**base_env, **(env or {})}), rank_out, log))
-            continue
+        worker_env = {**base_env, **(env or {})}
         with open(log, "wb") as sink:
-            proc = subprocess.Popen([sys.executable, str(WORKER), str(spec_path)], stdout=sink,
-                                    stderr=subprocess.STDOUT, env={**base_env, **(env or {})})
+            if zygote is not None:
+                proc: subprocess.Popen[bytes] | Forked = zygote.popen(
+                    [sys.executable, str(WORKER), str(spec_path)], main="omni_worker:main",
+                    stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT, env=worker_env)
+            else:
+                proc = subprocess.Popen([sys.executable, str(WORKER), str(spec_path)], stdout=sink,
+                                        stderr=subprocess.STDOUT, env=worker_env)
         procs.append((rank, proc, rank_out, log))
     deadline = time.monotonic() + timeout
     codes: dict[int, int | None] = {}
     try:
         for rank, proc, _out, log in procs:
-            if isinstance(proc, int):
-                assert zygote is not None
-                codes[rank] = zygote.wait(proc, deadline)
-                if codes[rank] is None:
-                    raise RuntimeError(f"worker timed out after {timeout:.0f} s:\n{_tail(log)}")
-                continue
             try:
                 codes[rank] = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 raise RuntimeError(f"worker timed out after {timeout:.0f} s:\n{_tail(log)}") from None
     finally:
-        for rank, proc, _out, _log in procs:
-            if isinstance(proc, int):
-                if codes.get(rank) is None:
-                    assert zygote is not None
-                    zygote.kill(proc)
-            elif proc.poll() is None:
+        for _rank, proc, _out, _log in procs:
+            if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=30)
     results = []
     for rank, proc, rank_out, log in procs:
         path = rank_out / "result.json"
-        pid = proc if isinstance(proc, int) else proc.pid
+        pid = proc.pid
         if codes[rank] != 0 or not path.exists():
             raise RuntimeError(f"worker rank {rank} exited {codes[rank]} without a result:\n{_tail(log)}")
         data = json.loads(path.read_text())

@@ -1,5 +1,5 @@
 """One vLLM-Omni diffusion worker, run as a fresh process by ``omni_harness`` (``python omni_worker.py SPEC``,
-or ``main`` in a process forked from ``omni_zygote``, which has only imported the modules).
+or ``main`` in a process forked from the tests' zygote, which has only imported the modules).
 
 What it does is what a ``vllm serve MODEL --omni`` diffusion worker does below the engine, with
 vLLM-Omni's own code at every step, for each *start* of its spec in turn:
