@@ -151,7 +151,8 @@ class Daemon:
         if listen is None:
             listen = _listen(self.socket_path, config.socket_mode)
             self._bound.append(socket_files.bound(self.socket_path))
-        self._relay = GrpcRelay(listen, grpc_path, admit=self.grpc_peers.admit)
+        self._relay = GrpcRelay(listen, grpc_path, admit=self.grpc_peers.admit,
+                                first_bytes_timeout_s=config.grpc_first_bytes_timeout_s)
         await self._relay.start()
         if config.metrics_listen:
             self._metrics_server = MetricsServer(config.metrics_listen, self._scrape)

@@ -22,8 +22,9 @@ anything can look at the caller. So hwrd always binds gRPC on a private ``<socke
 0600, the daemon's user only), and ``GrpcRelay`` accepts on the public socket (systemd's, or
 hwrd's own ``<socket>``), asks ``admit`` about each connection's peer credentials before reading
 a byte of it (``hwr.daemon.system.grpc_peers``), and splices the admitted ones both ways. A connection reaches
-gRPC only once its client sent a first byte: one that sends nothing for ``FIRST_BYTES_TIMEOUT_S``
-is closed (it held one descriptor meanwhile, never three). ``admit`` may later shed a
+gRPC only once its client sent a first byte: one that sends nothing for ``first_bytes_timeout_s``
+(the config key ``grpc_first_bytes_timeout_s``, default ``FIRST_BYTES_TIMEOUT_S``) is closed (it
+held one descriptor meanwhile, never three). ``admit`` may later shed a
 connection to make room for another uid (the node-wide budget): the relay then closes it. Clients
 see the public socket; gRPC carries only small control messages (descriptors go over the peer
 channel), so the extra hop costs one copy of a few KiB per call. Limits: the relay keeps no
@@ -56,7 +57,8 @@ SD_LISTEN_FDS_START = 3
 #: it aborts it.
 RELAY_CLOSE_WAIT_S = 1.0
 #: A relayed connection whose client sends no byte this long after it was accepted is closed
-#: (gRPC clients send their connection preface at once).
+#: (gRPC clients send their connection preface at once): the default of the config key
+#: ``grpc_first_bytes_timeout_s``.
 FIRST_BYTES_TIMEOUT_S = 10.0
 
 
@@ -154,13 +156,16 @@ class GrpcRelay:
     connection to gRPC's private path. ``admit(conn, abort)``, when given, is asked before a byte
     of a connection is read: None closes it unread, else the ``RelayTicket`` it returns hears of
     the client's activity and is released once the connection ends; ``abort()`` closes the
-    connection when ``admit`` sheds it later (``hwr.daemon.system.grpc_peers``)."""
+    connection when ``admit`` sheds it later (``hwr.daemon.system.grpc_peers``). A connection
+    whose client sends no byte for ``first_bytes_timeout_s`` after it was accepted is closed."""
 
     def __init__(self, listen: socket.socket, target: Path,
-                 admit: Callable[[socket.socket, Callable[[], None]], RelayTicket | None] | None = None) -> None:
+                 admit: Callable[[socket.socket, Callable[[], None]], RelayTicket | None] | None = None,
+                 first_bytes_timeout_s: float = FIRST_BYTES_TIMEOUT_S) -> None:
         self._listen = listen
         self._target = target
         self._admit = admit
+        self._first_bytes_timeout_s = first_bytes_timeout_s
         self._accept: asyncio.Task[None] | None = None
         self._conns: set[asyncio.Task[None]] = set()
 
@@ -222,7 +227,7 @@ class GrpcRelay:
             try:
                 # ``asyncio.timeout``, not ``wait_for``: on Python 3.11 ``wait_for`` loses a
                 # cancellation (a shed) that arrives as the read completes.
-                async with asyncio.timeout(FIRST_BYTES_TIMEOUT_S):
+                async with asyncio.timeout(self._first_bytes_timeout_s):
                     first = await client_r.read(1 << 16)
             except (TimeoutError, ConnectionError, OSError):
                 return

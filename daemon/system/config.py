@@ -71,6 +71,9 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # gRPC connections per uid (hwr.daemon.system.grpc_peers): one more is closed before a byte of
     # it is read. A client holds one; hwrctl one per command.
     max_grpc_connections_per_uid: int = 32
+    # A gRPC connection whose client sends no byte this long after it was accepted is closed
+    # (hwr.daemon.system.activation.GrpcRelay; gRPC clients send their preface at once).
+    grpc_first_bytes_timeout_s: float = 10.0
     publication_wait_timeout_s: float = 600.0
     shutdown_grace_s: float = 10.0
     log_level: str = "info"
@@ -149,7 +152,8 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         if self.max_leases_per_uid < 1:
             raise ConfigError("max_leases_per_uid must be positive", details={"key": "max_leases_per_uid"})
         for name in ("max_sessions_per_uid", "max_inflight_fds_per_connection", "max_inflight_fds_per_uid",
-                     "peer_buffer_budget_bytes", "peer_frame_timeout_s", "max_grpc_connections_per_uid"):
+                     "peer_buffer_budget_bytes", "peer_frame_timeout_s", "max_grpc_connections_per_uid",
+                     "grpc_first_bytes_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive", details={"key": name})
         if self.log_level not in ("debug", "info", "warning", "error"):

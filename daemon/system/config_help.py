@@ -20,6 +20,8 @@ HELP: dict[str, str] = {
     "peer_buffer_budget_bytes": "bytes of partial request frames buffered over all connections",
     "peer_frame_timeout_s": "a request frame not complete this long after its first byte ends the session",
     "max_grpc_connections_per_uid": "gRPC connections per uid (a client holds one, hwrctl one per command)",
+    "grpc_first_bytes_timeout_s": "a gRPC connection whose client sends no byte this long after it was accepted "
+                                  "is closed",
     "publication_wait_timeout_s": "how long a publication or prewarm waits for another publisher of the same "
                                   "artifact or for room in the store",
     "shutdown_grace_s": "on SIGTERM, how long calls in flight may finish before hwrd stops",

@@ -1,7 +1,7 @@
 """The publication stall timeout cuts only publications that stopped moving.
 
 A real hwrd with a short ``publication_stall_timeout_s``; a writer that keeps writing (one tensor
-per second, for several timeouts in all) commits, with memfd and with file staging: each write
+every half timeout, for more than two timeouts in all) commits, with memfd and with file staging: each write
 changes the staging's marks (``Publishing.progress_marks``), which restarts the timeout. (A
 writer that stops is cut: ``tests/faults/test_hostile_sessions_relay.py``.)
 """
@@ -19,16 +19,16 @@ from hwr.client.publisher import TensorSpec
 from hwr.daemon.app.launcher import DaemonProcess
 from hwr.daemon.policy.deadline import overdue, progressed
 
-STALL_TIMEOUT_S = 2.0
-TENSORS = 6
-PAUSE_S = 1.0  # between two writes: below the timeout, while the whole staging lasts three of them
+STALL_TIMEOUT_S = 1.5
+TENSORS = 5
+PAUSE_S = 0.75  # between two writes: half the timeout, while the whole staging lasts 2.5 of them
 
 
 def test_progress_restarts_the_stall_clock() -> None:
     assert progressed((1, 2), None, 10.0, 0.0) == (True, 10.0)  # first look: counts as progress
     assert progressed((1, 2), (1, 2), 15.0, 10.0) == (False, 10.0)
     assert progressed((1, 3), (1, 2), 15.0, 10.0) == (True, 15.0)
-    assert overdue([("a", 10.0), ("b", 14.0)], 15.5, STALL_TIMEOUT_S) == ["a"]
+    assert overdue([("a", 10.0), ("b", 14.0)], 15.5, 2.0) == ["a"]
 
 
 @pytest.mark.timeout(120)

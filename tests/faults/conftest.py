@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from daemon_proc import DaemonProcess, allowed, finish_daemon, make_daemon, requested_user
 
-from .faultkit import OUTCOMES, Outcome
+from .faultkit import OUTCOMES, Outcome, Zygote
 from .tmpfs import SmallTmpfs, TmpfsDaemon
 
 
@@ -53,6 +53,15 @@ def outcome(request: pytest.FixtureRequest) -> Iterator[Outcome]:
     if verdict != "skipped":
         result.failed = verdict != "passed"
         OUTCOMES.append(result)
+
+
+@pytest.fixture
+def zygote() -> Iterator[Zygote]:
+    """A ``faultkit.Zygote`` for the test's ``Worker(..., zygote=)`` processes (started in the
+    background: the daemon starts meanwhile), ended after the test."""
+    parent = Zygote()
+    yield parent
+    parent.close()
 
 
 @pytest.fixture

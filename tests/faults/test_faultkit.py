@@ -10,17 +10,19 @@ import pytest
 
 from hwr.client import connect
 
-from .faultkit import Worker, publish
+from .faultkit import Worker, Zygote, publish
 
 
 @pytest.mark.timeout(60)
-def test_a_holder_that_sees_changed_bytes_fails_the_test_at_once(spawn) -> None:
+def test_a_holder_that_sees_changed_bytes_fails_the_test_at_once(zygote: Zygote, spawn) -> None:
     """The holder answers ``bad`` when a byte under its lease changes; ``expect("ok")`` must
-    raise with that answer (it used to skip the line and wait for an "ok" that never came)."""
+    raise with that answer (it used to skip the line and wait for an "ok" that never came).
+    A worker that exits (here: an unknown mode) ends ``expect`` at once with its stderr; the
+    zygote that forks these workers goes on forking after it."""
     daemon = spawn()
     with connect(daemon.socket) as client:
         key = publish(client, "m-3", 3)
-    holder = Worker("hold", str(daemon.socket), "0", key)
+    holder = Worker("hold", str(daemon.socket), "0", key, zygote=zygote)
     try:
         holder.expect("held")
         payload = next((Path(daemon.root) / "artifacts" / key).glob("*.safetensors"))
@@ -35,3 +37,12 @@ def test_a_holder_that_sees_changed_bytes_fails_the_test_at_once(spawn) -> None:
         assert time.monotonic() - began < 10
     finally:
         holder.kill()
+    for n in range(2):
+        dead = Worker(f"no-such-mode-{n}", "/nonexistent.sock", "0", zygote=zygote)
+        began = time.monotonic()
+        try:
+            with pytest.raises(AssertionError, match=rf"(?s)exited .* before 'ready'.*unknown mode no-such-mode-{n}"):
+                dead.expect("ready")
+            assert time.monotonic() - began < 10
+        finally:
+            dead.kill()

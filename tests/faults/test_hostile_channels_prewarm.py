@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -137,24 +138,28 @@ def publish_channels(daemon: DaemonProcess, user: RunAs, channels: list[str], *,
 def test_one_publisher_squats_channels_and_repoints_others(
         artifact: Callable[..., tuple[DaemonProcess, str, str]], attack: Attack) -> None:
     """A publish-only uid (``nobody``) publishes an artifact already present with 80 new channel
-    names: it gets its quota (64), then ``CHANNELS_PER_UID``; meanwhile the operator's
-    ``hwrctl channel set team-x KEY`` and an innocent publisher's (``STRANGER``) own channel
-    work, the attacker cannot repoint either, and each change is recorded under its uid."""
+    names: it gets its quota (64), then ``CHANNELS_PER_UID``; meanwhile (three processes at
+    once) the operator's ``hwrctl channel set team-x KEY`` and an innocent publisher's
+    (``STRANGER``) own channel work, the attacker cannot repoint either, and each change is
+    recorded under its uid."""
     daemon, key, _digest = artifact("--allow-uid", str(STRANGER.uid))
     innocent = Innocent(daemon, key, 7.0)
     innocent.start()
     watcher = connect(daemon.socket, timeout=10)  # a team's worker, watching before the attack
     watch = watcher.watch_channel("team-x")
     try:
-        squat = publish_channels(daemon, NOBODY_USER, [f"squat-{i}" for i in range(MAX_OWNED_PER_UID + 16)])
-        operator = hwrctl(daemon, "channel", "set", "team-x", key, "--json")
+        with ThreadPoolExecutor(3) as pool:
+            squatting = pool.submit(publish_channels, daemon, NOBODY_USER,
+                                    [f"squat-{i}" for i in range(MAX_OWNED_PER_UID + 16)])
+            operating = pool.submit(hwrctl, daemon, "channel", "set", "team-x", key, "--json")
+            publishing = pool.submit(publish_channels, daemon, STRANGER, ["team-y"], name="innocent", value=3)
+            squat, operator, mine = squatting.result(), operating.result(), publishing.result()
         watched = None
         for _ in range(20):  # the first states may be the subscription's (no channel yet)
             update = watch.wait(1)
             if update is not None and update.key == key:
                 watched = update
                 break
-        mine = publish_channels(daemon, STRANGER, ["team-y"], name="innocent", value=3)
         repoint = publish_channels(daemon, NOBODY_USER, ["team-x", "team-y"])
         rollback = hwrctl(daemon, "channel", "set", "team-y", key, "--json")  # an operator may
         again = publish_channels(daemon, STRANGER, ["team-y"], name="innocent", value=3)

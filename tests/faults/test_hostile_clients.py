@@ -265,6 +265,7 @@ def test_partial_frames(artifact: Callable[..., tuple[DaemonProcess, str, str]],
     not make the daemon buffer 200 MiB, and a stalled frame must end its connection."""
     daemon, key, _digest = artifact("--peer-buffer-budget-bytes", str(8 * MIB), "--peer-frame-timeout-s", "3")
     before = rss_mib(daemon.pid)
+    fds_before = len(os.listdir(f"/proc/{daemon.pid}/fd"))
     innocent = Innocent(daemon, key, 7.0)
     innocent.start()
     worker = Worker("partial", f"{daemon.socket}.peer", "200")
@@ -276,8 +277,14 @@ def test_partial_frames(artifact: Callable[..., tuple[DaemonProcess, str, str]],
             line_ready = _poll_ready(worker)
             if line_ready:
                 break
-        for _ in range(60):  # past the frame timeout: the daemon ends the stalled connections
+        # Past the frame timeout the daemon ends the stalled connections: sample its RSS until
+        # their descriptors are gone (the innocent's few come and go), then the worker counts
+        # which of its connections the daemon ended.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
             peak = max(peak, rss_mib(daemon.pid))
+            if len(os.listdir(f"/proc/{daemon.pid}/fd")) <= fds_before + 32:
+                break
             time.sleep(0.1)
         ops, failures = innocent.finish()
         report = worker.result()
