@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import zygote
 from daemon_proc import DaemonProcess, allowed, finish_daemon, make_daemon, requested_user
 
-from .faultkit import OUTCOMES, Outcome, Zygote
+from .faultkit import OUTCOMES, Outcome
 from .tmpfs import SmallTmpfs, TmpfsDaemon
 
 
@@ -56,12 +58,11 @@ def outcome(request: pytest.FixtureRequest) -> Iterator[Outcome]:
 
 
 @pytest.fixture
-def zygote() -> Iterator[Zygote]:
-    """A ``faultkit.Zygote`` for the test's ``Worker(..., zygote=)`` processes (started in the
-    background: the daemon starts meanwhile), ended after the test."""
-    parent = Zygote()
-    yield parent
-    parent.close()
+def forked_workers() -> None:
+    """The tests' shared zygote (``tests/zygote.py``), for ``Worker(..., forked=True)``, started in
+    the background so that its imports overlap the daemon's start; it lives as long as this
+    test process."""
+    threading.Thread(target=zygote.shared, daemon=True).start()
 
 
 @pytest.fixture

@@ -16,14 +16,6 @@ operations per epoch, and ``codes``: typed errors by code).
 
 ``hold SOCKET SEED KEYS``: lease every key, print ``held``, then answer each ``check`` line with
 ``ok R`` (R = reconnects so far) when every byte of every lease is still right, else ``bad``.
-
-``zygote FD``: a parent of such workers that has already imported torch and the client, so that
-a worker starts in milliseconds instead of an interpreter start (a fault test starts many, and
-kills them). On the Unix socket FD (SOCK_SEQPACKET) it takes messages of one worker's argv
-(JSON) with three descriptors, its stdin, stdout and stderr; it forks, the child runs the worker
-on them and exits, and the zygote answers the child's pid. ``ready`` is its first message; it
-exits when the socket closes. It never connects to hwrd itself (a forked child must not share a
-gRPC channel or a session), and children are reaped as they end (SIGCHLD ignored).
 """
 
 from __future__ import annotations
@@ -32,11 +24,8 @@ import json
 import os
 import random
 import select
-import signal
-import socket
 import sys
 import time
-import traceback
 from collections import Counter
 
 import torch
@@ -162,40 +151,7 @@ def hold(sock: str, keys: list[str]) -> None:
         print(f"ok {client.reconnects}" if good else "bad", flush=True)
 
 
-def zygote(fd: int) -> None:
-    ctrl = socket.socket(fileno=fd)
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel as they end
-    ctrl.send(b"ready")
-    while True:
-        msg, fds, _flags, _addr = socket.recv_fds(ctrl, 1 << 16, 3)
-        if not msg:
-            return  # the test is gone
-        pid = os.fork()
-        if pid == 0:  # the worker: its own stdin, stdout and stderr, nothing of the zygote's
-            code = 0
-            try:
-                ctrl.close()
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                for target, source in enumerate(fds):
-                    os.dup2(source, target)
-                    os.close(source)
-                main(json.loads(msg))
-            except BaseException:  # anything: reported on the worker's stderr, then exit 1
-                traceback.print_exc()
-                code = 1
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        for source in fds:
-            os.close(source)
-        ctrl.send(str(pid).encode())
-
-
 def main(argv: list[str]) -> None:
-    if argv[0] == "zygote":
-        zygote(int(argv[1]))
-        return
     mode, sock, seed = argv[0], argv[1], int(argv[2])
     if mode == "churn":
         def listed(i: int) -> list[str]:

@@ -12,19 +12,17 @@
 - **daemon serving**: it answers status and a fresh acquire.
 
 Also ``Control`` (the ``HWR_TEST_FAULTS`` file, see ``hwr.daemon.app.fault_injection``), ``Worker``
-(a ``fault_worker.py`` process, started afresh or forked by a ``Zygote``) and ``Outcome`` (what a
-test tried and lost, for the summary).
+(a ``fault_worker.py`` process, started afresh or forked from the tests' shared zygote,
+``tests/zygote.py``) and ``Outcome`` (what a test tried and lost, for the summary).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import zygote
 
 from hwr.client import ArtifactIdentity, connect
 from hwr.client.identity import is_key
@@ -190,115 +189,24 @@ class Control:
         return out
 
 
-class Forked:
-    """A worker process forked by a ``Zygote``: what ``Worker`` uses of a ``Popen``. Its parent
-    is the zygote, which reaps it, so its exit status is not known here (``returncode`` is -1
-    once it is gone)."""
-
-    def __init__(self, pid: int, stdin: Any, stdout: Any) -> None:
-        self.pid, self.stdin, self.stdout = pid, stdin, stdout
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        try:
-            with open(f"/proc/{self.pid}/stat") as f:
-                running = f.read().rsplit(") ", 1)[1].split()[0] != "Z"
-        except FileNotFoundError:
-            running = False
-        if not running:
-            self.returncode = -1
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = time.monotonic() + (timeout if timeout is not None else 1e9)
-        while self.poll() is None:
-            if time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout or 0)
-            time.sleep(0.01)
-        return -1
-
-    def send_signal(self, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, sig)
-
-
-class Zygote:
-    """A ``fault_worker.py zygote``: a process that imported torch and the client once and forks
-    each worker from there. A forked worker is a process of its own (its pid, its connection and
-    session to hwrd, SIGKILLed like any other) that skips the interpreter start and the imports
-    (seconds of CPU each), which is what a test that starts and kills many workers spends its
-    time on. It starts in the background (the first ``spawn`` waits up to ``timeout`` for its
-    imports); ``close()`` ends it; its workers are killed by their ``Worker.kill``."""
-
-    def __init__(self, timeout: float = 120.0) -> None:
-        self._ctrl, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in close()
-        try:
-            self.proc = subprocess.Popen([sys.executable, str(WORKER), "zygote", str(theirs.fileno())],
-                                         pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.DEVNULL, stderr=self._stderr)
-        finally:
-            theirs.close()
-        self._ctrl.settimeout(timeout)
-        self._ready = False
-
-    def _wait_ready(self) -> None:
-        if not self._ready:
-            try:
-                answer = self._ctrl.recv(64)
-            except TimeoutError:
-                answer = b""
-            if answer != b"ready":
-                raise AssertionError(f"the worker zygote did not start: {self.stderr()}")
-            self._ready = True
-            self._ctrl.settimeout(30)
-
-    def stderr(self) -> str:
-        self._stderr.seek(0)
-        return self._stderr.read()[-3000:]
-
-    def spawn(self, args: tuple[str, ...], stderr: int) -> Forked:
-        """Fork a worker running ``fault_worker.py ARGS`` with its stderr on descriptor ``stderr``."""
-        self._wait_ready()
-        in_r, in_w = os.pipe()
-        out_r, out_w = os.pipe()
-        try:
-            socket.send_fds(self._ctrl, [json.dumps(list(args)).encode()], [in_r, out_w, stderr])
-            answer = self._ctrl.recv(64)
-        finally:
-            os.close(in_r)
-            os.close(out_w)
-        if not answer.isdigit():
-            os.close(in_w)
-            os.close(out_r)
-            raise AssertionError(f"the worker zygote did not fork a worker: {self.stderr()}")
-        return Forked(int(answer), os.fdopen(in_w, "w", buffering=1), os.fdopen(out_r))
-
-    def close(self) -> None:
-        self._ctrl.close()
-        self.proc.kill()  # it holds nothing: no need to wait for an interpreter's orderly exit
-        self.proc.wait()
-        self._stderr.close()
-
-
 class Worker:
     """A ``fault_worker.py`` process (line protocol on stdin/stdout; stderr goes to a file),
-    started afresh, or forked by ``zygote`` when one is given.
+    started afresh, or with ``forked`` from the tests' shared zygote (``tests/zygote.py``: torch
+    and the client imported once; a process of its own to hwrd, without an interpreter start and
+    a torch import each; a fresh interpreter where the zygote cannot serve).
 
     ``expect(word)`` returns the rest of the worker's next line, which must start with ``word``:
     any other answer (a holder's ``bad``), the worker's exit, or ``timeout`` seconds of silence
     fail the test with a message that quotes the worker's stderr, instead of waiting for the
     pytest timeout."""
 
-    def __init__(self, *args: str, timeout: float = 60.0, zygote: Zygote | None = None) -> None:
+    def __init__(self, *args: str, timeout: float = 60.0, forked: bool = False) -> None:
         self.timeout = timeout
         self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in kill()
-        self.proc: subprocess.Popen[str] | Forked
-        if zygote is not None:
-            self.proc = zygote.spawn(args, self._stderr.fileno())
-        else:
-            self.proc = subprocess.Popen([sys.executable, str(WORKER), *args], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=self._stderr, text=True, bufsize=1)
+        start = zygote.popen if forked else subprocess.Popen
+        self.proc: subprocess.Popen[str] | zygote.Forked = start(
+            [sys.executable, str(WORKER), *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self._stderr, text=True, bufsize=1)
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 

@@ -20,8 +20,8 @@ operations after the last restart, no churner may have met an unexpected (typed 
 or wrong bytes, and the full invariants run (``faultkit.check_invariants``).
 
 The client processes (holder, churners, each killed client's replacement) are forked from a
-``faultkit.Zygote``: processes of their own to hwrd, without an interpreter start and a torch
-import each.
+tests' shared zygote (``tests/zygote.py``): processes of their own to hwrd, without an
+interpreter start and a torch import each.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import pytest
 
 from hwr.client import connect
 
-from .faultkit import Outcome, Worker, Zygote, check_invariants, check_on_disk, fd_count, publish, wait_for
+from .faultkit import Outcome, Worker, check_invariants, check_on_disk, fd_count, publish, wait_for
 
 ROUNDS = int(os.environ.get("HWR_FAULT_ROUNDS", "0"))
 SEED = int(os.environ.get("HWR_FAULT_SEED", "20240611"))
@@ -59,7 +59,7 @@ def retired(log: Path) -> set[str]:
 
 
 @pytest.mark.usefixtures("daemon_user")  # root and the unit's unprivileged user
-def test_sigkill_of_the_daemon_under_load_loses_nothing(zygote: Zygote, spawn, fault_tmp: Path,
+def test_sigkill_of_the_daemon_under_load_loses_nothing(forked_workers: None, spawn, fault_tmp: Path,
                                                         outcome: Outcome) -> None:
     outcome.kind = "daemon SIGKILL under load (held artifacts and acknowledged publications)"
     rounds = ROUNDS or 6
@@ -70,11 +70,11 @@ def test_sigkill_of_the_daemon_under_load_loses_nothing(zygote: Zygote, spawn, f
     with connect(daemon.socket) as client:
         base = [publish(client, f"m-{n}", n) for n in range(4)]
     held = base[:2]
-    holder = Worker("hold", str(daemon.socket), "0", ",".join(held), zygote=zygote)
+    holder = Worker("hold", str(daemon.socket), "0", ",".join(held), forked=True)
     holder.expect("held")
     acks = [fault_tmp / f"acks-{i}" for i in range(2)]
     churners = [Worker("churn", str(daemon.socket), str(SEED + i), f"c{i}", ",".join(base), ",".join(held),
-                       str(acks[i]), zygote=zygote) for i in range(2)]
+                       str(acks[i]), forked=True) for i in range(2)]
     for w in churners:
         w.expect("ready")
     try:
@@ -129,7 +129,7 @@ def test_sigkill_of_the_daemon_under_load_loses_nothing(zygote: Zygote, spawn, f
             w.kill()
 
 
-def test_sigkill_of_clients_mid_operation_leaks_nothing(zygote: Zygote, spawn, fault_tmp: Path,
+def test_sigkill_of_clients_mid_operation_leaks_nothing(forked_workers: None, spawn, fault_tmp: Path,
                                                         outcome: Outcome) -> None:
     outcome.kind = "client SIGKILL mid-operation"
     rounds = ROUNDS or 8
@@ -138,7 +138,7 @@ def test_sigkill_of_clients_mid_operation_leaks_nothing(zygote: Zygote, spawn, f
     with connect(daemon.socket) as client:
         base = [publish(client, f"m-{n}", n) for n in range(3)]
     baseline_fds = fd_count(daemon.pid)
-    workers = [Worker("churn", str(daemon.socket), str(SEED + i), f"k{i}", ",".join(base), zygote=zygote)
+    workers = [Worker("churn", str(daemon.socket), str(SEED + i), f"k{i}", ",".join(base), forked=True)
                for i in range(2)]
     for w in workers:
         w.expect("ready")
@@ -149,7 +149,7 @@ def test_sigkill_of_clients_mid_operation_leaks_nothing(zygote: Zygote, spawn, f
             workers[victim].kill()
             outcome.tried += 1
             workers[victim] = Worker("churn", str(daemon.socket), str(SEED + 100 + i), f"k{i}x", ",".join(base),
-                                     zygote=zygote)
+                                     forked=True)
             workers[victim].expect("ready")
         results = [w.stop() for w in workers]
         assert sum(r["bad"] for r in results) == 0, (results, [w.stderr() for w in workers])

@@ -10,11 +10,11 @@ import pytest
 
 from hwr.client import connect
 
-from .faultkit import Worker, Zygote, publish
+from .faultkit import Worker, publish
 
 
 @pytest.mark.timeout(60)
-def test_a_holder_that_sees_changed_bytes_fails_the_test_at_once(zygote: Zygote, spawn) -> None:
+def test_a_holder_that_sees_changed_bytes_fails_the_test_at_once(forked_workers: None, spawn) -> None:
     """The holder answers ``bad`` when a byte under its lease changes; ``expect("ok")`` must
     raise with that answer (it used to skip the line and wait for an "ok" that never came).
     A worker that exits (here: an unknown mode) ends ``expect`` at once with its stderr; the
@@ -22,7 +22,7 @@ def test_a_holder_that_sees_changed_bytes_fails_the_test_at_once(zygote: Zygote,
     daemon = spawn()
     with connect(daemon.socket) as client:
         key = publish(client, "m-3", 3)
-    holder = Worker("hold", str(daemon.socket), "0", key, zygote=zygote)
+    holder = Worker("hold", str(daemon.socket), "0", key, forked=True)
     try:
         holder.expect("held")
         payload = next((Path(daemon.root) / "artifacts" / key).glob("*.safetensors"))
@@ -38,7 +38,7 @@ def test_a_holder_that_sees_changed_bytes_fails_the_test_at_once(zygote: Zygote,
     finally:
         holder.kill()
     for n in range(2):
-        dead = Worker(f"no-such-mode-{n}", "/nonexistent.sock", "0", zygote=zygote)
+        dead = Worker(f"no-such-mode-{n}", "/nonexistent.sock", "0", forked=True)
         began = time.monotonic()
         try:
             with pytest.raises(AssertionError, match=rf"(?s)exited .* before 'ready'.*unknown mode no-such-mode-{n}"):
