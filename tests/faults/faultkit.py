@@ -29,17 +29,19 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import zygote
 
 from hwr.client import ArtifactIdentity, connect
 from hwr.client.identity import is_key
 from hwr.client.manifest import Manifest
+
+if TYPE_CHECKING:
+    from zygote import Forked
 
 WORKER = Path(__file__).with_name("fault_worker.py")
 
@@ -203,8 +205,13 @@ class Worker:
     def __init__(self, *args: str, timeout: float = 60.0, forked: bool = False) -> None:
         self.timeout = timeout
         self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in kill()
-        start = zygote.popen if forked else subprocess.Popen
-        self.proc: subprocess.Popen[str] | zygote.Forked = start(
+        start: Callable[..., subprocess.Popen[str] | Forked] = subprocess.Popen
+        if forked:
+            # Imported here: the attack programs that import this module run without tests/ on
+            # their path, and never fork workers.
+            import zygote
+            start = zygote.popen
+        self.proc = start(
             [sys.executable, str(WORKER), *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self._stderr, text=True, bufsize=1)
         self._lines: queue.Queue[str | None] = queue.Queue()
