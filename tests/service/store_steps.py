@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Sequence
 
 import torch
 from safetensors.torch import load
+from service_graph import read_all
 
 from hwr.client.identity import ArtifactIdentity
 from hwr.daemon.app.graph import ServiceGraph
@@ -82,18 +82,10 @@ async def acquire(graph: ServiceGraph, session: Session, key: str) -> torch.Tens
     if grant is None:
         grant = await graph.leasing.grant(session, key)
     try:
-        data = await asyncio.to_thread(_read, grant.fds)
+        data = await asyncio.to_thread(read_all, grant.fds)
         return load(data)["w"]
     finally:
         graph.leasing.release(session, grant.lease_id)
-
-
-def _read(fds: Sequence[int]) -> bytes:
-    try:
-        return b"".join(os.pread(fd, os.fstat(fd).st_size, 0) for fd in fds)
-    finally:
-        for fd in fds:
-            os.close(fd)
 
 
 async def keys(graph: ServiceGraph) -> set[str]:

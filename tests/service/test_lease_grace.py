@@ -19,7 +19,10 @@ from service_graph import run, service, session_of
 from store_steps import acquire, keys, publish_floats
 
 from hwr.client.errors import StoreLimitExceeded
+from hwr.daemon.app.graph import ServiceGraph
 from hwr.daemon.service.capacity import LEASE_GRACE_S
+from hwr.daemon.service.leasing import Grant
+from hwr.daemon.service.sessions import Session
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -27,12 +30,17 @@ ELEMENTS = 1 << 18  # one 256Ki-float32 tensor
 ART = ELEMENTS * 4 + 136  # plus its safetensors header: room for exactly one
 
 
+async def hold_the_only_artifact(graph: ServiceGraph) -> tuple[Session, Session, str, Grant]:
+    """A store with room for one artifact, full: (holder, publisher, its key, the holder's lease)."""
+    holder, publisher = session_of(graph), session_of(graph)
+    first = await publish_floats(graph, holder, "first", ELEMENTS, 1.0)
+    return holder, publisher, first, await graph.leasing.grant(holder, first)
+
+
 def test_a_lease_released_during_the_grace_makes_room(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with service(tmp_path / "root", store_limit_bytes=ART) as graph:
-            holder, publisher = session_of(graph), session_of(graph)
-            first = await publish_floats(graph, holder, "first", ELEMENTS, 1.0)
-            lease = await graph.leasing.grant(holder, first)
+            holder, publisher, first, lease = await hold_the_only_artifact(graph)
 
             def release() -> None:
                 graph.leasing.release(holder, lease.lease_id)
@@ -53,9 +61,7 @@ def test_a_lease_released_during_the_grace_makes_room(tmp_path: Path) -> None:
 def test_a_lease_held_past_the_grace_is_the_typed_error_after_it(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with service(tmp_path / "root", store_limit_bytes=ART) as graph:
-            holder, publisher = session_of(graph), session_of(graph)
-            first = await publish_floats(graph, holder, "first", ELEMENTS, 1.0)
-            lease = await graph.leasing.grant(holder, first)
+            holder, publisher, _first, lease = await hold_the_only_artifact(graph)
             try:
                 started = time.monotonic()
                 with pytest.raises(StoreLimitExceeded):
