@@ -117,8 +117,8 @@ class Claim:
         return trash
 
 
-#: With no publication in flight, how long a publication that may wait gives a leased artifact to
-#: be released before the capacity error (once per request).
+#: With no publication in flight, how long a publication that may wait gives leased artifacts to
+#: be released before the capacity error (in all, per request: each release within it is a retry).
 LEASE_GRACE_S = 1.0
 
 
@@ -242,8 +242,9 @@ class Capacity:
         returned), it waits up to ``wait_timeout`` for a reservation to end or an artifact's last
         lease to be released and tries again, in arrival order (``signal_room``; a request that
         arrives while others wait queues behind them first); then the typed capacity error. With
-        nothing in flight it waits once, at most ``LEASE_GRACE_S``, for a lease release (every
-        artifact may be leased for a moment by clients that are about to let go).
+        nothing in flight it waits at most ``LEASE_GRACE_S`` in all, retrying at each last-lease release
+        within it (every artifact may be leased for a moment by clients that are about to let go,
+        and under churn another client may lease the released one before the retry).
         Requests that can never fit (``ArtifactTooLarge``, larger than the whole store,
         ``ExceedsFilesystem``) fail at once.
         """
@@ -251,7 +252,7 @@ class Capacity:
         deadline = loop.time() + max(0.0, wait_timeout)
         turn = asyncio.Event()  # our place in the room queue (signal_room), once a try failed
         queued = False
-        lease_grace_used = False
+        grace_ends: float | None = None  # set at the first try that failed with nothing in flight
         try:
             if self._room_waiters and len(self.reservations) and deadline > loop.time():
                 # Others wait for room already (and a reservation in flight will wake them):
@@ -292,12 +293,15 @@ class Capacity:
                     raise error
                 if not in_flight:
                     # Nothing in flight will free room, but an artifact's last lease may be a
-                    # moment from its release (which signals the queue): wait for that once,
-                    # briefly, instead of failing a publication on a lease's round trip.
-                    if lease_grace_used:
+                    # moment from its release (which signals the queue): wait for releases,
+                    # briefly, instead of failing a publication on a lease's round trip. The
+                    # grace bounds the whole wait, not one wake-up: a client leasing the released
+                    # artifact again before this retry must not end it early.
+                    if grace_ends is None:
+                        grace_ends = loop.time() + LEASE_GRACE_S
+                    remaining = min(remaining, grace_ends - loop.time())
+                    if remaining <= 0:
                         raise error
-                    lease_grace_used = True
-                    remaining = min(remaining, LEASE_GRACE_S)
                 if not queued:
                     self._room_waiters.append(turn)
                     queued = True

@@ -76,3 +76,35 @@ def test_a_lease_held_past_the_grace_is_the_typed_error_after_it(tmp_path: Path)
                     os.close(fd)
 
     run(scenario)
+
+
+def test_the_grace_is_a_time_not_one_wake_up(tmp_path: Path) -> None:
+    """A release wakes the waiting publication, but another client leases that artifact again
+    before the retry: the publication keeps waiting out the rest of the grace (it used to fail at
+    that retry, so a publication under acquire churn failed on a lease's round trip), and the
+    next release within the grace makes room."""
+    async def scenario() -> None:
+        async with service(tmp_path / "root", store_limit_bytes=2 * ART) as graph:
+            holder, other, publisher = session_of(graph), session_of(graph), session_of(graph)
+            first = await publish_floats(graph, holder, "first", ELEMENTS, 1.0)
+            second = await publish_floats(graph, holder, "second", ELEMENTS, 2.0)
+            leases = [await graph.leasing.grant(holder, key, descriptors=False) for key in (first, second)]
+            taken_again: list[Grant] = []
+
+            def release_and_lease_again() -> None:  # in one step: the woken retry finds it leased
+                graph.leasing.release(holder, leases[0].lease_id)
+                again = graph.leasing.grant_now(other, first, descriptors=False)
+                assert again is not None
+                taken_again.append(again)
+
+            loop = asyncio.get_running_loop()
+            loop.call_later(0.2, release_and_lease_again)
+            loop.call_later(0.2 + LEASE_GRACE_S / 2, graph.leasing.release, holder, leases[1].lease_id)
+            started = time.monotonic()
+            third = await publish_floats(graph, publisher, "third", ELEMENTS, 3.0, wait_timeout=30)
+            waited = time.monotonic() - started
+            assert taken_again and 0.2 + LEASE_GRACE_S / 2 - 0.05 <= waited < LEASE_GRACE_S + 5
+            assert await keys(graph) == {first, third}  # the released one made room; the leased one stays
+            graph.leasing.release(other, taken_again[0].lease_id)
+
+    run(scenario)
