@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up and run the whole test suite (real daemon, real processes; about 8 minutes on 2 idle cores).
+# Set up and run the whole test suite (real daemon, real processes; about 6 minutes on 2 idle cores).
 # Two pytest-xdist workers, each running one whole test file at a time (--dist loadfile), so a
 # module's shared daemon and fixtures are still started once; `-n 0` after it runs in one process.
 # Arguments go to pytest.
