@@ -23,11 +23,11 @@ anything can look at the caller. So hwrd always binds gRPC on a private ``<socke
 hwrd's own ``<socket>``), asks ``admit`` about each connection's peer credentials before reading
 a byte of it (``hwr.daemon.system.grpc_peers``), and splices the admitted ones both ways. A connection reaches
 gRPC only once its client sent a first byte: one that sends nothing for ``first_bytes_timeout_s``
-(the config key ``grpc_first_bytes_timeout_s``, default ``FIRST_BYTES_TIMEOUT_S``) is closed (it
-held one descriptor meanwhile, never three). ``admit`` may later shed a
+(the config key ``grpc_first_bytes_timeout_s``; gRPC clients send their connection preface at
+once) is closed (it held one descriptor meanwhile, never three). ``admit`` may later shed a
 connection to make room for another uid (the node-wide budget): the relay then closes it. Clients
 see the public socket; gRPC carries only small control messages (descriptors go over the peer
-channel), so the extra hop costs one copy of a few KiB per call. Limits: the relay keeps no
+socket), so the extra hop costs one copy of a few KiB per call. Limits: the relay keeps no
 per-connection state besides the two streams, and a connection queued in the inherited backlog
 while hwrd restarts is served by the new process (systemd keeps the socket open), which is the
 point of socket activation. The daemon never unlinks inherited socket paths: systemd owns them.
@@ -56,10 +56,6 @@ SD_LISTEN_FDS_START = 3
 #: How long the relay waits for a closed stream's connection to end (its buffer flushed) before
 #: it aborts it.
 RELAY_CLOSE_WAIT_S = 1.0
-#: A relayed connection whose client sends no byte this long after it was accepted is closed
-#: (gRPC clients send their connection preface at once): the default of the config key
-#: ``grpc_first_bytes_timeout_s``.
-FIRST_BYTES_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -161,7 +157,7 @@ class GrpcRelay:
 
     def __init__(self, listen: socket.socket, target: Path,
                  admit: Callable[[socket.socket, Callable[[], None]], RelayTicket | None] | None = None,
-                 first_bytes_timeout_s: float = FIRST_BYTES_TIMEOUT_S) -> None:
+                 *, first_bytes_timeout_s: float) -> None:
         self._listen = listen
         self._target = target
         self._admit = admit

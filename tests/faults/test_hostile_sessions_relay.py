@@ -220,7 +220,7 @@ ATTACKER_UIDS = [64400 + i for i in range(24)]
 PER_UID = 32  # max_grpc_connections_per_uid's default: each uid holds all it may
 NOFILE = 1024
 #: ``grpc_first_bytes_timeout_s`` of the attacked daemon: short, so that waiting for the silent
-#: connection's end costs seconds (the default, ``FIRST_BYTES_TIMEOUT_S``, is 10 s), and still far
+#: connection's end costs seconds (its default is 10 s), and still far
 #: above the moment between a client's connect and its first bytes, even on a loaded machine
 #: (the attackers and the innocent send theirs at once).
 FIRST_BYTES_S = 3.0
