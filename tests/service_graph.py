@@ -3,8 +3,9 @@
 ``service(root, **config)`` builds ``hwr.daemon.app.graph.ServiceGraph`` over a real store at
 ``root`` (config keys override hwrd's defaults, as its TOML would) and closes it after; the other
 helpers do what a client does through a transport, directly against the graph: open a session,
-publish an artifact through begin / staging descriptors / commit, read leased descriptors, and run
-the graph's background tasks (``running``: housekeeping, scrub, ...) on the test's loop as hwrd does.
+publish an artifact through begin / staging descriptors / commit, read leased descriptors, poll for
+an event on the loop (``until``), and run the graph's background tasks (``running``: housekeeping,
+scrub, ...) on the test's loop as hwrd does.
 No daemon process, no transport: those are tested against a real hwrd in tests/e2e and tests/daemon.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -70,6 +72,14 @@ def read_all(fds: list[int]) -> bytes:
     finally:
         for fd in fds:
             os.close(fd)
+
+
+async def until(condition: Callable[[], bool], timeout: float) -> None:
+    """Poll ``condition`` on the loop (other tasks run meanwhile) until it holds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
 
 
 def run(test: Callable[[], Awaitable[None]]) -> None:

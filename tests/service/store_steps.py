@@ -3,9 +3,9 @@ the transports do them (``tests/service_graph.py`` builds the graph):
 
 ``publish_floats`` publishes one float32 tensor ``w`` as a client does (begin, write the staging
 descriptors off the loop as a client process would, commit); ``begin_floats`` only stages it;
-``acquire`` is the peer channel's acquire (``grant_now``, else ``await grant``) followed by what a
-client does with the lease (reads the tensor through the descriptors) and its release;
-``running`` runs the graph's background tasks (housekeeping, pin restore, scrub) as hwrd does.
+``acquire`` is the peer socket's acquire (``grant_now``, else ``await grant``) followed by what a
+client does with the lease (reads the tensor through the descriptors) and its release. The
+graph's background tasks run with ``service_graph.running``.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ async def publish_floats(graph: ServiceGraph, session: Session, name: str, eleme
 
 
 async def acquire(graph: ServiceGraph, session: Session, key: str) -> torch.Tensor:
-    """Lease ``key`` as the peer channel does, read its tensor ``w`` through the descriptors (in a
+    """Lease ``key`` as the peer socket does, read its tensor ``w`` through the descriptors (in a
     worker thread, as a client would map them) and release the lease; raises what an acquire
     raises (``ArtifactNotFound``, ``ArtifactDenied``, ...)."""
     grant = graph.leasing.grant_now(session, key)

@@ -25,14 +25,14 @@ import hashlib
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from e2e import fleet_fixtures
 from e2e.fleet_fixtures import S3_ENV, S3Server, SlowLink, artifact_dirs, staging_dirs
-from service_graph import publish, read_all, run, running, service, session_of
+from service_graph import publish, read_all, run, running, service, session_of, until
 
 from hwr.client.errors import (
     ArtifactNotFound,
@@ -114,18 +114,10 @@ async def published_all(fleet: FleetEnv, artifacts: list[tuple[str, int]], nbyte
             key = await publish(origin, session, name, fill=fill, elements=nbytes // 4)
             grant = origin.leasing.grant_now(session, key)
             assert grant is not None
-            out.append((key, hashlib.sha256(read_all(grant.fds)).hexdigest()))
+            out.append((key, digest(grant.fds)))
         await until(lambda: origin.fleet is not None and origin.fleet.pushes["pushed"] == len(artifacts), 60)
         origin.leasing.end_session(session)
     return out
-
-
-async def until(condition: Callable[[], bool], timeout: float) -> None:
-    """Poll ``condition`` on the loop (other tasks run meanwhile) until it holds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.02)
 
 
 def digest(fds: list[int]) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from service_graph import publish, read_all, run, service, session_of
+from service_graph import publish, read_all, run, service, session_of, until
 
 from hwr.client.errors import ActiveLease, ArtifactNotFound, ChannelNotFound, SessionInvalid
 from hwr.client.identity import ArtifactIdentity
@@ -226,10 +226,8 @@ def test_an_acquire_of_a_miss_waits_for_the_pull_from_the_remote_tier(tmp_path: 
             await origin.fleet.start()
             try:
                 key = await publish(origin, session_of(origin), "shared", fill=9)
-                for _ in range(500):  # the push after publish runs in the background
-                    if origin.fleet.pushes["pushed"]:
-                        break
-                    await asyncio.sleep(0.02)
+                fleet = origin.fleet
+                await until(lambda: fleet.pushes["pushed"] > 0, 10)  # the push after publish runs in the background
                 assert origin.fleet.pushes["pushed"] == 1
             finally:
                 await origin.fleet.stop()

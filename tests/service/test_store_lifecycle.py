@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from e2e.helpers import rot_a_byte
-from service_graph import run, running, service, session_of
+from service_graph import run, running, service, session_of, until
 from store_steps import acquire, begin_floats, keys, publish_floats
 
 from hwr.client.errors import ActiveLease, ArtifactDenied, HwrError, StoreLimitExceeded
@@ -167,10 +167,7 @@ def test_stalled_publisher_is_cancelled_at_its_deadline(tmp_path: Path) -> None:
             pub = await begin_floats(graph, session, "stalled-model", 1024)
             fds = graph.publications.staging_descriptors(session, pub.publication_id, pub.token)
             try:  # the writer holds its staging descriptors and never writes
-                loop = asyncio.get_running_loop()
-                deadline = loop.time() + 15
-                while graph.publications.active() and loop.time() < deadline:
-                    await asyncio.sleep(0.1)
+                await until(lambda: not graph.publications.active(), 15)
                 assert graph.publications.active() == []
                 assert (await graph.capacity.usage()).reserved_bytes == 0
                 assert os.listdir(root / "tmp") == []
